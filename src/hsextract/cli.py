@@ -1,0 +1,176 @@
+"""The command line: ``hsextract run | dry-run | status | demo``. The only module that imports click.
+
+Options mirror RunConfig's fields; ``--config FILE.yaml`` fills them from a file (configs/), and options given on
+the command line override it. User errors print one message and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .config import RunConfig, load_yaml
+from .errors import HsextractError
+
+
+def _user_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HsextractError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _int_list(value):
+    if value is None or isinstance(value, tuple):
+        return value
+    try:
+        return tuple(int(x) for x in str(value).split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+
+
+def job_options(fn):
+    options = [
+        click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (configs/)."),
+        click.option("--model", help="Checkpoint directory or hub id of the target model."),
+        click.option("--data", help="JSONL / JSON / Parquet file or datasets.save_to_disk directory."),
+        click.option("--layers", help="Decoder-layer ids whose OUTPUT is captured (e.g. 1,16,31), or dflash / eagle3."),
+        click.option("--max-length", type=int, help="Longer samples are truncated or skipped (--too-long)."),
+        click.option("--too-long", type=click.Choice(["truncate", "skip"])),
+        click.option("--max-tokens-per-batch", type=int, help="Bound on rows x longest row."),
+        click.option("--max-rows", type=int, help="Bound on rows per batch (<= 512 for linear-attention kernels)."),
+        click.option("--device", type=click.Choice(["cuda", "cpu"])),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"])),
+        click.option("--attn-implementation"),
+        click.option("--num-proc", type=int, help="Processes that tokenize the dataset."),
+    ]
+    for opt in reversed(options):
+        fn = opt(fn)
+    return fn
+
+
+def _build_config(**opts) -> RunConfig:
+    values = load_yaml(opts.pop("config_file")) if opts.get("config_file") else {}
+    opts.pop("config_file", None)
+    for key, value in opts.items():
+        if value is not None:
+            values[key] = value
+    for key in ("gpus",):
+        if key in values:
+            values[key] = _int_list(values[key])
+    missing = [k for k in ("model", "data", "output", "run_dir") if not values.get(k)]
+    if missing:
+        raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    try:
+        return RunConfig(**values)
+    except TypeError as e:
+        raise HsextractError(str(e)) from None
+
+
+@click.group()
+@click.version_option(package_name="hsextract")
+def main():
+    """Extract hidden states of chosen decoder layers of a target model, for drafter training."""
+
+
+@main.command()
+@job_options
+@click.option("--output", help="Local directory or s3://bucket/prefix for the batch files.")
+@click.option("--run-dir", help="Local directory for plan, token cache, logs and progress (resume from it).")
+@click.option("--shards", type=int, help="Worker processes, one per GPU.")
+@click.option("--gpus", help="GPU indices for the shards, e.g. 0,1,2,3.")
+@click.option("--staging", help="Staging directory (default /dev/shm/hsextract/<run>).")
+@click.option("--staging-max-gb", type=float, help="Staged GB per shard at which the worker waits for uploads.")
+@click.option("--s3-endpoint-url", help="S3-compatible endpoint (AWS_ENDPOINT_URL_S3 works too).")
+@click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
+@click.option("--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir.")
+@click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
+@_user_errors
+def run(only_shards, restart, no_progress, **opts):
+    """Extract hidden states; rerun the same command to resume after a crash."""
+    from .launcher import launch, prepare_run
+
+    cfg = _build_config(**opts)
+    if cfg.random_weights:
+        raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
+    t0 = time.time()
+    plan, _ = prepare_run(cfg, restart=restart, echo=click.echo)
+    click.echo(f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs")
+    code = launch(cfg, plan, only_shards=_int_list(only_shards), show_progress=not no_progress, echo=click.echo)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_user_errors
+def status(run_dir, as_json):
+    """Per-shard progress of a run, live or finished (works for S3 outputs: markers live in RUN_DIR)."""
+    from .launcher import shard_status
+
+    rows, complete = shard_status(Path(run_dir))
+    if as_json:
+        click.echo(json.dumps({"complete": complete, "shards": rows}, indent=2))
+        return
+    click.echo(f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}")
+    for r in rows:
+        eta = "" if r["eta_s"] is None else _duration(r["eta_s"])
+        click.echo(
+            f"{r['shard']:>5}  {r['state']:<22}{r['batches_done']:>6}/{r['batches_total']:<6}  "
+            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {r['tokens_per_s']:>9,.0f}  {eta:>8}"
+        )
+        if r["state"] in ("crashed", "failed"):
+            click.echo(f"       {r['error'] or 'no error recorded'}; log: {r['log']}")
+    total = sum(r["tokens_done"] for r in rows), sum(r["tokens_total"] for r in rows)
+    click.echo(f"total {total[0]}/{total[1]} tokens; " + ("complete (manifest written)" if complete else "not complete"))
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+@main.command()
+@click.option("--root", default="demo", show_default=True, help="Where the tiny model, data and output go.")
+@click.option("--shards", default=2, show_default=True)
+@click.option("--conversations", default=300, show_default=True)
+@_user_errors
+def demo(root, shards, conversations):
+    """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
+    from .demo import build_demo
+    from .launcher import launch, prepare_run
+    from .reader import open_output
+
+    root = Path(root).resolve()
+    click.echo(f"building the tiny model and {conversations} conversations under {root}")
+    model_dir, data = build_demo(root, conversations)
+    cfg = RunConfig(
+        model=str(model_dir), data=str(data), output=str(root / "output"), run_dir=str(root / "run"),
+        layers="dflash", device="cpu", dtype="float32", shards=shards, max_length=1024,
+        max_tokens_per_batch=4096, max_rows=64, num_proc=2, staging=str(root / "staging"),
+    )
+    plan, _ = prepare_run(cfg, echo=click.echo)
+    code = launch(cfg, plan, echo=click.echo)
+    if code:
+        sys.exit(code)
+    out = open_output(cfg.output)
+    sample = out[out.sample_ids()[0]]
+    click.echo(
+        f"read back {len(out)} samples; sample {sample['sample_id']!r}: {len(sample['input_ids'])} tokens, "
+        f"layers {list(sample['layers'])}, hidden_states {tuple(sample['hidden_states'].shape)}, "
+        f"{int(sample['loss_mask'].sum())} loss tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Prepare a run (every check before any weight loads), start one worker process per shard, finish the output.
+
+``prepare_run`` does the cheap, fallible work first so bad input fails in seconds, not after loading 54 GB of
+weights: the model config and layer ids, the output (a probe object), the staging directory's free space, the
+dataset (tokenized in parallel, cached in the run dir, bad rows counted in ``data_report.json``) and the plan. A
+run dir that already holds a plan is resumed only if the new plan is identical; otherwise the message says what
+changed, and ``--restart`` starts over.
+
+``launch`` starts ``python -m hsextract.worker RUN_DIR SHARD`` per shard with ``CUDA_VISIBLE_DEVICES`` set before
+torch is imported there, and a parent-death signal so a killed launcher takes its workers with it. It draws a
+progress bar per shard from the progress files, waits for every worker, and exits non-zero naming each failed
+shard and its log. When every planned batch has a marker it writes ``manifest.json`` to the output, last: an
+output with a manifest is complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .capture import CONVENTION, layer_types, load_model_config, resolve_layer_ids
+from .config import RunConfig
+from .data import DataReport, TokenizedSamples, data_fingerprint, load_samples, tokenizer_fingerprint
+from .errors import HsextractError
+from .plan import Plan, fingerprint_changes, make_plan
+from .progress import ShardProgress, done_keys, log_path, markers_dir, pid_alive, progress_path
+from .storage import open_sink, preflight
+from .writer import estimate_file_bytes
+
+TOKENS_FILE = "tokens.safetensors"
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise HsextractError(f"--model {model}: could not load its tokenizer ({str(e).splitlines()[0]})") from None
+    if tok.pad_token_id is None:
+        # Padding is on the right and masked out; any id works, the states of valid tokens never see it.
+        tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
+    return tok
+
+
+def _model_identity(model: str, config) -> dict:
+    config_file = Path(model) / "config.json"
+    digest = ""
+    if config_file.exists():
+        import hashlib
+
+        digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+    return {"model": model, "model_revision": getattr(config, "_commit_hash", None) or "", "model_config_hash": digest}
+
+
+def check_staging(cfg: RunConfig, need_bytes: int) -> None:
+    """The staging directory must be writable and hold at least one batch file, else fail before any work."""
+    staging = cfg.staging_dir
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        probe = staging / ".probe"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise HsextractError(f"staging directory {staging} is not writable ({e.strerror}); choose another with --staging") from None
+    free = shutil.disk_usage(staging).free
+    if free < need_bytes:
+        raise HsextractError(
+            f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
+            f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
+            "or lower --max-tokens-per-batch"
+        )
+
+
+def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print) -> tuple[Plan, dict]:
+    """Validate everything, tokenize, plan; write config.json, run.json and plan.json. Loads no weights."""
+    run_dir = Path(cfg.run_dir)
+    config, text, num_layers = load_model_config(cfg.model)
+    layer_ids = resolve_layer_ids(cfg.layers, num_layers)
+    hidden = text.hidden_size
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.dtype]
+    preflight(cfg.output, cfg.s3_endpoint_url)
+    check_staging(cfg, estimate_file_bytes(cfg.max_tokens_per_batch, 1, len(layer_ids), hidden, itemsize))
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(cfg.model)
+    samples, report = load_samples(
+        cfg.data, tokenizer, max_length=cfg.max_length, too_long=cfg.too_long, num_proc=cfg.num_proc,
+        cache_dir=run_dir / "cache",
+    )
+    (run_dir / "data_report.json").write_text(json.dumps(report.to_json(), indent=2))
+    echo(f"data: {report.summary()}")
+
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    fingerprint = {
+        "data": data_fingerprint(cfg.data),
+        **tok_fp,
+        **_model_identity(cfg.model, config),
+        "layer_ids": list(layer_ids),
+        "dtype": cfg.dtype,
+        "max_length": cfg.max_length,
+        "too_long": cfg.too_long,
+        "max_tokens_per_batch": cfg.max_tokens_per_batch,
+        "max_rows": cfg.max_rows,
+        "random_weights": cfg.random_weights,
+    }
+    plan = make_plan(
+        samples.lengths.tolist(), max_tokens_per_batch=cfg.max_tokens_per_batch, max_rows=cfg.max_rows,
+        shards=cfg.shards, fingerprint=fingerprint,
+    )
+    plan_file = run_dir / "plan.json"
+    if plan_file.exists():
+        old = Plan.load(plan_file)
+        if old.plan_hash != plan.plan_hash:
+            if not restart:
+                changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
+                if old.shards != plan.shards:
+                    changes.append(f"shards: {old.shards} -> {plan.shards}")
+                raise HsextractError(
+                    f"run dir {run_dir} holds a different plan; resuming would mix two jobs. What changed:\n  "
+                    + "\n  ".join(changes or ["the batches (same settings, different samples)"])
+                    + "\nRerun with the original settings to resume, or add --restart to start over."
+                )
+            _reset_run(run_dir, cfg)
+            echo(f"--restart: cleared markers, progress and staging of the previous plan in {run_dir}")
+
+    samples.save(run_dir / TOKENS_FILE)
+    meta = {
+        "layer_ids": list(layer_ids),
+        "num_layers": num_layers,
+        "hidden_size": hidden,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tokens_file": TOKENS_FILE,
+        "plan_hash": plan.plan_hash,
+        "layer_types": [layer_types(text)[k] for k in layer_ids],
+        "file_metadata": {
+            "layer_ids": json.dumps(list(layer_ids)),
+            "layer_convention": CONVENTION,
+            "hf_output_hidden_states_index": json.dumps([k + 1 for k in layer_ids]),
+            "pre_final_norm": "true",
+            "model": cfg.model,
+            "model_revision": fingerprint["model_revision"],
+            "model_config_hash": fingerprint["model_config_hash"],
+            "dtype": cfg.dtype,
+            "hidden_size": str(hidden),
+            "tokenizer_hash": tok_fp["tokenizer_hash"],
+            "chat_template_hash": tok_fp["chat_template_hash"],
+            "plan_hash": plan.plan_hash,
+            "hsextract_version": __version__,
+        },
+    }
+    cfg.save(run_dir / "config.json")
+    (run_dir / "run.json").write_text(json.dumps(meta, indent=2))
+    plan.save(plan_file)
+    echo(f"plan: {plan.summary()}")
+    return plan, meta
+
+
+def _reset_run(run_dir: Path, cfg: RunConfig) -> None:
+    for sub in ("markers", "progress"):
+        shutil.rmtree(run_dir / sub, ignore_errors=True)
+    shutil.rmtree(cfg.staging_dir, ignore_errors=True)
+    (run_dir / "COMPLETE").unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the launcher dies, so no orphan keeps a GPU."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
+    run_dir = Path(cfg.run_dir)
+    env = dict(os.environ)
+    if cfg.device == "cuda":
+        gpus = cfg.gpus or tuple(range(cfg.shards))
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    out = log_path(run_dir, shard, "stderr")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hsextract.worker", str(run_dir), str(shard)],
+            env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+        )
+
+
+def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
+    """Run the shards to completion; returns the process exit code."""
+    run_dir = Path(cfg.run_dir)
+    shards = sorted(only_shards) if only_shards else list(range(cfg.shards))
+    bad = [s for s in shards if not 0 <= s < cfg.shards]
+    if bad:
+        raise HsextractError(f"--only-shards {bad}: this run has shards 0..{cfg.shards - 1}")
+    done = done_keys(run_dir)
+    todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
+    if len(todo) < len(shards):
+        echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+    procs = {s: start_worker(cfg, s) for s in todo}
+    bars = _Bars(run_dir, plan, todo, enabled=show_progress)
+    failed: dict[int, int] = {}
+    try:
+        while procs:
+            for s, p in list(procs.items()):
+                rc = p.poll()
+                if rc is not None:
+                    del procs[s]
+                    if rc != 0:
+                        failed[s] = rc
+            bars.update()
+            time.sleep(0.25)
+    finally:
+        bars.close()
+    for s, rc in sorted(failed.items()):
+        prog = ShardProgress.load(run_dir, s)
+        why = f": {prog.error}" if prog and prog.error else ""
+        echo(f"shard {s} failed (exit {rc}){why}\n  log: {log_path(run_dir, s)}\n  output: {log_path(run_dir, s, 'stderr')}")
+    if failed:
+        echo("Rerun the same command to resume: finished batches are kept.")
+        return 1
+    return finalize(cfg, plan, echo=echo)
+
+
+def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
+    """Write the manifest once every planned batch is durable. The manifest goes last."""
+    run_dir = Path(cfg.run_dir)
+    done = done_keys(run_dir)
+    missing = [b.key for b in plan.batches if b.key not in done]
+    if missing:
+        echo(f"{len(missing)} of {len(plan.batches)} batches still to do (other shards); no manifest written yet")
+        return 0
+    meta = json.loads((run_dir / "run.json").read_text())
+    samples = TokenizedSamples.load(run_dir / meta["tokens_file"])
+    report = json.loads((run_dir / "data_report.json").read_text())
+    manifest = {
+        "format": "hsextract-output",
+        "format_version": 1,
+        "hsextract_version": __version__,
+        "layer_ids": meta["layer_ids"],
+        "layer_convention": CONVENTION,
+        "layer_types": meta["layer_types"],
+        "hidden_size": meta["hidden_size"],
+        "dtype": cfg.dtype,
+        "plan_hash": plan.plan_hash,
+        "fingerprint": plan.fingerprint,
+        "num_samples": plan.num_samples,
+        "num_tokens": plan.num_tokens,
+        "data_report": report,
+        "batches": [
+            {"key": b.key, "batch_id": b.batch_id, "shard": b.shard, "num_tokens": b.num_tokens,
+             "sample_ids": [samples.sample_ids[i] for i in b.sample_indices]}
+            for b in plan.batches
+        ],
+    }
+    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
+    sink.put_bytes("manifest.json", json.dumps(manifest).encode())
+    (run_dir / "COMPLETE").write_text(plan.plan_hash)
+    echo(f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(plan.batches)} batch files at {cfg.output}")
+    return 0
+
+
+class _Bars:
+    """One tqdm bar per shard, fed from the progress files the workers write."""
+
+    def __init__(self, run_dir: Path, plan: Plan, shards, enabled: bool):
+        self.run_dir, self.shards, self.bars = run_dir, shards, {}
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        for pos, s in enumerate(shards):
+            total = sum(b.num_tokens for b in plan.for_shard(s))
+            self.bars[s] = tqdm(total=total, desc=f"shard {s}", unit="tok", unit_scale=True, position=pos,
+                                dynamic_ncols=True, leave=True)
+
+    def update(self) -> None:
+        for s, bar in self.bars.items():
+            p = ShardProgress.load(self.run_dir, s)
+            if p is None:
+                continue
+            bar.n = p.tokens_done
+            bar.set_postfix_str(f"{p.state} {p.tokens_per_s:,.0f} tok/s", refresh=False)
+            bar.refresh()
+
+    def close(self) -> None:
+        self.update()
+        for bar in self.bars.values():
+            bar.close()
+
+
+def shard_status(run_dir: Path) -> tuple[list[dict], bool]:
+    """Per-shard rows for ``hsextract status``: done counts from the markers, rates and state from progress."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "plan.json").exists():
+        raise HsextractError(f"{run_dir} is not an hsextract run directory (no plan.json)")
+    plan = Plan.load(run_dir / "plan.json")
+    done = done_keys(run_dir)
+    complete = (run_dir / "COMPLETE").exists()
+    rows = []
+    for s in range(plan.shards):
+        batches = plan.for_shard(s)
+        n_done = sum(b.key in done for b in batches)
+        tokens_done = sum(b.num_tokens for b in batches if b.key in done)
+        tokens_total = sum(b.num_tokens for b in batches)
+        p = ShardProgress.load(run_dir, s)
+        state = p.state if p else "not started"
+        if n_done == len(batches):
+            state = "done"
+        elif p and state not in ("done", "failed") and not pid_alive(p.pid):
+            state = "crashed"
+        rows.append({
+            "shard": s, "state": state, "batches_done": n_done, "batches_total": len(batches),
+            "tokens_done": tokens_done, "tokens_total": tokens_total,
+            "tokens_per_s": p.tokens_per_s if p and state not in ("done", "crashed", "failed") else 0.0,
+            "eta_s": p.eta_s if p and state == "running" else None,
+            "updated_at": p.updated_at if p else None,
+            "error": p.error if p else "",
+            "log": str(log_path(run_dir, s)),
+        })
+    return rows, complete
+
+
+__all__ = ["prepare_run", "launch", "finalize", "shard_status", "progress_path", "markers_dir", "DataReport"]

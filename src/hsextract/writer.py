@@ -1,0 +1,86 @@
+"""Batch files: safetensors written straight from the host buffer, under a temporary name, then renamed.
+
+A batch file holds, for the B samples of one batch and their N valid tokens in total (docs/FORMAT.md):
+
+- ``hidden_states`` [N, L, H]: the L captured layers, token-major, so one sample's states are one contiguous
+  byte range (a reader fetches a sample with one ranged read).
+- ``input_ids`` [N] int32, ``loss_mask`` [N] uint8, ``cu_seqlens`` [B+1] int64 (sample i is rows
+  cu_seqlens[i]:cu_seqlens[i+1]), ``sample_index`` [B] int64 (row in the tokenized dataset).
+- metadata (strings): layer ids and their convention, pre/post norm, model, dtype, tokenizer and chat-template
+  hashes, plan hash, batch id, shard, sample ids (JSON), hsextract version.
+
+The serializer is ours rather than ``safetensors.torch.save_file`` because that one first copies every tensor into
+a bytes object; here the pinned host buffer is written to the file as it is. The files are standard safetensors
+(the tests read them back with the safetensors library). Nothing time-dependent goes in, so a batch recomputed
+after a crash is byte-identical to the first attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+FORMAT_NAME = "hsextract-batch"
+FORMAT_VERSION = "1"
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+}
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write ``tensors`` (CPU, contiguous) to ``path`` atomically; returns the file size.
+
+    Renamed into place only after flush and fsync: a file under its final name is complete.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    header = safetensors_header(tensors, metadata)
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def batch_metadata(*, run_meta: dict, batch_id: int, shard: int, sample_ids: list[str]) -> dict[str, str]:
+    """The per-file metadata: run-wide fields plus this batch's identity."""
+    meta = {k: str(v) for k, v in run_meta.items()}
+    meta.update(
+        format=FORMAT_NAME,
+        format_version=FORMAT_VERSION,
+        batch_id=str(batch_id),
+        shard=str(shard),
+        sample_ids=json.dumps(sample_ids),
+    )
+    return meta
+
+
+def estimate_file_bytes(num_tokens: int, num_samples: int, num_layers: int, hidden: int, itemsize: int) -> int:
+    """Bytes of a batch file's tensors (the header adds a few KB)."""
+    return num_tokens * (num_layers * hidden * itemsize + 4 + 1) + (num_samples + 1) * 8 + num_samples * 8
