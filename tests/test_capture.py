@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+from hsextract.capture import (
+    GatherTarget,
+    LayerCapture,
+    dflash_layer_ids,
+    eagle3_layer_ids,
+    load_model,
+    load_model_config,
+    resolve_layer_ids,
+)
+from hsextract.errors import HsextractError
+
+
+def test_presets_match_published_defaults_for_64_layers():
+    assert dflash_layer_ids(64) == (1, 16, 31, 46, 61)
+    assert eagle3_layer_ids(64) == (1, 31, 60)
+    assert resolve_layer_ids("dflash", 64) == (1, 16, 31, 46, 61)
+    assert resolve_layer_ids("1, 16,31", 64) == (1, 16, 31)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [("0,64", r"out of range.*ids 0\.\.63.*output_hidden_states\[k\+1\]"), ("3,3", "repeats"), ("a,b", "preset"),
+     ("", "empty"), ("-1", "out of range")],
+)
+def test_bad_layer_ids_get_a_clear_error(spec, match):
+    with pytest.raises(HsextractError, match=match):
+        resolve_layer_ids(spec, 64)
+
+
+def test_missing_model_path_fails_before_loading(tmp_path):
+    with pytest.raises(HsextractError, match="no such directory"):
+        load_model_config(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HsextractError, match="no config.json"):
+        load_model_config(str(tmp_path / "empty"))
+
+
+def _padded_batch(seqs):
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+        mask[r, : len(s)] = 1
+    flat = torch.cat([torch.arange(r * width, r * width + len(s)) for r, s in enumerate(seqs)])
+    return ids, mask, flat
+
+
+def _capture(lm, seqs, layer_ids, shift=0):
+    ids, mask, flat = _padded_batch(seqs)
+    hidden = lm.config.get_text_config().hidden_size
+    out = torch.full((len(flat), len(layer_ids), hidden), float("nan"))
+    with LayerCapture(lm, layer_ids, shift=shift) as cap, torch.inference_mode():
+        cap.forward(ids, mask, GatherTarget(flat, out))
+    return out
+
+
+def _reference(lm, seq):
+    with torch.inference_mode():
+        return lm(seq[None], output_hidden_states=True).hidden_states
+
+
+def test_hooked_padded_batch_equals_unbatched_hf_forward(tiny_lm):
+    torch.manual_seed(1)
+    lengths = [61, 1, 17, 40, 2, 33]
+    seqs = [torch.randint(1, 500, (n,)) for n in lengths]
+    layer_ids = (0, 3, 6)  # first, a full-attention layer, and the deepest but one
+    out = _capture(tiny_lm, seqs, layer_ids)
+    off = 0
+    for s in seqs:
+        ref = _reference(tiny_lm, s)
+        for j, k in enumerate(layer_ids):
+            torch.testing.assert_close(out[off : off + len(s), j], ref[k + 1][0], rtol=1e-4, atol=1e-4)
+        off += len(s)
+
+
+def test_last_layer_is_captured_before_the_final_norm(tiny_lm):
+    seq = torch.randint(1, 500, (20,))
+    last = tiny_lm.config.num_hidden_layers - 1
+    out = _capture(tiny_lm, [seq], (last,))[:, 0]
+    ref = _reference(tiny_lm, seq)
+    assert not torch.allclose(out, ref[last + 1][0], atol=1e-3)  # HF's last entry is normed
+    torch.testing.assert_close(tiny_lm.model.norm(out), ref[last + 1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_forward_stops_after_the_deepest_wanted_layer(tiny_lm):
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(tiny_lm.model.layers)]
+    try:
+        _capture(tiny_lm, [torch.randint(1, 500, (9,))], (1, 3))
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == [0, 1, 2, 3]
+
+
+def test_a_capture_shifted_by_one_layer_differs_beyond_tolerance(tiny_lm):
+    """The tiny model's layers must differ enough that an off-by-one is visible (guards the test above)."""
+    seq = torch.randint(1, 500, (30,))
+    good = _capture(tiny_lm, [seq], (2,))
+    shifted = _capture(tiny_lm, [seq], (2,), shift=1)
+    assert (good - shifted).norm() / good.norm() > 0.1
+
+
+def test_multimodal_checkpoint_loads_only_the_language_model(tmp_path):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from hsextract.demo import tiny_qwen3_5_config
+
+    text = tiny_qwen3_5_config(300, 4)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
+    full.save_pretrained(tmp_path / "mm")
+    _, _, num_layers = load_model_config(str(tmp_path / "mm"))
+    assert num_layers == 4
+    lm = load_model(str(tmp_path / "mm"), dtype="float32", device="cpu")
+    assert not any("visual" in n for n, _ in lm.named_parameters())
+    seq = torch.randint(1, 300, (15,))
+    out = _capture(lm, [seq], (1, 2))
+    with torch.inference_mode():
+        ref = full.model.language_model(seq[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out[:, 0], ref[2][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[:, 1], ref[3][0], rtol=1e-4, atol=1e-4)
+
+
+def test_any_causal_lm_works_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    lm = load_model(str(tmp_path / "llama"), dtype="float32", device="cpu")
+    seqs = [torch.randint(1, 300, (n,)) for n in (12, 3, 7)]
+    out = _capture(lm, seqs, (0, 2))
+    off = 0
+    for s in seqs:
+        ref = _reference(lm, s)
+        torch.testing.assert_close(out[off : off + len(s), 0], ref[1][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[off : off + len(s), 1], ref[3][0], rtol=1e-4, atol=1e-4)
+        off += len(s)
