@@ -110,6 +110,26 @@ def run(only_shards, restart, no_progress, **opts):
     sys.exit(code)
 
 
+@main.command("dry-run")
+@job_options
+@click.option("--num-samples", default=8, show_default=True, help="Samples run through both paths.")
+@click.option("--shards", type=int, help="Shards the ETA assumes (default 1).")
+@click.option("--run-dir", help="Reuse this run dir's token cache (default: a temporary one).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@_user_errors
+def dry_run_cmd(num_samples, as_json, run_dir, **opts):
+    """Prove the layer ids against a plain HF forward, check state health, estimate size and time."""
+    import tempfile
+
+    from .dryrun import dry_run, format_report
+
+    with tempfile.TemporaryDirectory(prefix="hsextract-dry-") as tmp:
+        cfg = _build_config(output=tmp, run_dir=run_dir or tmp, **opts)
+        result = dry_run(cfg, num_samples=num_samples)
+    click.echo(json.dumps(result.report, indent=2) if as_json else format_report(result.report))
+    sys.exit(0 if result.ok else 1)
+
+
 @main.command()
 @click.argument("run_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

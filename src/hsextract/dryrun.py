@@ -1,0 +1,241 @@
+"""``hsextract dry-run``: prove the captured layers are the intended ones, check their health, estimate the job.
+
+The proof runs a few real samples through the production path (the worker's ``Extractor``: padded batch, hooks,
+early exit, on-device gather, host copy) and, one sample at a time, through a plain HF forward with
+``output_hidden_states``. For each requested id k it reports the difference to HF index k+1, and also to the
+neighbours k and k+2: the capture must match k+1 within the dtype's tolerance AND be clearly farther from its
+neighbours, so an off-by-one cannot pass. HF's last entry has the final norm applied; for the model's last layer
+the reference is that entry with the norm undone by comparing against the norm of the capture.
+
+Health per layer: mean, std, absmax, NaN/Inf counts and all-zero token vectors (seen in the wild on hybrid models).
+The estimate uses the full tokenized dataset and the same plan ``run`` would use: tokens, batches per shard,
+padding waste, bytes per token, total bytes, and an ETA from the throughput measured on this machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .capture import describe_layer, layer_types, load_model, resolve_layer_ids
+from .config import RunConfig
+from .errors import HsextractError
+from .plan import BatchSpec, make_plan
+from .writer import estimate_file_bytes
+
+# Relative L2 error allowed between the batched capture and the unbatched reference.
+TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+HEADER_BYTES_PER_SAMPLE = 16  # sample id JSON in the file header, approximate
+HEADER_BYTES_FIXED = 1200
+
+
+@dataclass
+class DryRunResult:
+    report: dict
+    ok: bool
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else float("inf") if a.norm().item() > 0 else 0.0
+
+
+def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
+    """``n`` sample indices spread over the length distribution (shortest to longest), fitting one batch."""
+    order = np.argsort(lengths, kind="stable")
+    picks = sorted({int(order[round(q * (len(order) - 1))]) for q in np.linspace(0, 1, min(n, len(order)))})
+    while picks and len(picks) * max(lengths[i] for i in picks) > max_tokens:
+        picks.pop()  # drop the longest until the proof batch fits the batch budget
+    return picks
+
+
+def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift: int = 0) -> DryRunResult:
+    """Run the proof, the health check and the estimate. ``lm`` and ``_shift`` exist for tests."""
+    from .launcher import check_staging, load_tokenizer
+    from .data import load_samples
+    from .capture import load_model_config
+    from .worker import Extractor
+
+    config, text, num_layers = load_model_config(cfg.model)
+    layer_ids = resolve_layer_ids(cfg.layers, num_layers)
+    types = layer_types(text)
+    tokenizer = load_tokenizer(cfg.model)
+    samples, data_report = load_samples(cfg.data, tokenizer, max_length=cfg.max_length, too_long=cfg.too_long,
+                                        num_proc=cfg.num_proc, cache_dir=None if cfg.run_dir == "" else _cache(cfg))
+    lengths = samples.lengths
+    picks = pick_samples(lengths, num_samples, cfg.max_tokens_per_batch)
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    if lm is None:
+        lm = load_model(cfg.model, dtype=cfg.dtype, device=str(device), attn_implementation=cfg.attn_implementation,
+                        random_weights=cfg.random_weights)
+    hidden = text.hidden_size
+
+    # The production path: one padded batch through the worker's Extractor.
+    order = sorted(picks, key=lambda i: (-lengths[i], i))
+    batch = BatchSpec(batch_id=0, shard=0, sample_indices=tuple(order), padded_length=int(lengths[order[0]]),
+                      num_tokens=int(sum(lengths[i] for i in order)))
+    captured: dict = {}
+    extractor = Extractor(lm, layer_ids, device=device, max_tokens=batch.num_tokens, num_slots=1,
+                          pad_token_id=tokenizer.pad_token_id)
+    if _shift:
+        import hsextract.worker as worker_mod
+
+        original = worker_mod.LayerCapture
+        worker_mod.LayerCapture = lambda lm_, ids: original(lm_, ids, shift=_shift)
+    try:
+        def keep(b, tensors):
+            captured.update({k: v.clone() for k, v in tensors.items()})
+
+        t0 = time.perf_counter()
+        extractor.run([batch], samples, keep)
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        extractor.run([batch], samples, lambda b, t: None)  # warm: the measured rate
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        warm_s = time.perf_counter() - t0
+    finally:
+        if _shift:
+            worker_mod.LayerCapture = original
+    states = captured["hidden_states"].float()  # [N, L, H]
+    cu = captured["cu_seqlens"].tolist()
+
+    # The independent reference: unbatched HF forward per sample.
+    final_norm = _final_norm(lm)
+    per_layer = {k: {"match": [], "prev": [], "next": []} for k in layer_ids}
+    with torch.inference_mode():
+        for row, i in enumerate(order):
+            ids, _ = samples.sample(i)
+            ref = lm(torch.as_tensor(ids, dtype=torch.long, device=device)[None], output_hidden_states=True).hidden_states
+            got_rows = states[cu[row]:cu[row + 1]]
+            for j, k in enumerate(layer_ids):
+                got = got_rows[:, j]
+                if k + 1 == num_layers and final_norm is not None:  # HF's last entry is normed: norm ours too
+                    got = final_norm(got.to(ref[k + 1].dtype)).float()
+                per_layer[k]["match"].append(_rel(got, ref[k + 1][0].float().cpu()))
+                per_layer[k]["prev"].append(_rel(got, ref[k][0].float().cpu()))
+                if k + 2 < len(ref):
+                    per_layer[k]["next"].append(_rel(got, ref[k + 2][0].float().cpu()))
+
+    tol = TOLERANCE[cfg.dtype]
+    layers_report, ok, warnings = [], True, []
+    for j, k in enumerate(layer_ids):
+        match = max(per_layer[k]["match"])
+        neighbours = per_layer[k]["prev"] + per_layer[k]["next"]
+        nearest = min(neighbours) if neighbours else float("inf")
+        x = states[:, j]
+        finite = torch.isfinite(x)
+        zero_rows = int((x == 0).all(dim=-1).sum())
+        entry = {
+            **describe_layer(k, num_layers),
+            "layer_type": types[k],
+            "rel_err_vs_hf": match,
+            "rel_err_vs_neighbour_layers": nearest,
+            "mean": float(x[finite].mean()) if finite.any() else float("nan"),
+            "std": float(x[finite].std()) if finite.sum() > 1 else float("nan"),
+            "absmax": float(x[finite].abs().max()) if finite.any() else float("nan"),
+            "nan": int(torch.isnan(x).sum()),
+            "inf": int(torch.isinf(x).sum()),
+            "zero_tokens": zero_rows,
+        }
+        entry["ok"] = bool(match <= tol and match < nearest / 4)
+        if not entry["ok"]:
+            ok = False
+            if math.isfinite(match) and nearest < match:
+                warnings.append(f"layer {k}: capture matches a NEIGHBOUR layer better than HF index {k + 1}: "
+                                f"an off-by-one between the capture and the intended layer")
+            else:
+                warnings.append(f"layer {k}: capture differs from HF output_hidden_states[{k + 1}] by {match:.2e} "
+                                f"(tolerance {tol:.0e} for {cfg.dtype})")
+        if entry["nan"] or entry["inf"]:
+            ok = False
+            warnings.append(f"layer {k}: {entry['nan']} NaN and {entry['inf']} Inf values")
+        if zero_rows:
+            ok = False
+            warnings.append(f"layer {k}: {zero_rows} of {x.shape[0]} token vectors are all zeros")
+        layers_report.append(entry)
+
+    # The estimate: the plan `run` would make, and the rate just measured.
+    plan = make_plan(lengths.tolist(), max_tokens_per_batch=cfg.max_tokens_per_batch, max_rows=cfg.max_rows,
+                     shards=cfg.shards)
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    bytes_per_token = len(layer_ids) * hidden * itemsize + 5
+    total_bytes = sum(
+        estimate_file_bytes(b.num_tokens, b.rows, len(layer_ids), hidden, itemsize)
+        + HEADER_BYTES_FIXED + HEADER_BYTES_PER_SAMPLE * b.rows
+        for b in plan.batches
+    )
+    tokens_per_s = batch.num_tokens / warm_s
+    report = {
+        "model": cfg.model,
+        "num_layers": num_layers,
+        "layers": layers_report,
+        "proof": {"samples": len(order), "tokens": batch.num_tokens, "dtype": cfg.dtype, "tolerance": tol,
+                  "first_batch_s": first_s},
+        "warnings": warnings,
+        "ok": ok,
+        "estimate": {
+            "data": data_report.to_json(),
+            "tokens": plan.num_tokens,
+            "samples": plan.num_samples,
+            "batches": len(plan.batches),
+            "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
+            "padding_waste": plan.padding_waste,
+            "bytes_per_token": bytes_per_token,
+            "total_bytes": total_bytes,
+            "measured_tokens_per_s": tokens_per_s,
+            "measured_on": str(device),
+            "shards": cfg.shards,
+            "eta_s": plan.num_tokens / (tokens_per_s * cfg.shards),
+        },
+    }
+    return DryRunResult(report=report, ok=ok)
+
+
+def _cache(cfg: RunConfig):
+    from pathlib import Path
+
+    return Path(cfg.run_dir) / "cache"
+
+
+def _final_norm(lm):
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model
+    return getattr(decoder, "norm", None) or getattr(decoder, "final_layernorm", None) or getattr(decoder, "ln_f", None)
+
+
+def format_report(report: dict) -> str:
+    lines = [f"Layer map for {report['model']} ({report['num_layers']} decoder layers)"]
+    lines.append(f"{'id':>4}  {'type':<17}{'captures':<40}{'HF idx':>7}{'vLLM id':>8}  "
+                 f"{'err vs HF':>10}{'vs nbrs':>9}  {'mean':>8}{'std':>8}{'absmax':>8}{'nan':>5}{'zero':>5}  ok")
+    for e in report["layers"]:
+        lines.append(
+            f"{e['layer_id']:>4}  {e['layer_type']:<17}{e['captures']:<40}{e['hf_output_hidden_states_index']:>7}"
+            f"{e['vllm_input_of_layer_id']:>8}  {e['rel_err_vs_hf']:>10.2e}{e['rel_err_vs_neighbour_layers']:>9.2e}  "
+            f"{e['mean']:>8.3f}{e['std']:>8.3f}{e['absmax']:>8.2f}{e['nan']:>5}{e['zero_tokens']:>5}  "
+            f"{'yes' if e['ok'] else 'NO'}"
+        )
+    p = report["proof"]
+    lines.append(f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}")
+    est = report["estimate"]
+    lines += [
+        f"data: {est['samples']} samples, {est['tokens']:,} tokens ({est['data']['skipped_empty']} empty, "
+        f"{est['data']['skipped_malformed']} malformed, {est['data']['truncated']} truncated, "
+        f"{est['data']['skipped_too_long']} too long skipped)",
+        f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
+        f"output: {est['bytes_per_token']:,} bytes/token, {est['total_bytes'] / 1e9:,.2f} GB in total",
+        f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']}; "
+        f"ETA with {est['shards']} shard(s): {est['eta_s'] / 3600:.2f} h",
+    ]
+    for w in report["warnings"]:
+        lines.append(f"WARNING: {w}")
+    lines.append("dry run passed: the captured layers are the intended ones" if report["ok"]
+                 else "dry run FAILED: do not start the run until the warnings above are understood")
+    return "\n".join(lines)
+
+
+__all__ = ["dry_run", "format_report", "HsextractError"]
