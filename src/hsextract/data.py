@@ -533,6 +533,10 @@ class _RowEncoder:
                     raise _RowSkipped("empty", f"no assistant tokens in the first {self.max_length} tokens")
         except _RowSkipped as e:
             return index, sample_id, e.kind, e.reason, None, None
+        except (
+            Exception
+        ) as e:  # one odd row must not end a run over millions; it is counted and shown instead
+            return index, sample_id, "malformed", f"unexpected {type(e).__name__}: {e}", None, None
         return index, sample_id, status, reason, ids, mask
 
     def _encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -551,7 +555,11 @@ class _RowEncoder:
         return self._encode_chat(messages, _tools(row.get("tools")))
 
     def _pretokenized(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.asarray(ids)
+        try:
+            ids = np.asarray(ids)
+            mask = None if mask is None else np.asarray(mask)
+        except ValueError as e:  # ragged nesting
+            raise _malformed(f"'input_ids' and 'loss_mask' must be flat lists ({e})") from e
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise _malformed("'input_ids' must be a flat list of integers")
         if not ids.size:
@@ -561,7 +569,6 @@ class _RowEncoder:
         if mask is None:
             mask = np.ones(len(ids), dtype=np.uint8)
         else:
-            mask = np.asarray(mask)
             if mask.shape != ids.shape:
                 raise _malformed(f"'loss_mask' has {mask.size} entries for {ids.size} input_ids")
             if mask.dtype.kind not in "iub" or not np.isin(mask, (0, 1)).all():
