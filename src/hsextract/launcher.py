@@ -278,19 +278,22 @@ class _Bars:
             return
         from tqdm import tqdm
 
+        # On a terminal the bars redraw in place; in a log file a line every 30 s is plenty.
+        interval = 0.5 if sys.stderr.isatty() else 30.0
         for pos, s in enumerate(shards):
             total = sum(b.num_tokens for b in plan.for_shard(s))
             self.bars[s] = tqdm(total=total, desc=f"shard {s}", unit="tok", unit_scale=True, position=pos,
-                                dynamic_ncols=True, leave=True)
+                                dynamic_ncols=True, leave=True, mininterval=interval)
+        self.seen = {s: (0, "") for s in shards}
 
     def update(self) -> None:
         for s, bar in self.bars.items():
             p = ShardProgress.load(self.run_dir, s)
-            if p is None:
+            if p is None or (p.tokens_done, p.state) == self.seen[s]:
                 continue
-            bar.n = p.tokens_done
+            self.seen[s] = (p.tokens_done, p.state)
             bar.set_postfix_str(f"{p.state} {p.tokens_per_s:,.0f} tok/s", refresh=False)
-            bar.refresh()
+            bar.update(p.tokens_done - bar.n)
 
     def close(self) -> None:
         self.update()
