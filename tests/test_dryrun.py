@@ -1,0 +1,95 @@
+"""dry-run passes on a correct setup and fails loudly on an off-by-one capture, NaN states and zero states."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_cli, write_mixed_dataset
+
+from hsextract.capture import load_model
+from hsextract.config import RunConfig
+from hsextract.dryrun import dry_run, format_report
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("dry")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
+    cfg = RunConfig(model=str(tiny_model), data=str(data), output=str(root / "o"), run_dir=str(root / "r"),
+                    layers=(0, 3, 7), device="cpu", dtype="float32", shards=2, max_tokens_per_batch=600,
+                    max_rows=16, max_length=300, num_proc=1)
+    return root, cfg
+
+
+def test_correct_setup_passes_with_layer_map(setup):
+    _, cfg = setup
+    result = dry_run(cfg, num_samples=6)
+    assert result.ok, format_report(result.report)
+    layers = result.report["layers"]
+    assert [e["layer_id"] for e in layers] == [0, 3, 7]
+    assert [e["hf_output_hidden_states_index"] for e in layers] == [1, 4, 8]
+    assert [e["vllm_input_of_layer_id"] for e in layers] == [1, 4, 8]
+    assert [e["layer_type"] for e in layers] == ["linear_attention", "full_attention", "full_attention"]
+    for e in layers:
+        assert e["rel_err_vs_hf"] < 1e-5
+        assert e["rel_err_vs_neighbour_layers"] > 0.1
+    text = format_report(result.report)
+    assert "dry run passed" in text and "ETA" in text
+
+
+def test_capture_shifted_by_one_layer_fails_loudly(setup):
+    _, cfg = setup
+    cfg = RunConfig(**{**cfg.to_json(), "layers": (0, 3, 5)})
+    result = dry_run(cfg, num_samples=4, _shift=1)
+    assert not result.ok
+    assert any("off-by-one" in w for w in result.report["warnings"]), result.report["warnings"]
+    assert "FAILED" in format_report(result.report)
+
+
+def test_nan_states_fail(setup):
+    _, cfg = setup
+    lm = load_model(cfg.model, dtype="float32", device="cpu")
+    with torch.no_grad():
+        lm.model.layers[2].mlp.down_proj.weight.fill_(float("nan"))
+    result = dry_run(cfg, num_samples=4, lm=lm)
+    assert not result.ok
+    assert any("NaN" in w for w in result.report["warnings"])
+    assert result.report["layers"][0]["nan"] == 0 and result.report["layers"][1]["nan"] > 0
+
+
+def test_zero_states_fail(setup):
+    _, cfg = setup
+    lm = load_model(cfg.model, dtype="float32", device="cpu")
+    with torch.no_grad():
+        lm.model.embed_tokens.weight.zero_()
+    result = dry_run(cfg, num_samples=4, lm=lm)
+    assert not result.ok
+    assert any("all zeros" in w for w in result.report["warnings"])
+
+
+def test_estimate_matches_what_a_real_run_writes(setup, tmp_path):
+    root, cfg = setup
+    result = dry_run(cfg, num_samples=4)
+    est = result.report["estimate"]
+    run_cli("run", "--model", cfg.model, "--data", cfg.data, "--output", tmp_path / "out", "--run-dir", tmp_path / "run",
+            "--staging", tmp_path / "st", "--layers", "0,3,7", "--device", "cpu", "--dtype", "float32", "--shards", "2",
+            "--max-tokens-per-batch", "600", "--max-rows", "16", "--max-length", "300", "--num-proc", "1",
+            "--no-progress")
+    files = list((tmp_path / "out").rglob("*.safetensors"))
+    written = sum(f.stat().st_size for f in files)
+    assert len(files) == est["batches"]
+    assert abs(written - est["total_bytes"]) / written < 0.01, (written, est["total_bytes"])
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_tokens"] == est["tokens"]
+
+
+def test_cli_json_and_exit_code(setup):
+    _, cfg = setup
+    r = run_cli("dry-run", "--model", cfg.model, "--data", cfg.data, "--layers", "0,3,7", "--device", "cpu",
+                "--dtype", "float32", "--max-length", "300", "--max-tokens-per-batch", "600", "--num-samples", "3",
+                "--json")
+    report = json.loads(r.stdout)
+    assert report["ok"] is True
+    assert [e["layer_id"] for e in report["layers"]] == [0, 3, 7]
+    r = run_cli("dry-run", "--model", cfg.model, "--data", cfg.data, "--layers", "8", "--device", "cpu", check=False)
+    assert r.returncode == 2 and "out of range" in r.stderr
