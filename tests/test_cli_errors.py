@@ -1,0 +1,80 @@
+"""Bad input gets one clear message (exit 2) before any weight loads, and loses nothing."""
+
+import os
+import time
+
+import pytest
+from conftest import run_cli, write_mixed_dataset
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_model, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("cli")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=5)
+    return root, ["run", "--model", tiny_model, "--data", data, "--output", root / "out", "--run-dir", root / "run",
+                  "--staging", root / "staging", "--device", "cpu", "--dtype", "float32", "--num-proc", "1",
+                  "--no-progress", "--max-length", "300", "--max-tokens-per-batch", "600"]
+
+
+def _replace(args, flag, value):
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+def _fails(args, *needles):
+    t0 = time.time()
+    r = run_cli(*args, check=False)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    for needle in needles:
+        assert needle in r.stderr, r.stderr
+    return time.time() - t0
+
+
+def test_layer_out_of_range(base):
+    root, args = base
+    _fails(args + ["--layers", "2,8"], "out of range", "ids 0..7")
+
+
+def test_missing_model_path(base, tmp_path):
+    _, args = base
+    _fails(_replace(args, "--model", tmp_path / "no-model"), "no such directory")
+
+
+def test_missing_data_path(base, tmp_path):
+    _, args = base
+    _fails(_replace(args, "--data", tmp_path / "nope.jsonl"), "nope.jsonl")
+
+
+def test_all_rows_bad(base, tmp_path):
+    _, args = base
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\nnot json\n{"foo": 1}\n')
+    _fails(_replace(args, "--data", bad), "no usable")
+
+
+def test_max_length_over_batch_budget(base):
+    _, args = base
+    _fails(_replace(args, "--max-length", "5000"), "--max-length 5000 exceeds --max-tokens-per-batch")
+
+
+def test_full_staging_is_refused_before_the_model_loads(base):
+    root, args = base
+    # A batch budget no filesystem here can hold stands in for a full /dev/shm.
+    args = _replace(_replace(args, "--max-tokens-per-batch", str(10**13)), "--max-length", "300")
+    _fails(args, "GB free but one batch file needs", "--staging")
+    assert not (root / "run" / "plan.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_staging(base, tmp_path):
+    _, args = base
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    _fails(_replace(args, "--staging", ro / "x"), "not writable")
+
+
+def test_missing_options_are_named(tmp_path):
+    r = run_cli("run", "--device", "cpu", check=False)
+    assert r.returncode == 2 and "--model" in r.stderr and "--data" in r.stderr
