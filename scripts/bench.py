@@ -216,6 +216,10 @@ def main():
     if args.startup:
         report["startup"] = measure_startup(args)
         print(json.dumps(report["startup"], indent=1), flush=True)
+    if args.modes == "none":
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(report, indent=1))
+        return
 
     t0 = time.perf_counter()
     lm = load_model(args.config, dtype="bfloat16", device="cuda", random_weights=True)

@@ -10,9 +10,9 @@ Moto does not check credentials unless told to: ``require_auth()`` turns its IAM
 ``INITIAL_NO_AUTH_ACTION_COUNT`` setting, which is process-wide, so only within one test at a time) and
 ``create_credentials()`` makes an IAM user whose keys then pass.
 
-Use from a test module::
+Its fixtures (``s3``, ``s3_bucket``, ``aws_test_env``) come into a test module with::
 
-    from s3server import aws_test_env, s3, s3_bucket  # noqa: F401  (pytest fixtures)
+    pytest_plugins = ["s3server"]
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ class S3Endpoint:
             "aws_access_key_id": FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
             "aws_secret_access_key": FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         }
-        return boto3.session.Session().client(service, endpoint_url=self.url, region_name=REGION, **credentials)
+        return boto3.session.Session().client(
+            service, endpoint_url=self.url, region_name=REGION, **credentials
+        )
 
     def create_bucket(self, name: str | None = None) -> str:
         """Create a bucket (a fresh unique name by default) and return its name."""
@@ -92,7 +94,9 @@ class S3Endpoint:
 
     def object_keys(self, bucket: str) -> list[str]:
         paginator = self.client().get_paginator("list_objects_v2")
-        return sorted(item["Key"] for page in paginator.paginate(Bucket=bucket) for item in page.get("Contents", []))
+        return sorted(
+            item["Key"] for page in paginator.paginate(Bucket=bucket) for item in page.get("Contents", [])
+        )
 
     def get_object(self, bucket: str, key: str) -> bytes:
         return self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -103,7 +107,10 @@ class S3Endpoint:
         user = f"user-{uuid.uuid4().hex[:8]}"
         iam.create_user(UserName=user)
         if allow_s3:
-            policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+            policy = {
+                "Version": "2012-10-17",
+                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+            }
             iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName=user)["AccessKey"]
         return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
+from s3server import S3Endpoint, free_port
 
 from hsextract.errors import HsextractError
 from hsextract.storage import MiB, LocalSink, S3Sink, Sink, open_sink, preflight
 
+pytest_plugins = ["s3server"]  # fixtures: s3, s3_bucket, aws_test_env
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 
 
@@ -77,7 +78,9 @@ def test_sink_round_trip(sink: Sink, tmp_path: Path) -> None:
 def test_local_sink_leaves_no_temporary_files_and_hides_stale_ones(tmp_path: Path) -> None:
     sink = LocalSink(tmp_path / "out")
     sink.put_file(_staged(tmp_path, "b", b"abc"), "shard-00000/batch-000000.safetensors")
-    assert sorted(p.name for p in (tmp_path / "out" / "shard-00000").iterdir()) == ["batch-000000.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out" / "shard-00000").iterdir()) == [
+        "batch-000000.safetensors"
+    ]
     # What a crash in the middle of a copy leaves behind is not a key.
     (tmp_path / "out" / "shard-00000" / "batch-000001.safetensors.tmp-123-456").write_bytes(b"partial")
     assert sink.list_keys() == ["shard-00000/batch-000000.safetensors"]
@@ -92,7 +95,9 @@ def test_s3_objects_live_under_the_prefix(s3: S3Endpoint, s3_bucket: str, tmp_pa
 
 def test_s3_multipart_upload_is_byte_identical(s3: S3Endpoint, s3_bucket: str, tmp_path: Path) -> None:
     data = os.urandom(20 * MiB + 12345)
-    sink = S3Sink(s3_bucket, "", s3.url, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4)
+    sink = S3Sink(
+        s3_bucket, "", s3.url, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4
+    )
     stored = sink.put_file(_staged(tmp_path, "big", data), "shard-00000/batch-000000.safetensors")
     head = s3.client().head_object(Bucket=s3_bucket, Key="shard-00000/batch-000000.safetensors")
     assert head["ETag"].endswith('-5"'), "uploaded in 5 parts"
@@ -124,7 +129,9 @@ def test_open_sink_parses_output_strings(tmp_path: Path) -> None:
         open_sink("gs://bucket/x")
 
 
-def test_s3_put_file_retries_until_the_endpoint_is_back(s3: S3Endpoint, s3_bucket: str, tmp_path: Path) -> None:
+def test_s3_put_file_retries_until_the_endpoint_is_back(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path
+) -> None:
     sink = S3Sink(s3_bucket, "", s3.url)
     data = os.urandom(100_000)
     s3.stop()
@@ -140,7 +147,9 @@ def test_s3_put_file_retries_until_the_endpoint_is_back(s3: S3Endpoint, s3_bucke
 def test_s3_put_file_gives_up_at_the_deadline(tmp_path: Path) -> None:
     sink = S3Sink("bucket", "", f"http://127.0.0.1:{free_port()}", retry_deadline_s=2)
     start = time.monotonic()
-    with pytest.raises(HsextractError, match="gave up on the upload of batch .* could not reach http://127.0.0.1"):
+    with pytest.raises(
+        HsextractError, match="gave up on the upload of batch .* could not reach http://127.0.0.1"
+    ):
         sink.put_file(_staged(tmp_path, "b", b"abc"), "batch")
     assert time.monotonic() - start < 10
 
@@ -165,12 +174,16 @@ def test_preflight_missing_bucket(s3: S3Endpoint) -> None:
         preflight("s3://no-such-bucket/run", s3.url)
 
 
-def test_preflight_refused_credentials(s3: S3Endpoint, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_refused_credentials(
+    s3: S3Endpoint, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     good = s3.create_credentials()
     denied = s3.create_credentials(allow_s3=False)
     with s3.require_auth():
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
-        with pytest.raises(HsextractError, match=r"credentials were refused .*InvalidAccessKeyId.*AWS_ACCESS_KEY_ID"):
+        with pytest.raises(
+            HsextractError, match=r"credentials were refused .*InvalidAccessKeyId.*AWS_ACCESS_KEY_ID"
+        ):
             preflight(f"s3://{s3_bucket}", s3.url)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", good["AWS_ACCESS_KEY_ID"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
@@ -185,7 +198,9 @@ def test_preflight_refused_credentials(s3: S3Endpoint, s3_bucket: str, monkeypat
         preflight(f"s3://{s3_bucket}", s3.url)
 
 
-def test_preflight_without_credentials(s3: S3Endpoint, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_without_credentials(
+    s3: S3Endpoint, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     start = time.monotonic()

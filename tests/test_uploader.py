@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
+from s3server import S3Endpoint, free_port
 
 from hsextract.errors import UploaderDied
 from hsextract.storage import open_sink
 from hsextract.uploader import Uploader, marker_path
 
+pytest_plugins = ["s3server"]  # fixtures: s3, s3_bucket, aws_test_env
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 
 
@@ -65,7 +66,9 @@ def _assert_uploaded(output: str, endpoint_url: str | None, marker_dir: Path, st
 
 
 @pytest.mark.parametrize("kind", ["s3", "local"])
-def test_uploader_uploads_every_staged_file_once(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_uploader_uploads_every_staged_file_once(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if kind == "s3":
         endpoint: S3Endpoint = request.getfixturevalue("s3")
         output, endpoint_url = f"s3://{request.getfixturevalue('s3_bucket')}/run", endpoint.url

@@ -77,6 +77,10 @@ class RunConfig:
     """Host buffers per worker that device-to-host copies land in; bounds host memory and how far the GPU runs
     ahead of the writer."""
 
+    prewarm: bool = True
+    """On GPUs with flash-linear-attention: compile its kernels once into a shared Triton cache before the shards
+    start, instead of every shard compiling them at once."""
+
     random_weights: bool = False
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 

@@ -186,6 +186,8 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
         gpus = cfg.gpus or tuple(range(cfg.shards))
         env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard])
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # One Triton cache for every process of the run: kernels compiled once (by the warm-up) serve all shards.
+    env.setdefault("TRITON_CACHE_DIR", str(run_dir / "triton-cache"))
     out = log_path(run_dir, shard, "stderr")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "ab") as f:
@@ -193,6 +195,30 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
             [sys.executable, "-m", "hsextract.worker", str(run_dir), str(shard)],
             env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
+
+
+def prewarm(cfg: RunConfig, echo=print) -> None:
+    """Compile flash-linear-attention's kernels once into the shared Triton cache before the shards start."""
+    from .warmup import fla_available
+
+    if not fla_available():
+        echo("flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
+             "(pip install -e .[gpu])")
+        return
+    run_dir = Path(cfg.run_dir)
+    env = dict(os.environ)
+    env.setdefault("TRITON_CACHE_DIR", str(run_dir / "triton-cache"))
+    env["CUDA_VISIBLE_DEVICES"] = str((cfg.gpus or (0,))[0])
+    t0 = time.time()
+    echo("pre-warming flash-linear-attention kernels into the shared Triton cache ...")
+    log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path(run_dir, 0, "warmup"), "ab") as f:
+        r = subprocess.run([sys.executable, "-m", "hsextract.warmup", str(run_dir)], env=env, stdout=f,
+                           stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    if r.returncode == 0:
+        echo(f"kernels warm in {time.time() - t0:.0f} s")
+    else:
+        echo(f"warm-up failed (exit {r.returncode}, see {log_path(run_dir, 0, 'warmup')}); shards compile themselves")
 
 
 def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
@@ -206,6 +232,8 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
         echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+    if todo and cfg.device == "cuda" and cfg.prewarm:
+        prewarm(cfg, echo=echo)
     procs = {s: start_worker(cfg, s) for s in todo}
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
     failed: dict[int, int] = {}

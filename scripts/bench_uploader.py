@@ -1,0 +1,86 @@
+"""Throughput of the uploader process: staged files -> Uploader -> a local moto S3 endpoint (and a local dir).
+
+    python scripts/bench_uploader.py --files 40 --size-mib 64
+
+Loopback moto is not S3: moto is single-process Python (it shares a GIL with this script) and keeps objects in
+memory and temp files, so the figure is a floor for the uploader's own overhead (CRC32, transfer manager, process
+hand-off), not a prediction of S3 bandwidth. The local-dir figure is bounded by copy + fsync to the target disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint  # noqa: E402
+
+from hsextract.storage import MiB  # noqa: E402
+from hsextract.uploader import Uploader  # noqa: E402
+
+
+def stage(staging: Path, files: int, size: int) -> list[tuple[Path, str]]:
+    block = bytearray(os.urandom(size))
+    staged = []
+    for i in range(files):
+        block[:8] = i.to_bytes(8, "little")  # distinct content per file
+        path = staging / f"batch-{i:06d}.safetensors"
+        path.write_bytes(block)
+        staged.append((path, f"shard-00000/batch-{i:06d}.safetensors"))
+    return staged
+
+
+def run(
+    output: str, endpoint_url: str | None, staged: list[tuple[Path, str]], work: Path, concurrency: int
+) -> float:
+    uploader = Uploader(
+        output=output,
+        endpoint_url=endpoint_url,
+        marker_dir=work / "markers",
+        log_file=work / "uploader.log",
+        concurrency=concurrency,
+    )
+    uploader.start()
+    start = time.monotonic()
+    for path, key in staged:
+        uploader.submit(path, key)
+    done = uploader.close()
+    seconds = time.monotonic() - start
+    assert len(done) == len(staged), f"{len(done)} of {len(staged)} confirmed"
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=40)
+    parser.add_argument("--size-mib", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--staging", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    args = parser.parse_args()
+    for name, value in {**FAKE_CREDENTIALS, "AWS_DEFAULT_REGION": REGION}.items():
+        os.environ.setdefault(name, value)
+
+    total_mb = args.files * args.size_mib * MiB / 1e6
+    endpoint = S3Endpoint()
+    bucket = endpoint.create_bucket()
+    targets = {"s3 (moto, loopback)": (f"s3://{bucket}/bench", endpoint.url)}
+    with tempfile.TemporaryDirectory(prefix="hsextract-bench-") as work_dir:
+        targets["local dir"] = (str(Path(work_dir) / "out"), None)
+        for label, (output, endpoint_url) in targets.items():
+            with tempfile.TemporaryDirectory(prefix="hsextract-staging-", dir=args.staging) as staging:
+                staged = stage(Path(staging), args.files, args.size_mib * MiB)
+                work = Path(work_dir) / label.split()[0]
+                seconds = run(output, endpoint_url, staged, work, args.concurrency)
+                print(
+                    f"{label}: {args.files} x {args.size_mib} MiB = {total_mb:.0f} MB in {seconds:.1f} s "
+                    f"-> {total_mb / seconds:.0f} MB/s (concurrency {args.concurrency})"
+                )
+    endpoint.stop()
+
+
+if __name__ == "__main__":
+    main()

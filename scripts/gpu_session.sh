@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything measured on the GPU machine, in one place. Run from the repo root on a CUDA host:
+#   bash scripts/gpu_session.sh tests    # GPU tests + start-up times (cold vs warm Triton cache)
+#   bash scripts/gpu_session.sh bench    # (a) forward floor, (b) hsextract loop, (c) blocking loop, one process
+# flash-linear-attention comes from wheels in .whl/ (fla-core, flash-linear-attention) when it is not installed.
+set -uo pipefail
+OUT=${OUT:-/tmp/hsextract-gpu-out}
+mkdir -p "$OUT"
+if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"
+date -u
+case "${1:-all}" in
+  tests|all)
+    python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 scripts/bench.py --startup --modes none --json-out "$OUT/startup.json" 2>&1 | tee "$OUT/startup.log"
+    ;;&
+  bench|all)
+    python3 scripts/bench.py --tokens "${BENCH_TOKENS:-800000}" --max-tokens "${BENCH_BATCH:-32768}" \
+      --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    ;;
+esac

@@ -1,0 +1,50 @@
+"""Save a random-weight checkpoint of a config's architecture (no download), for GPU runs of `hsextract run`.
+
+    python scripts/make_checkpoint.py configs/qwen3.6-27b /data/qwen3.6-27b-random [--layers 8] [--tokenizer DIR]
+
+The weights are random (bf16, built on the GPU when there is one); the tokenizer is the demo BPE unless given.
+Token ids of the data must be below the tokenizer's size, which is far below the real vocab: fine for timing.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hsextract.demo import build_tokenizer  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    ap.add_argument("--tokenizer")
+    args = ap.parse_args()
+    out = Path(args.out)
+    t0 = time.time()
+    cfg = AutoConfig.from_pretrained(args.config)
+    if args.layers:
+        cfg.num_hidden_layers = args.layers
+        cfg.layer_types = cfg.layer_types[: args.layers]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    lm.save_pretrained(out, max_shard_size="10GB")
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(out)
+    else:
+        build_tokenizer(out)
+    print(json.dumps({"out": str(out), "layers": cfg.num_hidden_layers, "seconds": time.time() - t0,
+                      "params": sum(p.numel() for p in lm.parameters())}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""GPU-only behaviour: hooks on the real architecture with flash-linear-attention kernels, pinned async copies and
+several worker processes on one GPU. Skipped without CUDA; run on the GPU machine (scripts/gpu_session.sh)."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_cli, write_mixed_dataset
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _implementations(fn, seen=None):
+    """Every function reachable from ``fn`` through wrappers and closures."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen or not callable(fn):
+        return seen
+    seen.add(id(fn))
+    yield fn
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            yield from _implementations(cell.cell_contents, seen)
+        except ValueError:
+            pass
+    if hasattr(fn, "__wrapped__"):
+        yield from _implementations(fn.__wrapped__, seen)
+
+
+@pytest.fixture(scope="module")
+def real_shape_lm():
+    """The Qwen3.6-27B layer shapes (hidden 5120, 48 value heads, head_dim 256), 8 layers, random bf16 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained("configs/qwen3.6-27b")
+    cfg.num_hidden_layers = 8
+    cfg.layer_types = cfg.layer_types[:8]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return lm.eval()
+
+
+def test_fla_kernels_are_used():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    modules = {getattr(f, "__module__", "") or "" for f in _implementations(m.chunk_gated_delta_rule)}
+    assert any(mod.startswith("fla") for mod in modules), f"transformers does not dispatch to FLA: {modules}"
+
+
+def test_hooks_on_real_architecture_match_hf_in_bf16(real_shape_lm):
+    from hsextract.capture import GatherTarget, LayerCapture
+
+    lm = real_shape_lm
+    lengths = [700, 1, 64, 333, 5, 128]
+    seqs = [torch.randint(0, 240000, (n,), device="cuda") for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+        mask[r, : len(s)] = 1
+    flat = torch.cat([torch.arange(r * width, r * width + n, device="cuda") for r, n in enumerate(lengths)])
+    layer_ids = (1, 3, 6)
+    out = torch.full((len(flat), 3, 5120), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with LayerCapture(lm, layer_ids) as cap, torch.inference_mode():
+        cap.forward(ids, mask, GatherTarget(flat, out))
+    off, worst = 0, 0.0
+    for s in seqs:
+        with torch.inference_mode():
+            ref = lm(s[None], output_hidden_states=True).hidden_states
+        for j, k in enumerate(layer_ids):
+            got, want = out[off: off + len(s), j].float(), ref[k + 1][0].float()
+            rel = ((got - want).norm() / want.norm()).item()
+            worst = max(worst, rel)
+            assert rel < 2e-2, (k, len(s), rel)
+            nbr = ((got - ref[k][0].float()).norm() / want.norm()).item()
+            assert nbr > 5 * rel, (k, len(s), rel, nbr)
+        off += len(s)
+    print(f"worst relative error vs HF (bf16, FLA): {worst:.2e}")
+
+
+def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tokenizer):
+    from hsextract.capture import load_model
+    from hsextract.reader import open_output
+
+    data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer)
+    r = run_cli("run", "--model", tiny_model, "--data", data, "--output", tmp_path / "out", "--run-dir",
+                tmp_path / "run", "--layers", "0,3,6", "--device", "cuda", "--gpus", "0,0", "--shards", "2",
+                "--dtype", "float32", "--max-tokens-per-batch", "600", "--max-rows", "16", "--max-length", "300",
+                "--num-proc", "2", "--no-progress", timeout=900)
+    print(r.stdout)
+    lm = load_model(str(tiny_model), dtype="float32", device="cuda")
+    out = open_output(tmp_path / "out")
+    assert len(out) == sum(1 for _ in open(data))
+    for sample in out:
+        with torch.inference_mode():
+            ref = lm(sample["input_ids"].cuda()[None], output_hidden_states=True).hidden_states
+        for k in (0, 3, 6):
+            torch.testing.assert_close(sample["layers"][k], ref[k + 1][0].cpu(), rtol=1e-2, atol=1e-2)
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("shard-*.log"))
+    assert "model loaded" in logs
+    json.loads((tmp_path / "out" / "manifest.json").read_text())
