@@ -10,9 +10,10 @@ Moto does not check credentials unless told to: ``require_auth()`` turns its IAM
 ``INITIAL_NO_AUTH_ACTION_COUNT`` setting, which is process-wide, so only within one test at a time) and
 ``create_credentials()`` makes an IAM user whose keys then pass.
 
-Its fixtures (``s3``, ``s3_bucket``, ``aws_test_env``) come into a test module with::
+Its fixtures come into a test module by import (ruff's F811 flags test parameters named after them)::
 
-    pytest_plugins = ["s3server"]
+    # ruff: noqa: F811
+    from s3server import aws_test_env, s3, s3_bucket  # noqa: F401
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Sinks against a local directory and a real (moto) S3 endpoint over HTTP; preflight's error messages."""
 
+# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 from __future__ import annotations
 
 import os
@@ -8,12 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from s3server import S3Endpoint, free_port
+from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.errors import HsextractError
-from hsextract.storage import MiB, LocalSink, S3Sink, Sink, open_sink, preflight
+from hsextract.storage import LocalSink, MiB, S3Sink, Sink, open_sink, preflight
 
-pytest_plugins = ["s3server"]  # fixtures: s3, s3_bucket, aws_test_env
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 
 

@@ -1,5 +1,6 @@
 """The uploader process against a local directory and a real (moto) S3 endpoint: outages, kills, markers."""
 
+# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 from __future__ import annotations
 
 import json
@@ -11,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from s3server import S3Endpoint, free_port
+from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.errors import UploaderDied
 from hsextract.storage import open_sink
 from hsextract.uploader import Uploader, marker_path
 
-pytest_plugins = ["s3server"]  # fixtures: s3, s3_bucket, aws_test_env
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 
 

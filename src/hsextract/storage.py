@@ -270,15 +270,15 @@ _TRANSIENT_CODES = frozenset(
 
 def _find_cause(exc: BaseException) -> BaseException:
     """The botocore error behind ``exc``: boto3's upload_file wraps ClientErrors in S3UploadFailedError."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from boto3.exceptions import S3UploadFailedError
 
     seen = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (ClientError, BotoCoreError, _VerificationFailed)):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
+    while isinstance(exc, S3UploadFailedError) and id(exc) not in seen:
+        seen.add(id(exc))
+        inner = exc.__cause__ or exc.__context__
+        if inner is None:
+            break
+        exc = inner
     return exc
 
 
@@ -493,7 +493,7 @@ class S3Sink(Sink):
                 elapsed = time.monotonic() - start
                 if elapsed + pause > self.retry_deadline_s:
                     raise HsextractError(
-                        f"gave up on the {what} to {self.url} after {failures} attempts in {elapsed:.0f} s: "
+                        f"gave up on the {what} in {self.url} after {failures} attempts in {elapsed:.0f} s: "
                         f"{_describe_transient(cause, self)}"
                     ) from exc
                 log.warning(
@@ -573,7 +573,7 @@ def _explain_rejection(exc: BaseException, what: str, sink: S3Sink) -> str | Non
         return None
     error = exc.response.get("Error", {})
     code = error.get("Code", "")
-    message = f"{sink.endpoint} refused the {what} to {sink.url}: {code}: {error.get('Message', '')}"
+    message = f"{sink.endpoint} refused the {what} in {sink.url}: {code}: {error.get('Message', '')}"
     if code in {"InvalidArgument", "InvalidRequest", "NotImplemented", "XAmzContentChecksumMismatch"}:
         message += (
             ". If this S3-compatible store does not support checksums, set "
