@@ -20,7 +20,8 @@ case "${1:-all}" in
     python3 scripts/bench.py --startup --modes none --json-out "$OUT/startup.json" 2>&1 | tee "$OUT/startup.log"
     ;;&
   bench|all)
-    python3 scripts/bench.py --tokens "${BENCH_TOKENS:-800000}" --max-tokens "${BENCH_BATCH:-32768}" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fla 2>&1 | tail -3
+    python3 scripts/bench.py --tokens "${BENCH_TOKENS:-700000}" --max-tokens "${BENCH_BATCH:-32768}" \
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac

@@ -44,7 +44,8 @@ def real_shape_lm():
 def test_fla_kernels_are_used():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    modules = {getattr(f, "__module__", "") or "" for f in _implementations(m.chunk_gated_delta_rule)}
+    entry = getattr(m, "chunk_gated_delta_rule", None) or m.torch_chunk_gated_delta_rule  # the dispatching wrapper
+    modules = {getattr(f, "__module__", "") or "" for f in _implementations(entry)}
     assert any(mod.startswith("fla") for mod in modules), f"transformers does not dispatch to FLA: {modules}"
 
 
