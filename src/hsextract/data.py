@@ -42,6 +42,7 @@ inputs loads that file instead of tokenizing again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -338,11 +339,21 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def data_fingerprint(path: str | Path) -> str:
-    """blake2b of the data bytes; for a directory, of every file's relative path and bytes, in sorted order."""
+    """blake2b of the data bytes; for a directory, of every file's relative path and bytes, in sorted order.
+
+    Memoized per (path, size, mtime) of each file: preparing a run asks for it twice (cache key and plan), and a
+    large dataset takes seconds to hash."""
     path = Path(path)
     _data_format(path)
-    digest = hashlib.blake2b(digest_size=32)
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _data_fingerprint(path.resolve(), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _data_fingerprint(path: Path, stamp: tuple) -> str:
+    digest = hashlib.blake2b(digest_size=32)
+    files = [Path(f) for f, _, _ in stamp]
     for file in files:
         if path.is_dir():
             digest.update(file.relative_to(path).as_posix().encode() + b"\0")
@@ -351,6 +362,11 @@ def data_fingerprint(path: str | Path) -> str:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def cache_file(cache_dir: Path, data_path, tokenizer, *, max_length: int, too_long: str) -> Path:
+    """Where ``load_samples`` keeps (or finds) the tokenized samples for these inputs."""
+    return Path(cache_dir) / f"tokens-{_cache_key(Path(data_path), tokenizer, max_length, too_long)}.safetensors"
 
 
 def _cache_key(data_path: Path, tokenizer, max_length: int, too_long: str) -> str:
@@ -811,9 +827,7 @@ def load_samples(
 
     cache_path = None
     if cache_dir is not None:
-        cache_path = (
-            Path(cache_dir) / f"tokens-{_cache_key(data_path, tokenizer, max_length, too_long)}.safetensors"
-        )
+        cache_path = cache_file(cache_dir, data_path, tokenizer, max_length=max_length, too_long=too_long)
         if cache_path.exists():
             try:
                 samples, metadata = TokenizedSamples._load(cache_path)
