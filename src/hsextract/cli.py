@@ -136,7 +136,7 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 @_user_errors
 def status(run_dir, as_json):
     """Per-shard progress of a run, live or finished (works for S3 outputs: markers live in RUN_DIR)."""
-    from .launcher import shard_status
+    from .progress import shard_status
 
     rows, complete = shard_status(Path(run_dir))
     if as_json:

@@ -56,9 +56,9 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
 
 def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift: int = 0) -> DryRunResult:
     """Run the proof, the health check and the estimate. ``lm`` and ``_shift`` exist for tests."""
-    from .launcher import check_staging, load_tokenizer
-    from .data import load_samples
     from .capture import load_model_config
+    from .data import load_samples
+    from .launcher import load_tokenizer
     from .worker import Extractor
 
     config, text, num_layers = load_model_config(cfg.model)

@@ -8,15 +8,23 @@ Layout under the run directory:
 - ``progress/shard-SSSSS.json``: counters, rates, ETA and state of each shard, replaced atomically by its worker.
   Informational; ``status`` recomputes the done counts from the markers.
 - ``logs/shard-SSSSS.log``: each worker's log (the uploader's is ``shard-SSSSS.uploader.log``).
+
+``shard_status`` combines the two for ``hsextract status``; it lives here, not in the launcher, so that status
+imports neither torch nor transformers and answers in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .errors import HsextractError
+from .plan import Plan
 
 MARKER_SUFFIX = ".done"
 
@@ -86,8 +94,16 @@ class ShardProgress:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host. A zombie does not: a worker killed with its launcher stays one
+    until init reaps it, which some container inits do late or never."""
     if pid <= 0:
         return False
+    if sys.platform.startswith("linux"):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2] not in "ZXx"  # the state field follows the parenthesized name
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -95,3 +111,47 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def shard_status(run_dir: Path) -> tuple[list[dict], bool]:
+    """Per-shard rows for ``hsextract status``: done counts from the markers, rates and state from progress.
+
+    A shard whose progress says it is live but whose worker process is gone is ``crashed``. That is only known for
+    workers on this host; a shard on another host (``--only-shards`` there, a shared run dir) keeps its state.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "plan.json").exists():
+        raise HsextractError(f"{run_dir} is not an hsextract run directory (no plan.json)")
+    plan = Plan.load(run_dir / "plan.json")
+    done = done_keys(run_dir)
+    complete = (run_dir / "COMPLETE").exists()
+    host = socket.gethostname()
+    rows = []
+    for s in range(plan.shards):
+        batches = plan.for_shard(s)
+        n_done = sum(b.key in done for b in batches)
+        tokens_done = sum(b.num_tokens for b in batches if b.key in done)
+        tokens_total = sum(b.num_tokens for b in batches)
+        p = ShardProgress.load(run_dir, s)
+        state = p.state if p else "not started"
+        if n_done == len(batches):
+            state = "done"
+        elif p and state not in ("done", "failed") and p.host == host and not pid_alive(p.pid):
+            state = "crashed"
+        rows.append(
+            {
+                "shard": s,
+                "state": state,
+                "batches_done": n_done,
+                "batches_total": len(batches),
+                "tokens_done": tokens_done,
+                "tokens_total": tokens_total,
+                "tokens_per_s": p.tokens_per_s if p and state not in ("done", "crashed", "failed") else 0.0,
+                "eta_s": p.eta_s if p and state == "running" else None,
+                "updated_at": p.updated_at if p else None,
+                "host": p.host if p else "",
+                "error": p.error if p else "",
+                "log": str(log_path(run_dir, s)),
+            }
+        )
+    return rows, complete

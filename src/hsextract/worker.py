@@ -1,6 +1,7 @@
 """The per-shard worker: padded batches through the hooked model, copies overlapped with compute, files to staging.
 
-One process per shard (``python -m hsextract.worker RUN_DIR SHARD``), started by the launcher with
+One process per shard (``main`` with RUN_DIR SHARD; ``python -m hsextract.worker RUN_DIR SHARD`` by hand, but then
+``spawn`` imports this module, and torch, into the uploader too), started by the launcher with
 ``CUDA_VISIBLE_DEVICES`` already set. The GPU never waits for host work:
 
 1. The main thread builds a padded batch, runs the forward; the hooks gather the captured layers' valid tokens
@@ -41,7 +42,7 @@ from .errors import HsextractError
 from .plan import BatchSpec, Plan
 from .progress import ShardProgress, done_keys, log_path, markers_dir
 from .uploader import Uploader
-from .writer import batch_metadata, estimate_file_bytes, write_safetensors
+from .writer import batch_metadata, write_safetensors
 
 log = logging.getLogger("hsextract.worker")
 
