@@ -408,11 +408,6 @@ def test_rerun_uploads_complete_staged_file_and_discards_partial_one(
     assert_same_output_as_reference(tmp_path, reference, dataset[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="storage.LocalSink.put_file copies to KEY.tmp-PID-TID before its rename; an uploader killed mid-copy "
-    "leaves that file in the output and nothing removes it on resume",
-)
 def test_rerun_removes_partial_upload_left_in_output(tmp_path, tiny_model, dataset, reference):
     copy_finished_run(reference, tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -426,6 +421,7 @@ def test_rerun_removes_partial_upload_left_in_output(tmp_path, tiny_model, datas
 
     run_cli(*run_args(tmp_path, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
     assert_same_output_as_reference(tmp_path, reference, dataset[1])
+    assert "discarded 1 unfinished upload" in (run_dir / "logs" / "shard-00001.log").read_text()
 
 
 # -- a changed plan is refused; --restart starts over --------------------------------------------------------------

@@ -222,3 +222,25 @@ def test_preflight_unwritable_directory(tmp_path: Path) -> None:
     # A path below a regular file cannot be created, even by root (who ignores permission bits).
     with pytest.raises(HsextractError, match="cannot create the output directory"):
         preflight(str(tmp_path / "a-file" / "out"))
+
+
+def test_discard_partials_aborts_open_multipart_uploads_of_the_prefix_only(s3: S3Endpoint, s3_bucket: str) -> None:
+    sink = S3Sink(s3_bucket, "runs/a", s3.url)
+    client = sink._client
+    mine = client.create_multipart_upload(Bucket=s3_bucket, Key="runs/a/shard-00001/batch-000003.safetensors")
+    other = client.create_multipart_upload(Bucket=s3_bucket, Key="runs/a/shard-00002/batch-000004.safetensors")
+    assert sink.discard_partials("shard-00001/") == 1
+    left = [u["UploadId"] for u in client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
+    assert mine["UploadId"] not in left and other["UploadId"] in left
+
+
+def test_local_discard_partials_removes_only_unfinished_copies(tmp_path: Path) -> None:
+    sink = LocalSink(tmp_path)
+    (tmp_path / "shard-00001").mkdir()
+    (tmp_path / "shard-00001" / "batch-000001.safetensors").write_bytes(b"done")
+    (tmp_path / "shard-00001" / "batch-000002.safetensors.tmp-1-2").write_bytes(b"half")
+    (tmp_path / "shard-00002").mkdir()
+    (tmp_path / "shard-00002" / "batch-000005.safetensors.tmp-1-2").write_bytes(b"other shard")
+    assert sink.discard_partials("shard-00001/") == 1
+    assert sink.list_keys() == ["shard-00001/batch-000001.safetensors"]
+    assert (tmp_path / "shard-00002" / "batch-000005.safetensors.tmp-1-2").exists()

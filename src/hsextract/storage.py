@@ -144,6 +144,13 @@ class Sink(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove the object; removing a missing one is not an error."""
 
+    @abc.abstractmethod
+    def discard_partials(self, prefix: str) -> int:
+        """Remove uploads under ``prefix`` that a killed uploader left unfinished; returns how many.
+
+        Only safe while no uploader writes under ``prefix``: a worker calls it on resume, before starting its
+        uploader, for its own shard's prefix."""
+
 
 class LocalSink(Sink):
     """Objects as files under a directory (local disk or a shared file system)."""
@@ -221,6 +228,17 @@ class LocalSink(Sink):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def discard_partials(self, prefix: str) -> int:
+        start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        removed = 0
+        for dirpath, _dirnames, filenames in os.walk(start):
+            for name in filenames:
+                path = Path(dirpath) / name
+                if _TMP_MARK in name and path.relative_to(self.root).as_posix().startswith(prefix):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        return removed
 
 
 def _fsync_dir(path: Path) -> None:
@@ -469,6 +487,20 @@ class S3Sink(Sink):
             f"delete of {key}",
             lambda: self._client.delete_object(Bucket=self.bucket, Key=self._object_key(key)),
         )
+
+    def discard_partials(self, prefix: str) -> int:
+        """Abort multipart uploads a killed uploader left open (their parts are billed until aborted)."""
+
+        def abort_all() -> int:
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            aborted = 0
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._object_key(prefix)):
+                for upload in page.get("Uploads", []):
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
+            return aborted
+
+        return self._retrying(f"clean-up of unfinished uploads under {self.url}/{prefix}", abort_all)
 
     def _retrying(self, what: str, operation: Callable[[], T]) -> T:
         """Run ``operation``, retrying transient failures with backoff until ``retry_deadline_s`` has passed."""

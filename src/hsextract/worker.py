@@ -41,6 +41,7 @@ from .data import TokenizedSamples
 from .errors import HsextractError
 from .plan import BatchSpec, Plan
 from .progress import ShardProgress, done_keys, log_path, markers_dir
+from .storage import open_sink
 from .uploader import Uploader
 from .writer import batch_metadata, write_safetensors
 
@@ -322,6 +323,11 @@ class ShardRun:
         self._mark_done(k for k in self.by_key if k in all_done)
         self.session_tokens = 0
         staged = self._recover_staging()
+        if len(self.done) < len(self.batches):
+            # A killed uploader can leave a half-copied file (local) or an open multipart upload (S3) in the output.
+            partials = open_sink(self.cfg.output, self.cfg.s3_endpoint_url).discard_partials(f"shard-{self.shard:05d}/")
+            if partials:
+                log.info("discarded %d unfinished upload(s) left in the output by an earlier attempt", partials)
         todo = [b for b in self.batches if b.key not in self.done and b.key not in staged]
         log.info("resume: %d batches done, %d staged to upload, %d to compute", len(self.done), len(staged), len(todo))
         self._save_progress("starting")
