@@ -25,3 +25,13 @@ case "${1:-all}" in
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
+# Several shards on the GPUs this machine has (issue 7): random-weight checkpoint of the real layer shapes, then
+# scripts/multi_shard.py (single vs N shards, kill + resume, exactly-once check). GPUS=0,0,0,0 shares one GPU.
+if [[ "${1:-}" == "multishard" ]]; then
+  python3 scripts/make_checkpoint.py configs/qwen3.6-27b /tmp/ckpt --layers "${CKPT_LAYERS:-8}" | tee "$OUT/ckpt.json"
+  python3 scripts/multi_shard.py --model /tmp/ckpt --work /tmp/ms --staging-root /dev/shm/hsextract-ms \
+    --shards "${SHARDS:-4}" --gpus "${GPUS:-0,0,0,0}" --tokens "${MS_TOKENS:-400000}" --layers 1,4,6 \
+    --json-out "$OUT/multishard.json" 2>&1 | tee "$OUT/multishard.log"
+  df -h /tmp /dev/shm | tee -a "$OUT/multishard.log"
+  tail -n 20 /tmp/ms/multi-run/logs/shard-00000.log > "$OUT/shard0.log" 2>/dev/null
+fi

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,8 +85,8 @@ def first_marker_time(run_dir: Path, t0: float, proc) -> float | None:
     return None
 
 
-def run_job(common, work: Path, name: str, shards: int, gpus: str, kill_one: bool) -> dict:
-    run_dir, out, staging = work / f"{name}-run", work / f"{name}-out", work / f"{name}-staging"
+def run_job(common, work: Path, name: str, shards: int, gpus: str, kill_one: bool, staging_root: Path) -> dict:
+    run_dir, out, staging = work / f"{name}-run", work / f"{name}-out", staging_root / f"{name}-staging"
     argv = ["run", *common, "--output", out, "--run-dir", run_dir, "--staging", staging, "--shards", shards,
             "--gpus", gpus, "--no-progress"]
     result: dict = {"shards": shards}
@@ -154,6 +155,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens-per-batch", type=int, default=32768)
     ap.add_argument("--skip-single", action="store_true")
+    ap.add_argument("--staging-root", help="where the runs stage their files (default: --work)")
+    ap.add_argument("--staging-max-gb", type=float, default=4.0)
     ap.add_argument("--json-out")
     args = ap.parse_args()
     work = Path(args.work)
@@ -167,14 +170,17 @@ def main():
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton-cache"))  # shared by both runs
     common = ["--model", args.model, "--data", data, "--layers", args.layers, "--device", args.device,
               "--dtype", args.dtype, "--max-length", min(4096, args.max_tokens_per_batch), "--max-tokens-per-batch", args.max_tokens_per_batch,
-              "--num-proc", 4]
+              "--num-proc", 4, "--staging-max-gb", args.staging_max_gb]
+    staging_root = Path(args.staging_root or work)
     report = {}
     if not args.skip_single:
-        report["single"] = run_job(common, work, "single", 1, args.gpus.split(",")[0], kill_one=False)
+        report["single"] = run_job(common, work, "single", 1, args.gpus.split(",")[0], kill_one=False,
+                                   staging_root=staging_root)
         print(json.dumps(report["single"]), flush=True)
-    report["multi"] = run_job(common, work, "multi", args.shards, args.gpus, kill_one=True)
+    report["multi"] = run_job(common, work, "multi", args.shards, args.gpus, kill_one=True, staging_root=staging_root)
     print(json.dumps(report["multi"]), flush=True)
     if "single" in report:
+        shutil.rmtree(work / "single-out", ignore_errors=True)  # only its rate is needed; frees the disk
         single = report["single"]["tokens_per_s_per_shard"][0]
         agg = sum(report["multi"]["tokens_per_s_per_shard"])
         report["scaling_ratio"] = agg / (args.shards * single) if single else None
