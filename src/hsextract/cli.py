@@ -26,6 +26,9 @@ def _user_errors(fn):
         except HsextractError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted: finished batches are kept; rerun the same command to resume", err=True)
+            sys.exit(130)
 
     return wrapper
 

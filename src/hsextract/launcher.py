@@ -15,7 +15,7 @@ to the output, last: an output with a manifest is complete.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import os
 import shutil
@@ -31,6 +31,7 @@ from .config import RunConfig
 from .data import DataReport, TokenizedSamples, data_fingerprint, load_samples, tokenizer_fingerprint
 from .errors import HsextractError
 from .plan import Plan, fingerprint_changes, make_plan
+from .procs import die_with_parent
 from .progress import ShardProgress, done_keys, log_path, markers_dir, progress_path, shard_status
 from .storage import open_sink, preflight
 from .writer import estimate_file_bytes
@@ -179,12 +180,9 @@ def _reset_run(run_dir: Path, cfg: RunConfig, old: Plan, new: Plan) -> None:
     (run_dir / "COMPLETE").unlink(missing_ok=True)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the launcher dies, so no orphan keeps a GPU."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _die_with_launcher():
+    """``preexec_fn`` for a child of this launcher: it dies with the launcher, even one killed mid-fork."""
+    return functools.partial(die_with_parent, os.getpid())
 
 
 def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
@@ -210,7 +208,7 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
     with open(out, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-c", entry, str(run_dir), str(shard)],
-            env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_launcher(),
         )
 
 
@@ -231,7 +229,7 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
     log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path(run_dir, 0, "warmup"), "ab") as f:
         r = subprocess.run([sys.executable, "-m", "hsextract.warmup", str(run_dir)], env=env, stdout=f,
-                           stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                           stderr=subprocess.STDOUT, preexec_fn=_die_with_launcher())
     if r.returncode == 0:
         echo(f"kernels warm in {time.time() - t0:.0f} s")
     else:

@@ -30,7 +30,6 @@ not import torch itself.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import multiprocessing
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError, UploaderDied
+from hsextract.procs import die_with_parent
 from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, StoredObject, open_sink
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class Uploader:
 
 
 def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
-    _die_with_parent()
+    die_with_parent(config.parent_pid)
     if os.getppid() != config.parent_pid:
         os._exit(3)  # the parent died before PR_SET_PDEATHSIG took effect
     _log_to_file(config.log_file)
@@ -307,17 +307,6 @@ def _write_marker(marker: Path, stored: StoredObject, output_url: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, marker)
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        # Not fatal: the loop's getppid() check still stops the child, only later.
-        print(
-            f"hsextract uploader: prctl(PR_SET_PDEATHSIG) failed, errno {ctypes.get_errno()}", file=sys.stderr
-        )
 
 
 def _exit_if_orphaned(config: UploaderConfig, results: multiprocessing.Queue) -> None:
