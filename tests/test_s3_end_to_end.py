@@ -1,0 +1,388 @@
+"""The S3 path of the real CLI: ``hsextract run`` in real processes against a real endpoint (moto's S3 server on
+loopback, see s3server.py), checked against the same run to a local directory.
+
+A run to ``s3://bucket/prefix`` must upload every batch once, byte-identical to the local run's files (CPU float32
+forwards are deterministic), leave staging empty and be readable by ``open_output`` on S3. It must survive the
+endpoint going away mid-run, refuse bad credentials, a missing bucket or an unreachable endpoint in seconds and
+before any weight loads, wait rather than fail when the staging budget is tiny, and, when a worker's uploader is
+killed, fail naming the shard and resume to the same output.
+
+Every run uses small batches (300 tokens, 4 rows: ~17 batches per shard) so that the outage and the kill fall
+mid-run; the kill point is pinned by freezing the uploader (SIGSTOP) first, not raced.
+"""
+
+# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_mixed_dataset
+from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401
+
+from hsextract.plan import Plan
+from hsextract.progress import ShardProgress, done_keys
+from hsextract.reader import open_output
+
+# aws_test_env: fake credentials for the boto3 clients of this process (the reader); the CLI gets its own (cli_env).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env")]
+
+PREFIX = "runs/e2e"
+RUN_TIMEOUT_S = 180
+POLL_S = 0.02
+OUTAGE_S = 4.0
+PREFLIGHT_LIMIT_S = 30
+
+
+# -- running the CLI ----------------------------------------------------------------------------------------------
+def cli_env(**overrides: str) -> dict[str, str]:
+    """The environment of an ``hsextract`` subprocess: no AWS setting of this machine, fake credentials."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    missing = "/nonexistent/hsextract-test-aws"
+    env.update(
+        FAKE_CREDENTIALS,
+        AWS_DEFAULT_REGION=REGION,
+        AWS_CONFIG_FILE=missing,
+        AWS_SHARED_CREDENTIALS_FILE=missing,
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    env.update(overrides)
+    return env
+
+
+def run_args(root: Path, model, data, output: str, *extra) -> list[str]:
+    """``hsextract run`` on CPU with small batches, run dir and staging under ``root``."""
+    opts = {
+        "model": model,
+        "data": data,
+        "output": output,
+        "run-dir": root / "run",
+        "staging": root / "staging",
+        "layers": "0,3,7",
+        "device": "cpu",
+        "dtype": "float32",
+        "shards": 2,
+        "max-tokens-per-batch": 300,
+        "max-rows": 4,
+        "max-length": 300,
+        "num-proc": 1,  # a pool of 2 costs more than it saves on 58 rows
+    }
+    return ["run", *(x for key, value in opts.items() for x in (f"--{key}", value)), "--no-progress", *extra]
+
+
+def s3_args(root: Path, model, data, s3: S3Endpoint, bucket: str, *extra) -> list[str]:
+    return run_args(root, model, data, f"s3://{bucket}/{PREFIX}", "--s3-endpoint-url", s3.url, *extra)
+
+
+def hsextract(args, *, env=None, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(),
+    )
+
+
+def succeeded(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "done:" in r.stdout
+    return r
+
+
+@contextmanager
+def launched(args, root: Path):
+    """``hsextract ARGS`` in the background; killed (its workers die with it) if the test fails early."""
+    with open(root / "launcher.out", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=cli_env(),
+        )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+def wait_for(condition, what: str, *, proc: subprocess.Popen, root: Path, timeout: float = RUN_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if proc.poll() is not None:
+            output = (root / "launcher.out").read_text()
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{output}")
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(POLL_S)
+    return value
+
+
+def marker_count(run_dir: Path, shard: int | None = None) -> int:
+    keys = done_keys(run_dir)
+    return len(keys) if shard is None else sum(k.startswith(f"shard-{shard:05d}/") for k in keys)
+
+
+def uploader_pid(worker_pid: int) -> int:
+    """The worker's uploader: its ``spawn`` child (the other child, if any, is multiprocessing's resource tracker)."""
+    try:
+        import psutil
+
+        children = []
+        for child in psutil.Process(worker_pid).children():
+            try:
+                children.append((child.pid, " ".join(child.cmdline())))
+            except psutil.Error:  # exited meanwhile
+                pass
+    except ImportError:
+        ps = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(worker_pid)], capture_output=True, text=True
+        )
+        children = [
+            (int(pid), args)
+            for pid, _, args in (line.strip().partition(" ") for line in ps.stdout.splitlines())
+        ]
+    pids = [pid for pid, cmdline in children if "spawn_main" in cmdline]
+    assert len(pids) == 1, f"expected one uploader child of worker {worker_pid}, found {children}"
+    return pids[0]
+
+
+def frozen(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it has stopped: from then on it changes nothing on disk."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while (stat := Path(f"/proc/{pid}/stat").read_text())[stat.rindex(")") + 2] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
+def shard_log(run_dir: Path, shard: int) -> Path:
+    return run_dir / "logs" / f"shard-{shard:05d}.log"
+
+
+def staged_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "staging").rglob("*") if p.is_file())
+
+
+# -- the output ---------------------------------------------------------------------------------------------------
+def local_files(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def assert_s3_output_equals_reference(s3: S3Endpoint, bucket: str, root: Path, reference: Path) -> None:
+    """Exactly the reference's objects under the prefix (each batch once, no extras, no probe), every batch
+    byte-identical, the manifest equal, a marker for every batch, nothing left in staging."""
+    expected = local_files(reference)
+    client = s3.client()  # one client: making one costs more than a small get_object
+    keys = s3.object_keys(bucket)
+    assert keys == [f"{PREFIX}/{key}" for key in sorted(expected)], (
+        "objects missing from or extra in the bucket"
+    )
+
+    def stored(key: str) -> bytes:
+        return client.get_object(Bucket=bucket, Key=f"{PREFIX}/{key}")["Body"].read()
+
+    batches = [key for key in expected if key != "manifest.json"]
+    differing = [key for key in batches if stored(key) != expected[key]]
+    assert not differing, f"objects differ from the local run's files: {differing}"
+    manifest = json.loads(stored("manifest.json"))
+    assert manifest == json.loads(expected["manifest.json"])
+    assert sorted(b["key"] for b in manifest["batches"]) == sorted(batches)
+    assert done_keys(root / "run") == set(batches)
+    assert not staged_files(root), f"files left in staging: {staged_files(root)}"
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tiny_tokenizer) -> Path:
+    return write_mixed_dataset(tmp_path_factory.mktemp("s3-e2e-data") / "data.jsonl", tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, dataset) -> Path:
+    """The same run to a local directory: the output every S3 run must equal."""
+    root = tmp_path_factory.mktemp("s3-e2e-local")
+    succeeded(hsextract(run_args(root, tiny_model, dataset, str(root / "out"))))
+    plan = Plan.load(root / "run" / "plan.json")
+    assert min(len(plan.for_shard(s)) for s in range(plan.shards)) >= 12, "too few batches to fall mid-run"
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def s3_run(tmp_path_factory, s3: S3Endpoint, tiny_model, dataset) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("s3-e2e-s3")
+    bucket = s3.create_bucket()
+    succeeded(hsextract(s3_args(root, tiny_model, dataset, s3, bucket)))
+    return root, bucket
+
+
+# -- 1. a run to S3 equals a run to a local directory ---------------------------------------------------------------
+def test_run_to_s3_uploads_each_batch_byte_identical_to_a_local_run(s3: S3Endpoint, s3_run, reference):
+    root, bucket = s3_run
+    assert_s3_output_equals_reference(s3, bucket, root, reference)
+
+
+def test_reader_on_s3_gives_the_states_of_the_local_output(s3: S3Endpoint, s3_run, reference):
+    _, bucket = s3_run
+    remote = open_output(f"s3://{bucket}/{PREFIX}", endpoint_url=s3.url)
+    local = open_output(str(reference))
+    assert remote.layer_ids == local.layer_ids == (0, 3, 7)
+    assert remote.sample_ids() == local.sample_ids() and len(remote) > 0
+    for a, b in zip(remote, local, strict=True):
+        assert a["sample_id"] == b["sample_id"]
+        for name in ("input_ids", "loss_mask", "hidden_states"):
+            assert torch.equal(a[name], b[name]), (a["sample_id"], name)
+        assert a["layers"].keys() == b["layers"].keys()
+        assert all(torch.equal(a["layers"][k], b["layers"][k]) for k in a["layers"])
+    some = local.sample_ids()[len(local) // 2]
+    assert torch.equal(remote[some]["hidden_states"], local[some]["hidden_states"])
+
+
+# -- 2. the endpoint goes away mid-run and comes back -------------------------------------------------------------
+def test_endpoint_outage_mid_run_is_ridden_out_and_each_batch_uploaded_once(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
+):
+    run_dir = tmp_path / "run"
+    total = len(local_files(reference)) - 1
+    with launched(s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket), tmp_path) as proc:
+        wait_for(lambda: marker_count(run_dir), "a first uploaded batch", proc=proc, root=tmp_path)
+        s3.stop()
+        down_since = time.monotonic()
+        time.sleep(1.0)  # requests that were in flight when the server stopped have ended
+        marked = marker_count(run_dir)
+        assert marked < total, "every batch was uploaded before the outage: it did not fall mid-run"
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_since)))
+        assert proc.poll() is None, (
+            "the run ended during the outage:\n" + (tmp_path / "launcher.out").read_text()
+        )
+        assert marker_count(run_dir) == marked, "a batch was marked while the endpoint was down"
+        s3.start()
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    output = (tmp_path / "launcher.out").read_text()
+    assert rc == 0, output
+    assert "done:" in output
+    uploader_logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.uploader.log"))
+    assert f"could not reach {s3.url}" in uploader_logs, "the uploaders never saw the outage"
+    assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)
+
+
+# -- 3. bad credentials, a missing bucket, an unreachable endpoint: exit 2 in seconds, before the model loads -----
+def fails_before_the_model_loads(args, root: Path, *needles: str, env=None) -> str:
+    start = time.monotonic()
+    r = hsextract(args, env=env, timeout=60)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    for needle in needles:
+        assert needle in r.stderr, r.stderr
+    assert elapsed < PREFLIGHT_LIMIT_S, f"took {elapsed:.0f} s"
+    logs = root / "run" / "logs"
+    assert not (logs.exists() and list(logs.glob("shard-*"))), "a worker was started"
+    assert not (root / "run" / "plan.json").exists()
+    return r.stderr
+
+
+def test_refused_credentials_fail_before_the_model_loads(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset
+):
+    # One refusal through the CLI; test_storage checks preflight's other ones (wrong secret, denied access).
+    with s3.require_auth():
+        fails_before_the_model_loads(
+            s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket),
+            tmp_path,
+            f"credentials were refused by {s3.url}",
+            "InvalidAccessKeyId",
+            "AWS_ACCESS_KEY_ID",
+            env=cli_env(AWS_ACCESS_KEY_ID="AKIAUNKNOWNKEY000000"),
+        )
+    assert s3.object_keys(s3_bucket) == [], "something was written to the bucket"
+
+
+def test_missing_bucket_fails_before_the_model_loads(s3: S3Endpoint, tmp_path: Path, tiny_model, dataset):
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    fails_before_the_model_loads(
+        s3_args(tmp_path, tiny_model, dataset, s3, bucket),
+        tmp_path,
+        f"bucket '{bucket}' does not exist at {s3.url}",
+        f"s3://{bucket}/{PREFIX}",
+    )
+    buckets = [b["Name"] for b in s3.client().list_buckets()["Buckets"]]
+    assert bucket not in buckets, "the missing bucket was created"
+
+
+def test_unreachable_endpoint_fails_before_the_model_loads(tmp_path: Path, tiny_model, dataset):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    args = run_args(tmp_path, tiny_model, dataset, f"s3://bucket/{PREFIX}", "--s3-endpoint-url", endpoint)
+    fails_before_the_model_loads(args, tmp_path, f"could not reach {endpoint}")
+
+
+# -- 4. a tiny staging budget: workers wait for the uploader -------------------------------------------------------
+def test_tiny_staging_budget_makes_workers_wait_not_fail(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
+):
+    # 1 kB: below one batch file, so every batch waits until the previous one is uploaded.
+    succeeded(
+        hsextract(s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket, "--staging-max-gb", "0.000001"))
+    )
+    log = shard_log(tmp_path / "run", 0).read_text()
+    assert "waiting for the uploader" in log and "staging drained; continuing" in log
+    assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)
+
+
+# -- 5. the uploader dies mid-run ----------------------------------------------------------------------------------
+def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batch_once(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
+):
+    run_dir, staging = tmp_path / "run", tmp_path / "staging" / "shard-00000"
+    args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket)
+    shard0_total = sum(key.startswith("shard-00000/") for key in local_files(reference))
+
+    def unmarked_staged() -> list[str]:
+        done = done_keys(run_dir)
+        return [p.name for p in staging.glob("*.safetensors") if f"shard-00000/{p.name}" not in done]
+
+    with launched(args, tmp_path) as proc:
+        wait_for(
+            lambda: marker_count(run_dir, 0), "a first uploaded batch of shard 0", proc=proc, root=tmp_path
+        )
+        uploader = uploader_pid(ShardProgress.load(run_dir, 0).pid)
+        # Frozen, the uploader marks nothing more while its worker goes on staging batches: the kill then leaves
+        # complete batch files in staging that no marker covers.
+        frozen(uploader)
+        marked = marker_count(run_dir, 0)
+        assert 0 < marked < shard0_total, "the kill did not fall mid-run"
+        wait_for(unmarked_staged, "a staged batch not yet uploaded", proc=proc, root=tmp_path)
+        os.kill(uploader, signal.SIGKILL)
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    output = (tmp_path / "launcher.out").read_text()
+    assert rc == 1, output
+    assert "shard 0 failed (exit 2): the uploader process was killed by SIGKILL" in output
+    assert f"log: {shard_log(run_dir, 0)}" in output
+    assert "shard 1 failed" not in output and "Rerun the same command" in output
+    assert marker_count(run_dir, 0) == marked, "batches were marked after the uploader died"
+    left = unmarked_staged()
+    assert left, "the batches the uploader had not finished were not kept in staging"
+    assert not [p for p in staging.iterdir() if not p.name.endswith(".safetensors")], (
+        "partial files in staging"
+    )
+    assert f"{PREFIX}/manifest.json" not in s3.object_keys(s3_bucket), "a manifest for an incomplete output"
+
+    log_start = shard_log(run_dir, 0).stat().st_size
+    rerun = succeeded(hsextract(args))
+    assert "shards already complete: [1]" in rerun.stdout
+    with open(shard_log(run_dir, 0)) as f:
+        f.seek(log_start)
+        session = f.read()
+    assert f"resume: {marked} batches done, {len(left)} staged to upload" in session
+    assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)
