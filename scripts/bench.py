@@ -47,8 +47,12 @@ def realistic_samples(total_tokens: int, vocab: int, max_length: int, seed: int 
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     ids = rng.integers(0, vocab, offsets[-1], dtype=np.int32)
-    return TokenizedSamples(sample_ids=[str(i) for i in range(len(lengths))], input_ids=ids,
-                            loss_mask=np.ones_like(ids, dtype=np.uint8), offsets=offsets)
+    return TokenizedSamples(
+        sample_ids=[str(i) for i in range(len(lengths))],
+        input_ids=ids,
+        loss_mask=np.ones_like(ids, dtype=np.uint8),
+        offsets=offsets,
+    )
 
 
 def sync():
@@ -71,8 +75,11 @@ def bench_forward_only(lm, layer_ids, batches, samples, device, pad):
             for b in batches:
                 x = build_batch(samples, b, pad)
                 try:
-                    decoder(input_ids=x.input_ids.to(device, non_blocking=True),
-                            attention_mask=x.attention_mask.to(device, non_blocking=True), use_cache=False)
+                    decoder(
+                        input_ids=x.input_ids.to(device, non_blocking=True),
+                        attention_mask=x.attention_mask.to(device, non_blocking=True),
+                        use_cache=False,
+                    )
                 except _StopForward:
                     pass
         sync()
@@ -82,8 +89,14 @@ def bench_forward_only(lm, layer_ids, batches, samples, device, pad):
 
 
 def bench_hsextract(lm, layer_ids, batches, samples, device, pad, staging: Path, slots: int):
-    ext = Extractor(lm, layer_ids, device=device, max_tokens=max(b.num_tokens for b in batches),
-                    num_slots=slots, pad_token_id=pad)
+    ext = Extractor(
+        lm,
+        layer_ids,
+        device=device,
+        max_tokens=max(b.num_tokens for b in batches),
+        num_slots=slots,
+        pad_token_id=pad,
+    )
     written = []
 
     def on_batch(b, tensors):
@@ -113,6 +126,7 @@ def bench_naive(lm, layer_ids, batches, samples, device, pad, staging: Path):
             captured[k] = out[0] if isinstance(out, tuple) else out
             if k == deepest:
                 raise _StopForward
+
         return hook
 
     handles = [layers[k].register_forward_hook(make(k)) for k in layer_ids]
@@ -147,11 +161,19 @@ def startup_probe(args) -> None:
     lm = load_model(str(cfg_dir), dtype="bfloat16", device="cuda", random_weights=True)
     t_model = time.perf_counter() - t_start
     samples = realistic_samples(200_000, lm.config.vocab_size, args.max_length, seed=1)
-    plan = make_plan(samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1)
+    plan = make_plan(
+        samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1
+    )
     ids = tuple(range(lm.config.num_hidden_layers))
     batches = list(plan.batches)[: args.startup_batches]
-    ext = Extractor(lm, ids, device=torch.device("cuda", 0), max_tokens=max(b.num_tokens for b in batches),
-                    num_slots=2, pad_token_id=0)
+    ext = Extractor(
+        lm,
+        ids,
+        device=torch.device("cuda", 0),
+        max_tokens=max(b.num_tokens for b in batches),
+        num_slots=2,
+        pad_token_id=0,
+    )
     t0 = time.perf_counter()
     ext.run(batches[:1], samples, lambda b, t: None)
     sync()
@@ -168,16 +190,30 @@ def measure_startup(args) -> dict:
     shallow = Path(tempfile.mkdtemp()) / "shallow"
     shallow.mkdir()
     cfg = json.loads((Path(args.config) / "config.json").read_text())
-    cfg["num_hidden_layers"] = 4  # 3 Gated-DeltaNet + 1 full attention: every kernel, a fraction of the weights
+    cfg["num_hidden_layers"] = (
+        4  # 3 Gated-DeltaNet + 1 full attention: every kernel, a fraction of the weights
+    )
     (shallow / "config.json").write_text(json.dumps(cfg))
     cache = Path(tempfile.mkdtemp(prefix="triton-"))
     out = {}
     for label in ("cold_cache", "warm_cache"):
         env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, __file__, "--startup-model", str(shallow), "--startup-batches",
-                            str(args.startup_batches), "--max-tokens", str(args.max_tokens)],
-                           env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--startup-model",
+                str(shallow),
+                "--startup-batches",
+                str(args.startup_batches),
+                "--max-tokens",
+                str(args.max_tokens),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - t0
         if r.returncode != 0:
             out[label] = {"error": r.stderr[-2000:]}
@@ -230,11 +266,18 @@ def main():
     params = sum(p.numel() for p in decoder_layers(lm)[: deepest + 1].parameters())
     device = torch.device("cuda", 0)
     samples = realistic_samples(args.tokens, lm.config.vocab_size, args.max_length)
-    plan = make_plan(samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1)
+    plan = make_plan(
+        samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1
+    )
     batches = list(plan.batches)
     tokens = plan.num_tokens
-    report.update(layer_ids=list(layer_ids), tokens=tokens, batches=len(batches), padding_waste=plan.padding_waste)
-    print(f"{tokens} tokens in {len(batches)} batches, padding waste {100 * plan.padding_waste:.2f}%", flush=True)
+    report.update(
+        layer_ids=list(layer_ids), tokens=tokens, batches=len(batches), padding_waste=plan.padding_waste
+    )
+    print(
+        f"{tokens} tokens in {len(batches)} batches, padding waste {100 * plan.padding_waste:.2f}%",
+        flush=True,
+    )
 
     # Warm-up: every batch shape once, so Triton compilation stays out of the timings.
     t0 = time.perf_counter()
@@ -258,13 +301,18 @@ def main():
     report["tokens_per_s"] = results
     flop_per_token = 2 * params
     lines = ["", "| loop | tokens/s | vs (a) | model TFLOP/s |", "|---|---|---|---|"]
-    names = {"a": "(a) forward of layers 0..deepest only", "b": "(b) hsextract worker loop, files to /dev/shm",
-             "c": "(c) blocking .cpu() per layer + sync save_file"}
+    names = {
+        "a": "(a) forward of layers 0..deepest only",
+        "b": "(b) hsextract worker loop, files to /dev/shm",
+        "c": "(c) blocking .cpu() per layer + sync save_file",
+    }
     for mode, tps in results.items():
         ratio = tps / results["a"] if "a" in results else float("nan")
         lines.append(f"| {names[mode]} | {tps:,.0f} | {ratio:.3f} | {tps * flop_per_token / 1e12:,.0f} |")
     if "b" in results and "c" in results:
-        lines.append(f"\n(b)/(a) = {results['b'] / results['a']:.3f}   (b)/(c) = {results['b'] / results['c']:.3f}")
+        lines.append(
+            f"\n(b)/(a) = {results['b'] / results['a']:.3f}   (b)/(c) = {results['b'] / results['c']:.3f}"
+        )
     print("\n".join(lines), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))

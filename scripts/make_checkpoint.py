@@ -42,8 +42,16 @@ def main():
         AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(out)
     else:
         build_tokenizer(out)
-    print(json.dumps({"out": str(out), "layers": cfg.num_hidden_layers, "seconds": time.time() - t0,
-                      "params": sum(p.numel() for p in lm.parameters())}))
+    print(
+        json.dumps(
+            {
+                "out": str(out),
+                "layers": cfg.num_hidden_layers,
+                "seconds": time.time() - t0,
+                "params": sum(p.numel() for p in lm.parameters()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -85,10 +85,25 @@ def first_marker_time(run_dir: Path, t0: float, proc) -> float | None:
     return None
 
 
-def run_job(common, work: Path, name: str, shards: int, gpus: str, kill_one: bool, staging_root: Path) -> dict:
+def run_job(
+    common, work: Path, name: str, shards: int, gpus: str, kill_one: bool, staging_root: Path
+) -> dict:
     run_dir, out, staging = work / f"{name}-run", work / f"{name}-out", staging_root / f"{name}-staging"
-    argv = ["run", *common, "--output", out, "--run-dir", run_dir, "--staging", staging, "--shards", shards,
-            "--gpus", gpus, "--no-progress"]
+    argv = [
+        "run",
+        *common,
+        "--output",
+        out,
+        "--run-dir",
+        run_dir,
+        "--staging",
+        staging,
+        "--shards",
+        shards,
+        "--gpus",
+        gpus,
+        "--no-progress",
+    ]
     result: dict = {"shards": shards}
     t0 = time.time()
     log = open(work / f"{name}.log", "w")
@@ -105,7 +120,12 @@ def run_job(common, work: Path, name: str, shards: int, gpus: str, kill_one: boo
             if done >= max(1, len(mine) // 3):
                 prog = json.loads((run_dir / "progress" / f"shard-{shards - 1:05d}.json").read_text())
                 os.kill(prog["pid"], signal.SIGKILL)
-                result["killed"] = {"shard": shards - 1, "pid": prog["pid"], "batches_done": done, "of": len(mine)}
+                result["killed"] = {
+                    "shard": shards - 1,
+                    "pid": prog["pid"],
+                    "batches_done": done,
+                    "of": len(mine),
+                }
                 break
             time.sleep(0.05)
     rc = proc.wait()
@@ -168,29 +188,57 @@ def main():
     n = write_data(data, args.tokens, vocab)
     print(f"{n} samples, >= {args.tokens} tokens", flush=True)
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton-cache"))  # shared by both runs
-    common = ["--model", args.model, "--data", data, "--layers", args.layers, "--device", args.device,
-              "--dtype", args.dtype, "--max-length", min(4096, args.max_tokens_per_batch), "--max-tokens-per-batch", args.max_tokens_per_batch,
-              "--num-proc", 4, "--staging-max-gb", args.staging_max_gb]
+    common = [
+        "--model",
+        args.model,
+        "--data",
+        data,
+        "--layers",
+        args.layers,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-length",
+        min(4096, args.max_tokens_per_batch),
+        "--max-tokens-per-batch",
+        args.max_tokens_per_batch,
+        "--num-proc",
+        4,
+        "--staging-max-gb",
+        args.staging_max_gb,
+    ]
     staging_root = Path(args.staging_root or work)
     report = {}
     if not args.skip_single:
-        report["single"] = run_job(common, work, "single", 1, args.gpus.split(",")[0], kill_one=False,
-                                   staging_root=staging_root)
+        report["single"] = run_job(
+            common, work, "single", 1, args.gpus.split(",")[0], kill_one=False, staging_root=staging_root
+        )
         print(json.dumps(report["single"]), flush=True)
-    report["multi"] = run_job(common, work, "multi", args.shards, args.gpus, kill_one=True, staging_root=staging_root)
+    report["multi"] = run_job(
+        common, work, "multi", args.shards, args.gpus, kill_one=True, staging_root=staging_root
+    )
     print(json.dumps(report["multi"]), flush=True)
     if "single" in report:
         shutil.rmtree(work / "single-out", ignore_errors=True)  # only its rate is needed; frees the disk
         single = report["single"]["tokens_per_s_per_shard"][0]
         agg = sum(report["multi"]["tokens_per_s_per_shard"])
         report["scaling_ratio"] = agg / (args.shards * single) if single else None
-        print(f"single shard {single:,.0f} tok/s; {args.shards} shards aggregate {agg:,.0f} tok/s; "
-              f"aggregate / ({args.shards} x single) = {report['scaling_ratio']:.3f}")
+        print(
+            f"single shard {single:,.0f} tok/s; {args.shards} shards aggregate {agg:,.0f} tok/s; "
+            f"aggregate / ({args.shards} x single) = {report['scaling_ratio']:.3f}"
+        )
     m = report["multi"]
-    ok = (m["samples"] == m["samples_unique"] == n and m["batch_files"] == m["batches_planned"]
-          and m["staging_left"] == 0 and m["resume_rc"] == 0)
-    print(f"exactly-once after kill + resume: {'yes' if ok else 'NO'} ({m['samples']} samples, "
-          f"{m['batch_files']}/{m['batches_planned']} batch files, {m['staging_left']} left in staging)")
+    ok = (
+        m["samples"] == m["samples_unique"] == n
+        and m["batch_files"] == m["batches_planned"]
+        and m["staging_left"] == 0
+        and m["resume_rc"] == 0
+    )
+    print(
+        f"exactly-once after kill + resume: {'yes' if ok else 'NO'} ({m['samples']} samples, "
+        f"{m['batch_files']}/{m['batches_planned']} batch files, {m['staging_left']} left in staging)"
+    )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
     sys.exit(0 if ok else 1)

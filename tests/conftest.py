@@ -28,10 +28,17 @@ def run_cli(*args, timeout=300, env=None, check=True):
     import sys
 
     full_env = dict(os.environ, **(env or {}))
-    r = subprocess.run([sys.executable, "-m", "hsextract.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env=full_env)
+    r = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
     if check and r.returncode != 0:
-        raise AssertionError(f"hsextract {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+        raise AssertionError(
+            f"hsextract {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+        )
     return r
 
 
@@ -46,8 +53,13 @@ def write_mixed_dataset(path, tokenizer, n_chat=40, seed=0):
     rows = make_conversations(n_chat, seed=seed)
     vocab = len(tokenizer)
     for i, n in enumerate([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 300, 1, 7, 64, 65, 127]):
-        rows.append({"id": f"tok-{i}", "input_ids": [rng.randrange(1, vocab) for _ in range(n)],
-                     "loss_mask": [1] + [rng.randint(0, 1) for _ in range(n - 1)]})
+        rows.append(
+            {
+                "id": f"tok-{i}",
+                "input_ids": [rng.randrange(1, vocab) for _ in range(n)],
+                "loss_mask": [1] + [rng.randint(0, 1) for _ in range(n - 1)],
+            }
+        )
     rng.shuffle(rows)
     with open(path, "w") as f:
         for row in rows:

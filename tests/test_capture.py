@@ -22,8 +22,13 @@ def test_presets_match_published_defaults_for_64_layers():
 
 @pytest.mark.parametrize(
     "spec, match",
-    [("0,64", r"out of range.*ids 0\.\.63.*output_hidden_states\[k\+1\]"), ("3,3", "repeats"), ("a,b", "preset"),
-     ("", "empty"), ("-1", "out of range")],
+    [
+        ("0,64", r"out of range.*ids 0\.\.63.*output_hidden_states\[k\+1\]"),
+        ("3,3", "repeats"),
+        ("a,b", "preset"),
+        ("", "empty"),
+        ("-1", "out of range"),
+    ],
 )
 def test_bad_layer_ids_get_a_clear_error(spec, match):
     with pytest.raises(HsextractError, match=match):
@@ -88,7 +93,10 @@ def test_last_layer_is_captured_before_the_final_norm(tiny_lm):
 
 def test_forward_stops_after_the_deepest_wanted_layer(tiny_lm):
     ran = []
-    handles = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(tiny_lm.model.layers)]
+    handles = [
+        layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+        for i, layer in enumerate(tiny_lm.model.layers)
+    ]
     try:
         _capture(tiny_lm, [torch.randint(1, 500, (9,))], (1, 3))
     finally:
@@ -131,8 +139,15 @@ def test_any_causal_lm_works_llama(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     lm = load_model(str(tmp_path / "llama"), dtype="float32", device="cpu")
     seqs = [torch.randint(1, 300, (n,)) for n in (12, 3, 7)]

@@ -11,9 +11,30 @@ from conftest import run_cli, write_mixed_dataset
 def base(tmp_path_factory, tiny_model, tiny_tokenizer):
     root = tmp_path_factory.mktemp("cli")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=5)
-    return root, ["run", "--model", tiny_model, "--data", data, "--output", root / "out", "--run-dir", root / "run",
-                  "--staging", root / "staging", "--device", "cpu", "--dtype", "float32", "--num-proc", "1",
-                  "--no-progress", "--max-length", "300", "--max-tokens-per-batch", "600"]
+    return root, [
+        "run",
+        "--model",
+        tiny_model,
+        "--data",
+        data,
+        "--output",
+        root / "out",
+        "--run-dir",
+        root / "run",
+        "--staging",
+        root / "staging",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-proc",
+        "1",
+        "--no-progress",
+        "--max-length",
+        "300",
+        "--max-tokens-per-batch",
+        "600",
+    ]
 
 
 def _replace(args, flag, value):

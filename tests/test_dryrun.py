@@ -15,9 +15,20 @@ from hsextract.dryrun import dry_run, format_report
 def setup(tmp_path_factory, tiny_model, tiny_tokenizer):
     root = tmp_path_factory.mktemp("dry")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
-    cfg = RunConfig(model=str(tiny_model), data=str(data), output=str(root / "o"), run_dir=str(root / "r"),
-                    layers=(0, 3, 7), device="cpu", dtype="float32", shards=2, max_tokens_per_batch=600,
-                    max_rows=16, max_length=300, num_proc=1)
+    cfg = RunConfig(
+        model=str(tiny_model),
+        data=str(data),
+        output=str(root / "o"),
+        run_dir=str(root / "r"),
+        layers=(0, 3, 7),
+        device="cpu",
+        dtype="float32",
+        shards=2,
+        max_tokens_per_batch=600,
+        max_rows=16,
+        max_length=300,
+        num_proc=1,
+    )
     return root, cfg
 
 
@@ -71,10 +82,36 @@ def test_estimate_matches_what_a_real_run_writes(setup, tmp_path):
     root, cfg = setup
     result = dry_run(cfg, num_samples=4)
     est = result.report["estimate"]
-    run_cli("run", "--model", cfg.model, "--data", cfg.data, "--output", tmp_path / "out", "--run-dir", tmp_path / "run",
-            "--staging", tmp_path / "st", "--layers", "0,3,7", "--device", "cpu", "--dtype", "float32", "--shards", "2",
-            "--max-tokens-per-batch", "600", "--max-rows", "16", "--max-length", "300", "--num-proc", "1",
-            "--no-progress")
+    run_cli(
+        "run",
+        "--model",
+        cfg.model,
+        "--data",
+        cfg.data,
+        "--output",
+        tmp_path / "out",
+        "--run-dir",
+        tmp_path / "run",
+        "--staging",
+        tmp_path / "st",
+        "--layers",
+        "0,3,7",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--shards",
+        "2",
+        "--max-tokens-per-batch",
+        "600",
+        "--max-rows",
+        "16",
+        "--max-length",
+        "300",
+        "--num-proc",
+        "1",
+        "--no-progress",
+    )
     files = list((tmp_path / "out").rglob("*.safetensors"))
     written = sum(f.stat().st_size for f in files)
     assert len(files) == est["batches"]
@@ -85,11 +122,30 @@ def test_estimate_matches_what_a_real_run_writes(setup, tmp_path):
 
 def test_cli_json_and_exit_code(setup):
     _, cfg = setup
-    r = run_cli("dry-run", "--model", cfg.model, "--data", cfg.data, "--layers", "0,3,7", "--device", "cpu",
-                "--dtype", "float32", "--max-length", "300", "--max-tokens-per-batch", "600", "--num-samples", "3",
-                "--json")
+    r = run_cli(
+        "dry-run",
+        "--model",
+        cfg.model,
+        "--data",
+        cfg.data,
+        "--layers",
+        "0,3,7",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-length",
+        "300",
+        "--max-tokens-per-batch",
+        "600",
+        "--num-samples",
+        "3",
+        "--json",
+    )
     report = json.loads(r.stdout)
     assert report["ok"] is True
     assert [e["layer_id"] for e in report["layers"]] == [0, 3, 7]
-    r = run_cli("dry-run", "--model", cfg.model, "--data", cfg.data, "--layers", "8", "--device", "cpu", check=False)
+    r = run_cli(
+        "dry-run", "--model", cfg.model, "--data", cfg.data, "--layers", "8", "--device", "cpu", check=False
+    )
     assert r.returncode == 2 and "out of range" in r.stderr

@@ -17,10 +17,36 @@ LAYERS = (0, 3, 7)  # first, middle (a full-attention layer), last of the 8-laye
 def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
     root = tmp_path_factory.mktemp("e2e")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
-    args = ["run", "--model", tiny_model, "--data", data, "--output", root / "out", "--run-dir", root / "run",
-            "--staging", root / "staging", "--layers", ",".join(map(str, LAYERS)), "--device", "cpu",
-            "--dtype", "float32", "--shards", "2", "--max-tokens-per-batch", "600", "--max-rows", "16",
-            "--max-length", "300", "--num-proc", "2", "--no-progress"]
+    args = [
+        "run",
+        "--model",
+        tiny_model,
+        "--data",
+        data,
+        "--output",
+        root / "out",
+        "--run-dir",
+        root / "run",
+        "--staging",
+        root / "staging",
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--shards",
+        "2",
+        "--max-tokens-per-batch",
+        "600",
+        "--max-rows",
+        "16",
+        "--max-length",
+        "300",
+        "--num-proc",
+        "2",
+        "--no-progress",
+    ]
     result = run_cli(*args)
     return root, data, result, args
 
@@ -41,7 +67,9 @@ def test_reader_states_equal_unbatched_hf_forward(finished_run, tiny_lm, tiny_to
             torch.testing.assert_close(sample["layers"][k], ref[k + 1][0], rtol=1e-4, atol=1e-4)
         # HF's last entry has the final norm applied; ours is the raw output of the last layer.
         last = LAYERS[-1]
-        torch.testing.assert_close(tiny_lm.model.norm(sample["layers"][last]), ref[last + 1][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            tiny_lm.model.norm(sample["layers"][last]), ref[last + 1][0], rtol=1e-4, atol=1e-4
+        )
         assert sample["hidden_states"].shape == (len(ids), len(LAYERS) * 64)
         torch.testing.assert_close(sample["hidden_states"][:, 64:128], sample["layers"][LAYERS[1]])
     assert min(lengths) == 1 and max(lengths) >= 6 * 34

@@ -7,8 +7,7 @@ import pytest
 import torch
 from conftest import run_cli, write_mixed_dataset
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _implementations(fn, seen=None):
@@ -44,7 +43,9 @@ def real_shape_lm():
 def test_fla_kernels_are_used():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    entry = getattr(m, "chunk_gated_delta_rule", None) or m.torch_chunk_gated_delta_rule  # the dispatching wrapper
+    entry = (
+        getattr(m, "chunk_gated_delta_rule", None) or m.torch_chunk_gated_delta_rule
+    )  # the dispatching wrapper
     modules = {getattr(f, "__module__", "") or "" for f in _implementations(entry)}
     assert any(mod.startswith("fla") for mod in modules), f"transformers does not dispatch to FLA: {modules}"
 
@@ -71,7 +72,7 @@ def test_hooks_on_real_architecture_match_hf_in_bf16(real_shape_lm):
         with torch.inference_mode():
             ref = lm(s[None], output_hidden_states=True).hidden_states
         for j, k in enumerate(layer_ids):
-            got, want = out[off: off + len(s), j].float(), ref[k + 1][0].float()
+            got, want = out[off : off + len(s), j].float(), ref[k + 1][0].float()
             rel = ((got - want).norm() / want.norm()).item()
             worst = max(worst, rel)
             assert rel < 2e-2, (k, len(s), rel)
@@ -86,10 +87,37 @@ def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tok
     from hsextract.reader import open_output
 
     data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer)
-    r = run_cli("run", "--model", tiny_model, "--data", data, "--output", tmp_path / "out", "--run-dir",
-                tmp_path / "run", "--layers", "0,3,6", "--device", "cuda", "--gpus", "0,0", "--shards", "2",
-                "--dtype", "float32", "--max-tokens-per-batch", "600", "--max-rows", "16", "--max-length", "300",
-                "--num-proc", "2", "--no-progress", timeout=900)
+    r = run_cli(
+        "run",
+        "--model",
+        tiny_model,
+        "--data",
+        data,
+        "--output",
+        tmp_path / "out",
+        "--run-dir",
+        tmp_path / "run",
+        "--layers",
+        "0,3,6",
+        "--device",
+        "cuda",
+        "--gpus",
+        "0,0",
+        "--shards",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-tokens-per-batch",
+        "600",
+        "--max-rows",
+        "16",
+        "--max-length",
+        "300",
+        "--num-proc",
+        "2",
+        "--no-progress",
+        timeout=900,
+    )
     print(r.stdout)
     lm = load_model(str(tiny_model), dtype="float32", device="cuda")
     out = open_output(tmp_path / "out")

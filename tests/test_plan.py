@@ -25,7 +25,9 @@ def test_batches_respect_both_bounds_and_cover_every_sample_once():
 def test_plan_is_identical_across_runs_and_hash_is_stable(tmp_path):
     lengths = realistic_lengths()
     a = make_plan(lengths, max_tokens_per_batch=65536, max_rows=512, shards=4, fingerprint={"data": "x"})
-    b = make_plan(list(lengths), max_tokens_per_batch=65536, max_rows=512, shards=4, fingerprint={"data": "x"})
+    b = make_plan(
+        list(lengths), max_tokens_per_batch=65536, max_rows=512, shards=4, fingerprint={"data": "x"}
+    )
     assert a == b and a.plan_hash == b.plan_hash
     a.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == a
@@ -60,5 +62,7 @@ def test_sample_longer_than_batch_budget_is_refused():
 
 
 def test_fingerprint_changes_names_each_difference():
-    lines = fingerprint_changes({"layer_ids": [1, 2], "dtype": "bfloat16"}, {"layer_ids": [2, 3], "dtype": "bfloat16"})
+    lines = fingerprint_changes(
+        {"layer_ids": [1, 2], "dtype": "bfloat16"}, {"layer_ids": [2, 3], "dtype": "bfloat16"}
+    )
     assert lines == ["layer_ids: [1, 2] -> [2, 3]"]

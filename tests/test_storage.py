@@ -224,11 +224,15 @@ def test_preflight_unwritable_directory(tmp_path: Path) -> None:
         preflight(str(tmp_path / "a-file" / "out"))
 
 
-def test_discard_partials_aborts_open_multipart_uploads_of_the_prefix_only(s3: S3Endpoint, s3_bucket: str) -> None:
+def test_discard_partials_aborts_open_multipart_uploads_of_the_prefix_only(
+    s3: S3Endpoint, s3_bucket: str
+) -> None:
     sink = S3Sink(s3_bucket, "runs/a", s3.url)
     client = sink._client
     mine = client.create_multipart_upload(Bucket=s3_bucket, Key="runs/a/shard-00001/batch-000003.safetensors")
-    other = client.create_multipart_upload(Bucket=s3_bucket, Key="runs/a/shard-00002/batch-000004.safetensors")
+    other = client.create_multipart_upload(
+        Bucket=s3_bucket, Key="runs/a/shard-00002/batch-000004.safetensors"
+    )
     assert sink.discard_partials("shard-00001/") == 1
     left = [u["UploadId"] for u in client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
     assert mine["UploadId"] not in left and other["UploadId"] in left

@@ -98,11 +98,15 @@ def load_model_config(model: str):
         if not Path(model).exists():
             raise HsextractError(f"--model {model}: no such directory")
         if Path(model).is_dir() and not (Path(model) / "config.json").exists():
-            raise HsextractError(f"--model {model}: directory has no config.json (is it a transformers checkpoint?)")
+            raise HsextractError(
+                f"--model {model}: directory has no config.json (is it a transformers checkpoint?)"
+            )
     try:
         config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise HsextractError(f"--model {model}: could not read its config ({str(e).splitlines()[0]})") from None
+        raise HsextractError(
+            f"--model {model}: could not read its config ({str(e).splitlines()[0]})"
+        ) from None
     text = config.get_text_config()
     num_layers = getattr(text, "num_hidden_layers", None)
     if not num_layers:
@@ -115,7 +119,9 @@ def layer_types(text_config) -> list[str]:
     return list(types) if types else ["full_attention"] * text_config.num_hidden_layers
 
 
-def load_model(model: str, *, dtype: str, device: str, attn_implementation: str = "sdpa", random_weights=False):
+def load_model(
+    model: str, *, dtype: str, device: str, attn_implementation: str = "sdpa", random_weights=False
+):
     """The causal LM in eval mode on ``device``. For a multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration)
     transformers maps AutoModelForCausalLM to the text-only class and skips the vision tower's weights."""
     import torch
@@ -144,8 +150,11 @@ def decoder_layers(lm):
 
     n = lm.config.get_text_config().num_hidden_layers
     candidates = [
-        (name, mod) for name, mod in lm.named_modules()
-        if isinstance(mod, nn.ModuleList) and len(mod) == n and name.split(".")[-1] in ("layers", "h", "blocks")
+        (name, mod)
+        for name, mod in lm.named_modules()
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) == n
+        and name.split(".")[-1] in ("layers", "h", "blocks")
     ]
     if not candidates:
         raise HsextractError(f"could not find the {n} decoder layers of {type(lm).__name__}")
@@ -188,7 +197,9 @@ class LayerCapture:
 
     def __enter__(self):
         for j, k in enumerate(self.layer_ids):
-            self._handles.append(self.layers[k + self._shift].register_forward_hook(self._make_hook(j, k + self._shift)))
+            self._handles.append(
+                self.layers[k + self._shift].register_forward_hook(self._make_hook(j, k + self._shift))
+            )
         return self
 
     def __exit__(self, *exc):

@@ -44,14 +44,23 @@ def _int_list(value):
 
 def job_options(fn):
     options = [
-        click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (configs/)."),
+        click.option(
+            "--config",
+            "config_file",
+            type=click.Path(dir_okay=False),
+            help="YAML file of options (configs/).",
+        ),
         click.option("--model", help="Checkpoint directory or hub id of the target model."),
         click.option("--data", help="JSONL / JSON / Parquet file or datasets.save_to_disk directory."),
-        click.option("--layers", help="Decoder-layer ids whose OUTPUT is captured (e.g. 1,16,31), or dflash / eagle3."),
+        click.option(
+            "--layers", help="Decoder-layer ids whose OUTPUT is captured (e.g. 1,16,31), or dflash / eagle3."
+        ),
         click.option("--max-length", type=int, help="Longer samples are truncated or skipped (--too-long)."),
         click.option("--too-long", type=click.Choice(["truncate", "skip"])),
         click.option("--max-tokens-per-batch", type=int, help="Bound on rows x longest row."),
-        click.option("--max-rows", type=int, help="Bound on rows per batch (<= 512 for linear-attention kernels)."),
+        click.option(
+            "--max-rows", type=int, help="Bound on rows per batch (<= 512 for linear-attention kernels)."
+        ),
         click.option("--device", type=click.Choice(["cuda", "cpu"])),
         click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"])),
         click.option("--attn-implementation"),
@@ -93,10 +102,14 @@ def main():
 @click.option("--shards", type=int, help="Worker processes, one per GPU.")
 @click.option("--gpus", help="GPU indices for the shards, e.g. 0,1,2,3.")
 @click.option("--staging", help="Staging directory (default /dev/shm/hsextract/<run>).")
-@click.option("--staging-max-gb", type=float, help="Staged GB per shard at which the worker waits for uploads.")
+@click.option(
+    "--staging-max-gb", type=float, help="Staged GB per shard at which the worker waits for uploads."
+)
 @click.option("--s3-endpoint-url", help="S3-compatible endpoint (AWS_ENDPOINT_URL_S3 works too).")
 @click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
-@click.option("--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir.")
+@click.option(
+    "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @_user_errors
 def run(only_shards, restart, no_progress, **opts):
@@ -107,9 +120,13 @@ def run(only_shards, restart, no_progress, **opts):
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     t0 = time.time()
-    plan, _ = prepare_run(cfg, restart=restart, echo=click.echo)
-    click.echo(f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs")
-    code = launch(cfg, plan, only_shards=_int_list(only_shards), show_progress=not no_progress, echo=click.echo)
+    plan, _ = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
+    click.echo(
+        f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
+    )
+    code = launch(
+        cfg, plan, only_shards=_int_list(only_shards), show_progress=not no_progress, echo=click.echo
+    )
     sys.exit(code)
 
 
@@ -155,7 +172,10 @@ def status(run_dir, as_json):
         if r["state"] in ("crashed", "failed"):
             click.echo(f"       {r['error'] or 'no error recorded'}; log: {r['log']}")
     total = sum(r["tokens_done"] for r in rows), sum(r["tokens_total"] for r in rows)
-    click.echo(f"total {total[0]}/{total[1]} tokens; " + ("complete (manifest written)" if complete else "not complete"))
+    click.echo(
+        f"total {total[0]}/{total[1]} tokens; "
+        + ("complete (manifest written)" if complete else "not complete")
+    )
 
 
 def _duration(s: float) -> str:
@@ -178,9 +198,19 @@ def demo(root, shards, conversations):
     click.echo(f"building the tiny model and {conversations} conversations under {root}")
     model_dir, data = build_demo(root, conversations)
     cfg = RunConfig(
-        model=str(model_dir), data=str(data), output=str(root / "output"), run_dir=str(root / "run"),
-        layers="dflash", device="cpu", dtype="float32", shards=shards, max_length=1024,
-        max_tokens_per_batch=4096, max_rows=64, num_proc=2, staging=str(root / "staging"),
+        model=str(model_dir),
+        data=str(data),
+        output=str(root / "output"),
+        run_dir=str(root / "run"),
+        layers="dflash",
+        device="cpu",
+        dtype="float32",
+        shards=shards,
+        max_length=1024,
+        max_tokens_per_batch=4096,
+        max_rows=64,
+        num_proc=2,
+        staging=str(root / "staging"),
     )
     plan, _ = prepare_run(cfg, echo=click.echo)
     code = launch(cfg, plan, echo=click.echo)

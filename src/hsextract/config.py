@@ -91,9 +91,18 @@ class RunConfig:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.too_long not in TOO_LONG_POLICIES:
             raise HsextractError(f"--too-long {self.too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
-        for name in ("max_length", "max_tokens_per_batch", "max_rows", "shards", "num_proc", "pinned_buffers"):
+        for name in (
+            "max_length",
+            "max_tokens_per_batch",
+            "max_rows",
+            "shards",
+            "num_proc",
+            "pinned_buffers",
+        ):
             if getattr(self, name) < 1:
-                raise HsextractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise HsextractError(
+                    f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
+                )
         if self.max_length > self.max_tokens_per_batch:
             raise HsextractError(
                 f"--max-length {self.max_length} exceeds --max-tokens-per-batch {self.max_tokens_per_batch}: "

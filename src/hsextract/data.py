@@ -366,7 +366,9 @@ def _data_fingerprint(path: Path, stamp: tuple) -> str:
 
 def cache_file(cache_dir: Path, data_path, tokenizer, *, max_length: int, too_long: str) -> Path:
     """Where ``load_samples`` keeps (or finds) the tokenized samples for these inputs."""
-    return Path(cache_dir) / f"tokens-{_cache_key(Path(data_path), tokenizer, max_length, too_long)}.safetensors"
+    return (
+        Path(cache_dir) / f"tokens-{_cache_key(Path(data_path), tokenizer, max_length, too_long)}.safetensors"
+    )
 
 
 def _cache_key(data_path: Path, tokenizer, max_length: int, too_long: str) -> str:

@@ -65,29 +65,52 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     types = layer_types(text)
     tokenizer = load_tokenizer(cfg.model)
-    samples, data_report = load_samples(cfg.data, tokenizer, max_length=cfg.max_length, too_long=cfg.too_long,
-                                        num_proc=cfg.num_proc, cache_dir=None if cfg.run_dir == "" else _cache(cfg))
+    samples, data_report = load_samples(
+        cfg.data,
+        tokenizer,
+        max_length=cfg.max_length,
+        too_long=cfg.too_long,
+        num_proc=cfg.num_proc,
+        cache_dir=None if cfg.run_dir == "" else _cache(cfg),
+    )
     lengths = samples.lengths
     picks = pick_samples(lengths, num_samples, cfg.max_tokens_per_batch)
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     if lm is None:
-        lm = load_model(cfg.model, dtype=cfg.dtype, device=str(device), attn_implementation=cfg.attn_implementation,
-                        random_weights=cfg.random_weights)
+        lm = load_model(
+            cfg.model,
+            dtype=cfg.dtype,
+            device=str(device),
+            attn_implementation=cfg.attn_implementation,
+            random_weights=cfg.random_weights,
+        )
     hidden = text.hidden_size
 
     # The production path: one padded batch through the worker's Extractor.
     order = sorted(picks, key=lambda i: (-lengths[i], i))
-    batch = BatchSpec(batch_id=0, shard=0, sample_indices=tuple(order), padded_length=int(lengths[order[0]]),
-                      num_tokens=int(sum(lengths[i] for i in order)))
+    batch = BatchSpec(
+        batch_id=0,
+        shard=0,
+        sample_indices=tuple(order),
+        padded_length=int(lengths[order[0]]),
+        num_tokens=int(sum(lengths[i] for i in order)),
+    )
     captured: dict = {}
-    extractor = Extractor(lm, layer_ids, device=device, max_tokens=batch.num_tokens, num_slots=1,
-                          pad_token_id=tokenizer.pad_token_id)
+    extractor = Extractor(
+        lm,
+        layer_ids,
+        device=device,
+        max_tokens=batch.num_tokens,
+        num_slots=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if _shift:
         import hsextract.worker as worker_mod
 
         original = worker_mod.LayerCapture
         worker_mod.LayerCapture = lambda lm_, ids: original(lm_, ids, shift=_shift)
     try:
+
         def keep(b, tensors):
             captured.update({k: v.clone() for k, v in tensors.items()})
 
@@ -111,8 +134,10 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
     with torch.inference_mode():
         for row, i in enumerate(order):
             ids, _ = samples.sample(i)
-            ref = lm(torch.as_tensor(ids, dtype=torch.long, device=device)[None], output_hidden_states=True).hidden_states
-            got_rows = states[cu[row]:cu[row + 1]]
+            ref = lm(
+                torch.as_tensor(ids, dtype=torch.long, device=device)[None], output_hidden_states=True
+            ).hidden_states
+            got_rows = states[cu[row] : cu[row + 1]]
             for j, k in enumerate(layer_ids):
                 got = got_rows[:, j]
                 if k + 1 == num_layers and final_norm is not None:  # HF's last entry is normed: norm ours too
@@ -147,11 +172,15 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         if not entry["ok"]:
             ok = False
             if math.isfinite(match) and nearest < match:
-                warnings.append(f"layer {k}: capture matches a NEIGHBOUR layer better than HF index {k + 1}: "
-                                f"an off-by-one between the capture and the intended layer")
+                warnings.append(
+                    f"layer {k}: capture matches a NEIGHBOUR layer better than HF index {k + 1}: "
+                    f"an off-by-one between the capture and the intended layer"
+                )
             else:
-                warnings.append(f"layer {k}: capture differs from HF output_hidden_states[{k + 1}] by {match:.2e} "
-                                f"(tolerance {tol:.0e} for {cfg.dtype})")
+                warnings.append(
+                    f"layer {k}: capture differs from HF output_hidden_states[{k + 1}] by {match:.2e} "
+                    f"(tolerance {tol:.0e} for {cfg.dtype})"
+                )
         if entry["nan"] or entry["inf"]:
             ok = False
             warnings.append(f"layer {k}: {entry['nan']} NaN and {entry['inf']} Inf values")
@@ -161,13 +190,18 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         layers_report.append(entry)
 
     # The estimate: the plan `run` would make, and the rate just measured.
-    plan = make_plan(lengths.tolist(), max_tokens_per_batch=cfg.max_tokens_per_batch, max_rows=cfg.max_rows,
-                     shards=cfg.shards)
+    plan = make_plan(
+        lengths.tolist(),
+        max_tokens_per_batch=cfg.max_tokens_per_batch,
+        max_rows=cfg.max_rows,
+        shards=cfg.shards,
+    )
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     bytes_per_token = len(layer_ids) * hidden * itemsize + 5
     total_bytes = sum(
         estimate_file_bytes(b.num_tokens, b.rows, len(layer_ids), hidden, itemsize)
-        + HEADER_BYTES_FIXED + HEADER_BYTES_PER_SAMPLE * b.rows
+        + HEADER_BYTES_FIXED
+        + HEADER_BYTES_PER_SAMPLE * b.rows
         for b in plan.batches
     )
     tokens_per_s = batch.num_tokens / warm_s
@@ -175,8 +209,13 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         "model": cfg.model,
         "num_layers": num_layers,
         "layers": layers_report,
-        "proof": {"samples": len(order), "tokens": batch.num_tokens, "dtype": cfg.dtype, "tolerance": tol,
-                  "first_batch_s": first_s},
+        "proof": {
+            "samples": len(order),
+            "tokens": batch.num_tokens,
+            "dtype": cfg.dtype,
+            "tolerance": tol,
+            "first_batch_s": first_s,
+        },
         "warnings": warnings,
         "ok": ok,
         "estimate": {
@@ -205,13 +244,19 @@ def _cache(cfg: RunConfig):
 
 def _final_norm(lm):
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model
-    return getattr(decoder, "norm", None) or getattr(decoder, "final_layernorm", None) or getattr(decoder, "ln_f", None)
+    return (
+        getattr(decoder, "norm", None)
+        or getattr(decoder, "final_layernorm", None)
+        or getattr(decoder, "ln_f", None)
+    )
 
 
 def format_report(report: dict) -> str:
     lines = [f"Layer map for {report['model']} ({report['num_layers']} decoder layers)"]
-    lines.append(f"{'id':>4}  {'type':<17}{'captures':<40}{'HF idx':>7}{'vLLM id':>8}  "
-                 f"{'err vs HF':>10}{'vs nbrs':>9}  {'mean':>8}{'std':>8}{'absmax':>8}{'nan':>5}{'zero':>5}  ok")
+    lines.append(
+        f"{'id':>4}  {'type':<17}{'captures':<40}{'HF idx':>7}{'vLLM id':>8}  "
+        f"{'err vs HF':>10}{'vs nbrs':>9}  {'mean':>8}{'std':>8}{'absmax':>8}{'nan':>5}{'zero':>5}  ok"
+    )
     for e in report["layers"]:
         lines.append(
             f"{e['layer_id']:>4}  {e['layer_type']:<17}{e['captures']:<40}{e['hf_output_hidden_states_index']:>7}"
@@ -220,7 +265,9 @@ def format_report(report: dict) -> str:
             f"{'yes' if e['ok'] else 'NO'}"
         )
     p = report["proof"]
-    lines.append(f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}")
+    lines.append(
+        f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}"
+    )
     est = report["estimate"]
     lines += [
         f"data: {est['samples']} samples, {est['tokens']:,} tokens ({est['data']['skipped_empty']} empty, "
@@ -233,8 +280,11 @@ def format_report(report: dict) -> str:
     ]
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
-    lines.append("dry run passed: the captured layers are the intended ones" if report["ok"]
-                 else "dry run FAILED: do not start the run until the warnings above are understood")
+    lines.append(
+        "dry run passed: the captured layers are the intended ones"
+        if report["ok"]
+        else "dry run FAILED: do not start the run until the warnings above are understood"
+    )
     return "\n".join(lines)
 
 

@@ -45,7 +45,9 @@ def load_tokenizer(model: str):
     try:
         tok = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise HsextractError(f"--model {model}: could not load its tokenizer ({str(e).splitlines()[0]})") from None
+        raise HsextractError(
+            f"--model {model}: could not load its tokenizer ({str(e).splitlines()[0]})"
+        ) from None
     if tok.pad_token_id is None:
         # Padding is on the right and masked out; any id works, the states of valid tokens never see it.
         tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
@@ -59,7 +61,11 @@ def _model_identity(model: str, config) -> dict:
         import hashlib
 
         digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
-    return {"model": model, "model_revision": getattr(config, "_commit_hash", None) or "", "model_config_hash": digest}
+    return {
+        "model": model,
+        "model_revision": getattr(config, "_commit_hash", None) or "",
+        "model_config_hash": digest,
+    }
 
 
 def check_staging(cfg: RunConfig, need_bytes: int) -> None:
@@ -71,7 +77,9 @@ def check_staging(cfg: RunConfig, need_bytes: int) -> None:
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
-        raise HsextractError(f"staging directory {staging} is not writable ({e.strerror}); choose another with --staging") from None
+        raise HsextractError(
+            f"staging directory {staging} is not writable ({e.strerror}); choose another with --staging"
+        ) from None
     free = shutil.disk_usage(staging).free
     if free < need_bytes:
         raise HsextractError(
@@ -81,7 +89,9 @@ def check_staging(cfg: RunConfig, need_bytes: int) -> None:
         )
 
 
-def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print) -> tuple[Plan, dict]:
+def prepare_run(
+    cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True
+) -> tuple[Plan, dict]:
     """Validate everything, tokenize, plan; write config.json, run.json and plan.json. Loads no weights."""
     run_dir = Path(cfg.run_dir)
     config, text, num_layers = load_model_config(cfg.model)
@@ -94,8 +104,13 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print) -> tuple[P
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.model)
     samples, report = load_samples(
-        cfg.data, tokenizer, max_length=cfg.max_length, too_long=cfg.too_long, num_proc=cfg.num_proc,
+        cfg.data,
+        tokenizer,
+        max_length=cfg.max_length,
+        too_long=cfg.too_long,
+        num_proc=cfg.num_proc,
         cache_dir=run_dir / "cache",
+        progress=show_progress,
     )
     echo(f"data: {report.summary()}")
 
@@ -113,8 +128,11 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print) -> tuple[P
         "random_weights": cfg.random_weights,
     }
     plan = make_plan(
-        samples.lengths.tolist(), max_tokens_per_batch=cfg.max_tokens_per_batch, max_rows=cfg.max_rows,
-        shards=cfg.shards, fingerprint=fingerprint,
+        samples.lengths.tolist(),
+        max_tokens_per_batch=cfg.max_tokens_per_batch,
+        max_rows=cfg.max_rows,
+        shards=cfg.shards,
+        fingerprint=fingerprint,
     )
     plan_file = run_dir / "plan.json"
     if plan_file.exists():
@@ -130,8 +148,10 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print) -> tuple[P
                     + "\nRerun with the original settings to resume, or add --restart to start over."
                 )
             _reset_run(run_dir, cfg, old, plan)
-            echo(f"--restart: cleared markers, progress and staging of the previous plan in {run_dir}, and its "
-                 f"manifest and batch files in {cfg.output}")
+            echo(
+                f"--restart: cleared markers, progress and staging of the previous plan in {run_dir}, and its "
+                f"manifest and batch files in {cfg.output}"
+            )
 
     # Written only once the plan is accepted: a refused rerun leaves the run dir as it was.
     (run_dir / "data_report.json").write_text(json.dumps(report.to_json(), indent=2))
@@ -208,7 +228,10 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
     with open(out, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-c", entry, str(run_dir), str(shard)],
-            env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_launcher(),
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_launcher(),
         )
 
 
@@ -217,8 +240,10 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
     from .warmup import fla_available
 
     if not fla_available():
-        echo("flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
-             "(pip install -e .[gpu])")
+        echo(
+            "flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
+            "(pip install -e .[gpu])"
+        )
         return
     run_dir = Path(cfg.run_dir)
     env = dict(os.environ)
@@ -228,12 +253,19 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
     echo("pre-warming flash-linear-attention kernels into the shared Triton cache ...")
     log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path(run_dir, 0, "warmup"), "ab") as f:
-        r = subprocess.run([sys.executable, "-m", "hsextract.warmup", str(run_dir)], env=env, stdout=f,
-                           stderr=subprocess.STDOUT, preexec_fn=_die_with_launcher())
+        r = subprocess.run(
+            [sys.executable, "-m", "hsextract.warmup", str(run_dir)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_launcher(),
+        )
     if r.returncode == 0:
         echo(f"kernels warm in {time.time() - t0:.0f} s")
     else:
-        echo(f"warm-up failed (exit {r.returncode}, see {log_path(run_dir, 0, 'warmup')}); shards compile themselves")
+        echo(
+            f"warm-up failed (exit {r.returncode}, see {log_path(run_dir, 0, 'warmup')}); shards compile themselves"
+        )
 
 
 def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
@@ -267,7 +299,9 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
     for s, rc in sorted(failed.items()):
         prog = ShardProgress.load(run_dir, s)
         why = f": {prog.error}" if prog and prog.error else ""
-        echo(f"shard {s} failed ({_exit_reason(rc)}){why}\n  log: {log_path(run_dir, s)}\n  output: {log_path(run_dir, s, 'stderr')}")
+        echo(
+            f"shard {s} failed ({_exit_reason(rc)}){why}\n  log: {log_path(run_dir, s)}\n  output: {log_path(run_dir, s, 'stderr')}"
+        )
     if failed:
         echo("Rerun the same command to resume: finished batches are kept.")
         return 1
@@ -291,7 +325,9 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
     done = done_keys(run_dir)
     missing = [b.key for b in plan.batches if b.key not in done]
     if missing:
-        echo(f"{len(missing)} of {len(plan.batches)} batches still to do (other shards); no manifest written yet")
+        echo(
+            f"{len(missing)} of {len(plan.batches)} batches still to do (other shards); no manifest written yet"
+        )
         return 0
     meta = json.loads((run_dir / "run.json").read_text())
     samples = TokenizedSamples.load(run_dir / meta["tokens_file"])
@@ -311,15 +347,22 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
         "num_tokens": plan.num_tokens,
         "data_report": report,
         "batches": [
-            {"key": b.key, "batch_id": b.batch_id, "shard": b.shard, "num_tokens": b.num_tokens,
-             "sample_ids": [samples.sample_ids[i] for i in b.sample_indices]}
+            {
+                "key": b.key,
+                "batch_id": b.batch_id,
+                "shard": b.shard,
+                "num_tokens": b.num_tokens,
+                "sample_ids": [samples.sample_ids[i] for i in b.sample_indices],
+            }
             for b in plan.batches
         ],
     }
     sink = open_sink(cfg.output, cfg.s3_endpoint_url)
     sink.put_bytes("manifest.json", json.dumps(manifest).encode())
     (run_dir / "COMPLETE").write_text(plan.plan_hash)
-    echo(f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(plan.batches)} batch files at {cfg.output}")
+    echo(
+        f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(plan.batches)} batch files at {cfg.output}"
+    )
     return 0
 
 
@@ -336,8 +379,16 @@ class _Bars:
         interval = 0.5 if sys.stderr.isatty() else 30.0
         for pos, s in enumerate(shards):
             total = sum(b.num_tokens for b in plan.for_shard(s))
-            self.bars[s] = tqdm(total=total, desc=f"shard {s}", unit="tok", unit_scale=True, position=pos,
-                                dynamic_ncols=True, leave=True, mininterval=interval)
+            self.bars[s] = tqdm(
+                total=total,
+                desc=f"shard {s}",
+                unit="tok",
+                unit_scale=True,
+                position=pos,
+                dynamic_ncols=True,
+                leave=True,
+                mininterval=interval,
+            )
         self.seen = {s: (0, "") for s in shards}
 
     def update(self) -> None:

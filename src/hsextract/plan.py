@@ -62,8 +62,12 @@ class Plan:
     @property
     def plan_hash(self) -> str:
         body = json.dumps(
-            {"format": PLAN_FORMAT, "fingerprint": self.fingerprint, "shards": self.shards,
-             "batches": [asdict(b) for b in self.batches]},
+            {
+                "format": PLAN_FORMAT,
+                "fingerprint": self.fingerprint,
+                "shards": self.shards,
+                "batches": [asdict(b) for b in self.batches],
+            },
             sort_keys=True,
         )
         return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -104,8 +108,10 @@ class Plan:
             "plan_hash": self.plan_hash,
             "shards": self.shards,
             "fingerprint": self.fingerprint,
-            "batches": [[b.batch_id, b.shard, b.padded_length, b.num_tokens, list(b.sample_indices)]
-                        for b in self.batches],
+            "batches": [
+                [b.batch_id, b.shard, b.padded_length, b.num_tokens, list(b.sample_indices)]
+                for b in self.batches
+            ],
         }
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps(body))
@@ -133,7 +139,9 @@ def make_plan(
     if any(n < 1 for n in lengths):
         raise ValueError("every sample needs at least one token")
     if lengths and max(lengths) > max_tokens_per_batch:
-        raise ValueError(f"a sample of {max(lengths)} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}")
+        raise ValueError(
+            f"a sample of {max(lengths)} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
+        )
     # Longest first; ties broken by index so the order never depends on the sort's stability.
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
@@ -155,8 +163,13 @@ def make_plan(
         tokens, shard = heapq.heappop(load)
         n = sum(lengths[i] for i in group)
         assigned.append(
-            BatchSpec(batch_id=batch_id, shard=shard, sample_indices=tuple(group),
-                      padded_length=lengths[group[0]], num_tokens=n)
+            BatchSpec(
+                batch_id=batch_id,
+                shard=shard,
+                sample_indices=tuple(group),
+                padded_length=lengths[group[0]],
+                num_tokens=n,
+            )
         )
         heapq.heappush(load, (tokens + len(group) * lengths[group[0]], shard))
     return Plan(batches=tuple(assigned), shards=shards, fingerprint=dict(fingerprint or {}))

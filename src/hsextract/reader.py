@@ -27,8 +27,14 @@ from .errors import HsextractError
 from .storage import open_sink
 
 MANIFEST = "manifest.json"
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
-           "I64": torch.int64, "U8": torch.uint8}
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "U8": torch.uint8,
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,9 @@ class BatchFile:
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         info = self.tensors[name]
-        raw = self.sink.read_range(self.key, info.start + start * info.row_bytes, (stop - start) * info.row_bytes)
+        raw = self.sink.read_range(
+            self.key, info.start + start * info.row_bytes, (stop - start) * info.row_bytes
+        )
         return torch.frombuffer(bytearray(raw), dtype=info.dtype).view(stop - start, *info.shape[1:])
 
     def read_all(self, name: str) -> torch.Tensor:
@@ -85,8 +93,11 @@ class BatchFile:
 class Output:
     """A finished hsextract output. Indexing by sample id and iteration read lazily."""
 
-    def __init__(self, path: str, endpoint_url: str | None = None, cache_files: int = 8):
-        self.sink = open_sink(path, endpoint_url)
+    def __init__(
+        self, path: str, endpoint_url: str | None = None, cache_files: int = 8, retry_deadline_s: float = 120
+    ):
+        # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
+        self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
         if not self.sink.exists(MANIFEST):
             raise HsextractError(
                 f"{path} has no {MANIFEST}: the run has not finished (see `hsextract status RUN_DIR`) "
@@ -134,6 +145,7 @@ class Output:
                 yield f.sample(row, self.layer_ids)
 
 
-def open_output(path: str, endpoint_url: str | None = None) -> Output:
-    """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading."""
-    return Output(str(path), endpoint_url)
+def open_output(path: str, endpoint_url: str | None = None, *, retry_deadline_s: float = 120) -> Output:
+    """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading. Transient S3 errors are
+    retried for ``retry_deadline_s`` seconds before a read fails."""
+    return Output(str(path), endpoint_url, retry_deadline_s=retry_deadline_s)

@@ -496,7 +496,9 @@ class S3Sink(Sink):
             aborted = 0
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self._object_key(prefix)):
                 for upload in page.get("Uploads", []):
-                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
                     aborted += 1
             return aborted
 

@@ -67,8 +67,16 @@ def main(argv=None) -> int:
             mask[1:, length // 2 :] = 0  # padded rows, as in real batches
             decoder(input_ids=ids, attention_mask=mask, use_cache=False)
     torch.cuda.synchronize()
-    print(json.dumps({"warmup_s": time.time() - t0, "shapes": len(shapes), "layers": depth,
-                      "pad_token_id": meta.get("pad_token_id")}))
+    print(
+        json.dumps(
+            {
+                "warmup_s": time.time() - t0,
+                "shapes": len(shapes),
+                "layers": depth,
+                "pad_token_id": meta.get("pad_token_id"),
+            }
+        )
+    )
     return 0
 
 

@@ -110,7 +110,9 @@ class Extractor:
     """Runs batches through the hooked model and hands each batch's tensors, on the host, to ``on_batch``
     in a writer thread, overlapping the copy and the write with the next forward."""
 
-    def __init__(self, lm, layer_ids, *, device: torch.device, max_tokens: int, num_slots: int, pad_token_id: int):
+    def __init__(
+        self, lm, layer_ids, *, device: torch.device, max_tokens: int, num_slots: int, pad_token_id: int
+    ):
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
         self.device = device
@@ -139,14 +141,19 @@ class Extractor:
                     if slot.copied is not None:
                         slot.copied.synchronize()
                     n = inputs.num_tokens
-                    states = slot.host_buf[: n * len(self.layer_ids) * self.hidden].view(n, len(self.layer_ids), self.hidden)
-                    on_batch(batch, {
-                        "hidden_states": states,
-                        "input_ids": inputs.tokens_ids,
-                        "loss_mask": inputs.tokens_mask,
-                        "cu_seqlens": inputs.cu_seqlens,
-                        "sample_index": inputs.sample_index,
-                    })
+                    states = slot.host_buf[: n * len(self.layer_ids) * self.hidden].view(
+                        n, len(self.layer_ids), self.hidden
+                    )
+                    on_batch(
+                        batch,
+                        {
+                            "hidden_states": states,
+                            "input_ids": inputs.tokens_ids,
+                            "loss_mask": inputs.tokens_mask,
+                            "cu_seqlens": inputs.cu_seqlens,
+                            "sample_index": inputs.sample_index,
+                        },
+                    )
                 except BaseException as e:  # surfaced in the main thread
                     failure.append(e)
                 finally:
@@ -161,11 +168,15 @@ class Extractor:
                     inputs = build_batch(samples, batch, self.pad_token_id)
                     t0 = time.perf_counter()
                     n = inputs.num_tokens
-                    out = slot.device_buf[: n * len(self.layer_ids) * self.hidden].view(n, len(self.layer_ids), self.hidden)
+                    out = slot.device_buf[: n * len(self.layer_ids) * self.hidden].view(
+                        n, len(self.layer_ids), self.hidden
+                    )
                     cap.forward(
                         inputs.input_ids.to(self.device, non_blocking=True),
                         inputs.attention_mask.to(self.device, non_blocking=True),
-                        GatherTarget(flat_index=inputs.flat_index.to(self.device, non_blocking=True), out=out),
+                        GatherTarget(
+                            flat_index=inputs.flat_index.to(self.device, non_blocking=True), out=out
+                        ),
                     )
                     if self.copy_stream is not None:
                         # The copy waits for this forward only; the next forward starts at once on the main stream.
@@ -229,7 +240,9 @@ class ShardRun:
         self.staging = self.cfg.staging_dir / f"shard-{shard:05d}"
         self.budget = int(self.cfg.staging_max_gb * 1e9)
         self.progress = ShardProgress(
-            shard=shard, pid=os.getpid(), host=socket.gethostname(),
+            shard=shard,
+            pid=os.getpid(),
+            host=socket.gethostname(),
             batches_total=len(self.batches),
             samples_total=sum(b.rows for b in self.batches),
             tokens_total=sum(b.num_tokens for b in self.batches),
@@ -292,7 +305,11 @@ class ShardRun:
             if staged == 0 or staged + need <= self.budget:
                 break
             if not waited:
-                log.info("staging holds %.2f GB (budget %.2f GB): waiting for the uploader", staged / 1e9, self.budget / 1e9)
+                log.info(
+                    "staging holds %.2f GB (budget %.2f GB): waiting for the uploader",
+                    staged / 1e9,
+                    self.budget / 1e9,
+                )
                 self.progress.state = "waiting-for-uploader"
                 waited = True
             self.uploader.check_alive()
@@ -306,34 +323,60 @@ class ShardRun:
         hs = tensors["hidden_states"]
         self._wait_for_budget(hs.numel() * hs.element_size())
         sample_ids = [self.sample_ids[i] for i in batch.sample_indices]
-        meta = batch_metadata(run_meta=self.meta["file_metadata"], batch_id=batch.batch_id, shard=batch.shard,
-                              sample_ids=sample_ids)
+        meta = batch_metadata(
+            run_meta=self.meta["file_metadata"],
+            batch_id=batch.batch_id,
+            shard=batch.shard,
+            sample_ids=sample_ids,
+        )
         path = self.staging / Path(batch.key).name
         t0 = time.perf_counter()
         size = write_safetensors(path, tensors, meta)
-        log.info("batch %d written: %d rows, %d tokens, %.1f MB in %.3f s", batch.batch_id, batch.rows,
-                 batch.num_tokens, size / 1e6, time.perf_counter() - t0)
+        log.info(
+            "batch %d written: %d rows, %d tokens, %.1f MB in %.3f s",
+            batch.batch_id,
+            batch.rows,
+            batch.num_tokens,
+            size / 1e6,
+            time.perf_counter() - t0,
+        )
         self.uploader.submit(path, batch.key)
 
     # -- main -------------------------------------------------------------------------------------------------
     def run(self) -> None:
-        log.info("shard %d: %d batches, %d tokens; staging %s", self.shard, len(self.batches),
-                 self.progress.tokens_total, self.staging)
+        log.info(
+            "shard %d: %d batches, %d tokens; staging %s",
+            self.shard,
+            len(self.batches),
+            self.progress.tokens_total,
+            self.staging,
+        )
         all_done = done_keys(self.run_dir)
         self._mark_done(k for k in self.by_key if k in all_done)
         self.session_tokens = 0
         staged = self._recover_staging()
         if len(self.done) < len(self.batches):
             # A killed uploader can leave a half-copied file (local) or an open multipart upload (S3) in the output.
-            partials = open_sink(self.cfg.output, self.cfg.s3_endpoint_url).discard_partials(f"shard-{self.shard:05d}/")
+            partials = open_sink(self.cfg.output, self.cfg.s3_endpoint_url).discard_partials(
+                f"shard-{self.shard:05d}/"
+            )
             if partials:
-                log.info("discarded %d unfinished upload(s) left in the output by an earlier attempt", partials)
+                log.info(
+                    "discarded %d unfinished upload(s) left in the output by an earlier attempt", partials
+                )
         todo = [b for b in self.batches if b.key not in self.done and b.key not in staged]
-        log.info("resume: %d batches done, %d staged to upload, %d to compute", len(self.done), len(staged), len(todo))
+        log.info(
+            "resume: %d batches done, %d staged to upload, %d to compute",
+            len(self.done),
+            len(staged),
+            len(todo),
+        )
         self._save_progress("starting")
 
         self.uploader = Uploader(
-            output=self.cfg.output, endpoint_url=self.cfg.s3_endpoint_url, marker_dir=markers_dir(self.run_dir),
+            output=self.cfg.output,
+            endpoint_url=self.cfg.s3_endpoint_url,
+            marker_dir=markers_dir(self.run_dir),
             log_file=log_path(self.run_dir, self.shard, "uploader"),
         )
         self.uploader.start()
@@ -364,12 +407,21 @@ class ShardRun:
             torch.cuda.set_device(device)
         self._save_progress("loading")
         t0 = time.time()
-        lm = load_model(cfg.model, dtype=cfg.dtype, device=str(device), attn_implementation=cfg.attn_implementation,
-                        random_weights=cfg.random_weights)
+        lm = load_model(
+            cfg.model,
+            dtype=cfg.dtype,
+            device=str(device),
+            attn_implementation=cfg.attn_implementation,
+            random_weights=cfg.random_weights,
+        )
         log.info("model loaded in %.1f s", time.time() - t0)
         extractor = Extractor(
-            lm, tuple(self.meta["layer_ids"]), device=device, max_tokens=max(b.num_tokens for b in todo),
-            num_slots=cfg.pinned_buffers, pad_token_id=self.meta["pad_token_id"],
+            lm,
+            tuple(self.meta["layer_ids"]),
+            device=device,
+            max_tokens=max(b.num_tokens for b in todo),
+            num_slots=cfg.pinned_buffers,
+            pad_token_id=self.meta["pad_token_id"],
         )
         self.t_start = time.time()
         self._save_progress("running")
@@ -382,7 +434,9 @@ class ShardRun:
                 self._save_progress()
                 last_save[0] = now
 
-        extractor.run(todo, samples, self._write_batch, on_forward=on_forward, should_stop=self._poll_uploader)
+        extractor.run(
+            todo, samples, self._write_batch, on_forward=on_forward, should_stop=self._poll_uploader
+        )
 
 
 def main(argv=None) -> int:

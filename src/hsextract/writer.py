@@ -42,7 +42,11 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     offset = 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
@@ -81,6 +85,8 @@ def batch_metadata(*, run_meta: dict, batch_id: int, shard: int, sample_ids: lis
     return meta
 
 
-def estimate_file_bytes(num_tokens: int, num_samples: int, num_layers: int, hidden: int, itemsize: int) -> int:
+def estimate_file_bytes(
+    num_tokens: int, num_samples: int, num_layers: int, hidden: int, itemsize: int
+) -> int:
     """Bytes of a batch file's tensors (the header adds a few KB)."""
     return num_tokens * (num_layers * hidden * itemsize + 4 + 1) + (num_samples + 1) * 8 + num_samples * 8
