@@ -99,3 +99,17 @@ def test_unwritable_staging(base, tmp_path):
 def test_missing_options_are_named(tmp_path):
     r = run_cli("run", "--device", "cpu", check=False)
     assert r.returncode == 2 and "--model" in r.stderr and "--data" in r.stderr
+
+
+def test_random_weights_are_refused_by_run(base, tmp_path):
+    _, args = base
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text("random_weights: true\n")
+    _fails(args + ["--config", cfg], "benchmarks only")
+
+
+def test_unknown_yaml_option_is_named(base, tmp_path):
+    _, args = base
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text("max_token_per_batch: 4096\n")
+    _fails(args + ["--config", cfg], "unknown option 'max_token_per_batch'")
