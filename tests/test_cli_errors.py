@@ -113,3 +113,60 @@ def test_unknown_yaml_option_is_named(base, tmp_path):
     cfg = tmp_path / "typo.yaml"
     cfg.write_text("max_token_per_batch: 4096\n")
     _fails(args + ["--config", cfg], "unknown option 'max_token_per_batch'")
+
+
+def test_new_run_dir_into_an_output_of_another_run_is_refused(base, tmp_path):
+    root, args = base
+    args = _replace(_replace(args, "--output", tmp_path / "out"), "--run-dir", tmp_path / "run1")
+    run_cli(*args, "--layers", "1,2")
+    before = sorted(p.name for p in (tmp_path / "out").rglob("*"))
+    other = _replace(args, "--run-dir", tmp_path / "run2")
+    _fails(other + ["--layers", "1,3"], "already holds a finished run with another plan")
+    (tmp_path / "out" / "manifest.json").unlink()
+    _fails(other + ["--layers", "1,3"], "already holds", "batch file(s)", "--run-dir")
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == [
+        n for n in before if n != "manifest.json"
+    ]
+
+
+def test_repeated_row_ids_are_kept_and_renamed(tmp_path, tiny_model):
+    import json
+
+    from hsextract.reader import open_output
+
+    data = tmp_path / "dup.jsonl"
+    rows = [
+        {"id": "a", "input_ids": [5, 6, 7]},
+        {"id": "a", "input_ids": [8, 9]},
+        {"id": "b", "input_ids": [3]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run_cli(
+        "run",
+        "--model",
+        tiny_model,
+        "--data",
+        data,
+        "--output",
+        tmp_path / "out",
+        "--run-dir",
+        tmp_path / "run",
+        "--staging",
+        tmp_path / "st",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-proc",
+        "1",
+        "--no-progress",
+        "--max-length",
+        "64",
+        "--max-tokens-per-batch",
+        "64",
+    )
+    assert "1 row(s) repeat an earlier row's id" in r.stdout
+    out = open_output(tmp_path / "out")
+    assert sorted(out.sample_ids()) == ["a", "a#2", "b"]
+    assert out["a#2"]["input_ids"].tolist() == [8, 9]
+    assert json.loads((tmp_path / "run" / "data_report.json").read_text())["duplicate_ids_renamed"] == 1

@@ -113,6 +113,7 @@ def prepare_run(
         progress=show_progress,
     )
     echo(f"data: {report.summary()}")
+    samples, duplicate_ids = _unique_sample_ids(samples, echo)
 
     tok_fp = tokenizer_fingerprint(tokenizer)
     fingerprint = {
@@ -135,6 +136,8 @@ def prepare_run(
         fingerprint=fingerprint,
     )
     plan_file = run_dir / "plan.json"
+    if not plan_file.exists():
+        _refuse_foreign_output(cfg, plan)
     if plan_file.exists():
         old = Plan.load(plan_file)
         if old.plan_hash != plan.plan_hash:
@@ -154,7 +157,9 @@ def prepare_run(
             )
 
     # Written only once the plan is accepted: a refused rerun leaves the run dir as it was.
-    (run_dir / "data_report.json").write_text(json.dumps(report.to_json(), indent=2))
+    (run_dir / "data_report.json").write_text(
+        json.dumps({**report.to_json(), "duplicate_ids_renamed": duplicate_ids}, indent=2)
+    )
     samples.save(run_dir / TOKENS_FILE)
     meta = {
         "layer_ids": list(layer_ids),
@@ -185,6 +190,52 @@ def prepare_run(
     plan.save(plan_file)
     echo(f"plan: {plan.summary()}")
     return plan, meta
+
+
+def _refuse_foreign_output(cfg: RunConfig, plan: Plan) -> None:
+    """A new run dir must not write into an output that holds another run's batches: keys would collide and the
+    result would mix two jobs' states without a trace."""
+    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
+    if sink.exists("manifest.json"):
+        other = json.loads(sink.get_bytes("manifest.json")).get("plan_hash")
+        if other == plan.plan_hash:
+            return  # the same job, finished before (its run dir was lost): rerunning rewrites identical batches
+        raise HsextractError(
+            f"output {cfg.output} already holds a finished run with another plan ({other}); "
+            "choose a new --output, or delete that one first"
+        )
+    existing = sink.list_keys("shard-")
+    if existing:
+        raise HsextractError(
+            f"output {cfg.output} already holds {len(existing)} batch file(s) (e.g. {existing[0]}) but run dir "
+            f"{cfg.run_dir} is new, so nothing says which job wrote them: rerun with that job's --run-dir to "
+            "resume it, or choose a new --output"
+        )
+
+
+def _unique_sample_ids(samples: TokenizedSamples, echo) -> tuple[TokenizedSamples, int]:
+    """Rows sharing an id are all kept; repeats get ``#2``, ``#3``... so the reader can look each one up."""
+    seen: dict[str, int] = {}
+    ids, renamed = [], 0
+    for sid in samples.sample_ids:
+        n = seen.get(sid, 0) + 1
+        seen[sid] = n
+        if n > 1:
+            renamed += 1
+            sid = f"{sid}#{n}"
+            while sid in seen:
+                sid += "'"
+            seen[sid] = 1
+        ids.append(sid)
+    if not renamed:
+        return samples, 0
+    echo(
+        f"warning: {renamed} row(s) repeat an earlier row's id; renamed to id#2, id#3, ... (see data_report.json)"
+    )
+    fixed = TokenizedSamples(
+        sample_ids=ids, input_ids=samples.input_ids, loss_mask=samples.loss_mask, offsets=samples.offsets
+    )
+    return fixed, renamed
 
 
 def _reset_run(run_dir: Path, cfg: RunConfig, old: Plan, new: Plan) -> None:
