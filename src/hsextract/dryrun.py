@@ -117,11 +117,6 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         t0 = time.perf_counter()
         extractor.run([batch], samples, keep)
         first_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        extractor.run([batch], samples, lambda b, t: None)  # warm: the measured rate
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        warm_s = time.perf_counter() - t0
     finally:
         if _shift:
             worker_mod.LayerCapture = original
@@ -204,7 +199,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         + HEADER_BYTES_PER_SAMPLE * b.rows
         for b in plan.batches
     )
-    tokens_per_s = batch.num_tokens / warm_s
+    tokens_per_s, rate_batch = _measure_rate(lm, layer_ids, plan, samples, device, tokenizer.pad_token_id)
     report = {
         "model": cfg.model,
         "num_layers": num_layers,
@@ -229,11 +224,36 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
             "total_bytes": total_bytes,
             "measured_tokens_per_s": tokens_per_s,
             "measured_on": str(device),
+            "measured_batch": rate_batch,
             "shards": cfg.shards,
             "eta_s": plan.num_tokens / (tokens_per_s * cfg.shards),
         },
     }
     return DryRunResult(report=report, ok=ok)
+
+
+def _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id) -> tuple[float, dict]:
+    """Tokens/s of the capture path on a typical batch of the real plan (the median by padded size), timed on its
+    second pass so kernel compilation stays out. The proof batch is too small to say anything about speed."""
+    from .worker import Extractor
+
+    batch = sorted(plan.batches, key=lambda b: b.padded_tokens)[len(plan.batches) // 2]
+    extractor = Extractor(
+        lm, layer_ids, device=device, max_tokens=batch.num_tokens, num_slots=2, pad_token_id=pad_token_id
+    )
+    extractor.run([batch], samples, lambda b, t: None)
+    t0 = time.perf_counter()
+    extractor.run([batch], samples, lambda b, t: None)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    shape = {
+        "rows": batch.rows,
+        "padded_length": batch.padded_length,
+        "tokens": batch.num_tokens,
+        "seconds": seconds,
+    }
+    return batch.num_tokens / seconds, shape
 
 
 def _cache(cfg: RunConfig):
@@ -249,6 +269,10 @@ def _final_norm(lm):
         or getattr(decoder, "final_layernorm", None)
         or getattr(decoder, "ln_f", None)
     )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def format_report(report: dict) -> str:
@@ -275,8 +299,9 @@ def format_report(report: dict) -> str:
         f"{est['data']['skipped_too_long']} too long skipped)",
         f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
         f"output: {est['bytes_per_token']:,} bytes/token, {est['total_bytes'] / 1e9:,.2f} GB in total",
-        f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']}; "
-        f"ETA with {est['shards']} shard(s): {est['eta_s'] / 3600:.2f} h",
+        f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']} "
+        f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
+        f"ETA with {est['shards']} shard(s): {_duration(est['eta_s'])}",
     ]
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
