@@ -26,7 +26,7 @@ from conftest import run_cli, write_mixed_dataset
 from safetensors import safe_open
 
 from hsextract.plan import Plan
-from hsextract.progress import ShardProgress, done_keys
+from hsextract.progress import ShardProgress, done_keys, progress_path
 from hsextract.reader import open_output
 
 # The timeout covers a test's fixtures too: the reference run and one crash-and-resume cycle fit well within it.
@@ -498,3 +498,22 @@ def test_status_of_a_directory_that_is_not_a_run(tmp_path, extra):
     assert r.returncode == 2
     assert f"error: {tmp_path} is not an hsextract run directory (no plan.json)" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_shard_already_being_run_is_refused(tmp_path, tiny_model, dataset):
+    """Two processes must never run one shard: the second one stops with a message naming the holder."""
+    import fcntl
+
+    from hsextract.progress import lock_path
+
+    run_dir = tmp_path / "run"
+    lock = lock_path(run_dir, 1)
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242 on elsewhere")
+        held.flush()
+        r = run_cli(*run_args(tmp_path, tiny_model, dataset[0]), check=False, timeout=RUN_TIMEOUT_S)
+    assert r.returncode == 1
+    assert "shard 1" in r.stdout and "already being run by pid 4242 on elsewhere" in r.stdout
+    assert not progress_path(run_dir, 1).exists() or "failed" not in progress_path(run_dir, 1).read_text()

@@ -349,7 +349,11 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
         bars.close()
     for s, rc in sorted(failed.items()):
         prog = ShardProgress.load(run_dir, s)
-        why = f": {prog.error}" if prog and prog.error else ""
+        if prog and prog.state == "failed" and prog.error:
+            why = f": {prog.error}"
+        else:  # died before it could record why (or refused to touch the progress file): its last words
+            why = _last_line(log_path(run_dir, s, "stderr"))
+            why = f": {why}" if why else ""
         echo(
             f"shard {s} failed ({_exit_reason(rc)}){why}\n  log: {log_path(run_dir, s)}\n  output: {log_path(run_dir, s, 'stderr')}"
         )
@@ -357,6 +361,16 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
         echo("Rerun the same command to resume: finished batches are kept.")
         return 1
     return finalize(cfg, plan, echo=echo)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
 
 
 def _exit_reason(returncode: int) -> str:

@@ -51,6 +51,10 @@ def progress_path(run_dir: Path, shard: int) -> Path:
     return Path(run_dir) / "progress" / f"shard-{shard:05d}.json"
 
 
+def lock_path(run_dir: Path, shard: int) -> Path:
+    return Path(run_dir) / "locks" / f"shard-{shard:05d}.lock"
+
+
 def log_path(run_dir: Path, shard: int, role: str = "") -> Path:
     suffix = f".{role}" if role else ""
     return Path(run_dir) / "logs" / f"shard-{shard:05d}{suffix}.log"

@@ -21,6 +21,7 @@ Resume: batches with a marker are skipped; complete files left in staging are up
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from .config import RunConfig
 from .data import TokenizedSamples
 from .errors import HsextractError
 from .plan import BatchSpec, Plan
-from .progress import ShardProgress, done_keys, log_path, markers_dir
+from .progress import ShardProgress, done_keys, lock_path, log_path, markers_dir
 from .storage import open_sink
 from .uploader import Uploader
 from .writer import batch_metadata, write_safetensors
@@ -251,6 +252,7 @@ class ShardRun:
         self.session_tokens = 0
         self.t_start = time.time()
         self.uploader: Uploader | None = None
+        self.locked = False
 
     # -- progress -------------------------------------------------------------------------------------------
     def _mark_done(self, keys) -> None:
@@ -343,7 +345,29 @@ class ShardRun:
         self.uploader.submit(path, batch.key)
 
     # -- main -------------------------------------------------------------------------------------------------
+    def _lock_shard(self) -> None:
+        """Hold an exclusive lock on this shard for the life of the process: two processes running one shard
+        would race on its staging directory and output keys. The kernel drops the lock when the process dies."""
+        path = lock_path(self.run_dir, self.shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(path, "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "another process"
+            raise HsextractError(
+                f"shard {self.shard} of {self.run_dir} is already being run by {holder}; "
+                "wait for it (hsextract status) or stop it before rerunning"
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self._lock_file.flush()
+        self.locked = True
+
     def run(self) -> None:
+        self._lock_shard()
         log.info(
             "shard %d: %d batches, %d tokens; staging %s",
             self.shard,
@@ -456,7 +480,9 @@ def main(argv=None) -> int:
         log.exception("shard %d failed", shard)
         print(f"shard {shard} failed: {e!r}", file=sys.stderr)
         code, message = 1, repr(e)
-    if shard_run is not None:
+    if (
+        shard_run is not None and shard_run.locked
+    ):  # never overwrite the progress of the process holding the shard
         shard_run.progress.error = message
         shard_run._save_progress("failed")
     return code
