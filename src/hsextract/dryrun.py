@@ -103,23 +103,15 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         max_tokens=batch.num_tokens,
         num_slots=1,
         pad_token_id=tokenizer.pad_token_id,
+        _shift=_shift,
     )
-    if _shift:
-        import hsextract.worker as worker_mod
 
-        original = worker_mod.LayerCapture
-        worker_mod.LayerCapture = lambda lm_, ids: original(lm_, ids, shift=_shift)
-    try:
+    def keep(b, tensors):
+        captured.update({k: v.clone() for k, v in tensors.items()})
 
-        def keep(b, tensors):
-            captured.update({k: v.clone() for k, v in tensors.items()})
-
-        t0 = time.perf_counter()
-        extractor.run([batch], samples, keep)
-        first_s = time.perf_counter() - t0
-    finally:
-        if _shift:
-            worker_mod.LayerCapture = original
+    t0 = time.perf_counter()
+    extractor.run([batch], samples, keep)
+    first_s = time.perf_counter() - t0
     states = captured["hidden_states"].float()  # [N, L, H]
     cu = captured["cu_seqlens"].tolist()
 

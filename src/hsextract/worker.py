@@ -112,8 +112,18 @@ class Extractor:
     in a writer thread, overlapping the copy and the write with the next forward."""
 
     def __init__(
-        self, lm, layer_ids, *, device: torch.device, max_tokens: int, num_slots: int, pad_token_id: int
+        self,
+        lm,
+        layer_ids,
+        *,
+        device: torch.device,
+        max_tokens: int,
+        num_slots: int,
+        pad_token_id: int,
+        _shift: int = 0,
     ):
+        # ``_shift`` only lets the dry run's tests prove that a capture off by one layer is caught.
+        self._shift = _shift
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
         self.device = device
@@ -163,7 +173,7 @@ class Extractor:
         thread = threading.Thread(target=writer, name="batch-writer", daemon=True)
         thread.start()
         try:
-            with LayerCapture(self.lm, self.layer_ids) as cap, torch.inference_mode():
+            with LayerCapture(self.lm, self.layer_ids, shift=self._shift) as cap, torch.inference_mode():
                 for batch in batches:
                     slot = self._take(free, failure, should_stop)
                     inputs = build_batch(samples, batch, self.pad_token_id)
