@@ -15,7 +15,8 @@ import yaml
 
 from .errors import HsextractError
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = tuple(DTYPE_BYTES)
 TOO_LONG_POLICIES = ("truncate", "skip")
 
 

@@ -17,15 +17,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from .capture import describe_layer, layer_types, load_model, resolve_layer_ids
-from .config import RunConfig
+from .capture import base_model, describe_layer, layer_types, load_model, load_model_config, resolve_layer_ids
+from .config import DTYPE_BYTES, RunConfig
+from .data import load_samples
 from .errors import HsextractError
+from .launcher import load_tokenizer
 from .plan import BatchSpec, make_plan
-from .writer import estimate_file_bytes
+from .worker import Extractor
+from .writer import bytes_per_token, estimate_file_bytes
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
@@ -56,11 +60,6 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
 
 def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift: int = 0) -> DryRunResult:
     """Run the proof, the health check and the estimate. ``lm`` and ``_shift`` exist for tests."""
-    from .capture import load_model_config
-    from .data import load_samples
-    from .launcher import load_tokenizer
-    from .worker import Extractor
-
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     types = layer_types(text)
@@ -71,7 +70,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         max_length=cfg.max_length,
         too_long=cfg.too_long,
         num_proc=cfg.num_proc,
-        cache_dir=None if cfg.run_dir == "" else _cache(cfg),
+        cache_dir=Path(cfg.run_dir) / "cache",
     )
     lengths = samples.lengths
     picks = pick_samples(lengths, num_samples, cfg.max_tokens_per_batch)
@@ -183,8 +182,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         max_rows=cfg.max_rows,
         shards=cfg.shards,
     )
-    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-    bytes_per_token = len(layer_ids) * hidden * itemsize + 5
+    itemsize = DTYPE_BYTES[cfg.dtype]
     total_bytes = sum(
         estimate_file_bytes(b.num_tokens, b.rows, len(layer_ids), hidden, itemsize)
         + HEADER_BYTES_FIXED
@@ -212,7 +210,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
             "batches": len(plan.batches),
             "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
             "padding_waste": plan.padding_waste,
-            "bytes_per_token": bytes_per_token,
+            "bytes_per_token": bytes_per_token(len(layer_ids), hidden, itemsize),
             "total_bytes": total_bytes,
             "measured_tokens_per_s": tokens_per_s,
             "measured_on": str(device),
@@ -227,8 +225,6 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
 def _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id) -> tuple[float, dict]:
     """Tokens/s of the capture path on a typical batch of the real plan (the median by padded size), timed on its
     second pass so kernel compilation stays out. The proof batch is too small to say anything about speed."""
-    from .worker import Extractor
-
     batch = sorted(plan.batches, key=lambda b: b.padded_tokens)[len(plan.batches) // 2]
     extractor = Extractor(
         lm, layer_ids, device=device, max_tokens=batch.num_tokens, num_slots=2, pad_token_id=pad_token_id
@@ -248,14 +244,8 @@ def _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id) -> tuple[f
     return batch.num_tokens / seconds, shape
 
 
-def _cache(cfg: RunConfig):
-    from pathlib import Path
-
-    return Path(cfg.run_dir) / "cache"
-
-
 def _final_norm(lm):
-    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model
+    decoder = base_model(lm)
     return (
         getattr(decoder, "norm", None)
         or getattr(decoder, "final_layernorm", None)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import __version__
 from .capture import CONVENTION, layer_types, load_model_config, resolve_layer_ids
-from .config import RunConfig
+from .config import DTYPE_BYTES, RunConfig
 from .data import DataReport, TokenizedSamples, data_fingerprint, load_samples, tokenizer_fingerprint
 from .errors import HsextractError
 from .plan import Plan, fingerprint_changes, make_plan
@@ -97,7 +97,7 @@ def prepare_run(
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     hidden = text.hidden_size
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.dtype]
+    itemsize = DTYPE_BYTES[cfg.dtype]
     preflight(cfg.output, cfg.s3_endpoint_url)
     check_staging(cfg, estimate_file_bytes(cfg.max_tokens_per_batch, 1, len(layer_ids), hidden, itemsize))
 

@@ -33,6 +33,11 @@ def markers_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "markers"
 
 
+def marker_path(marker_dir: Path, key: str) -> Path:
+    """Where the marker of an uploaded key lives; it exists only once the key is durable in the output."""
+    return Path(marker_dir) / f"{key}{MARKER_SUFFIX}"
+
+
 def done_keys(run_dir: Path) -> set[str]:
     """Output keys of every batch recorded durable, listed once."""
     root = markers_dir(run_dir)

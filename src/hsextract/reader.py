@@ -25,16 +25,10 @@ import torch
 
 from .errors import HsextractError
 from .storage import open_sink
+from .writer import SAFETENSORS_DTYPES
 
 MANIFEST = "manifest.json"
-_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "U8": torch.uint8,
-}
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -45,17 +45,12 @@ from pathlib import Path
 
 from hsextract.errors import HsextractError, UploaderDied
 from hsextract.procs import die_with_parent
+from hsextract.progress import marker_path
 from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, StoredObject, open_sink
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
-_PR_SET_PDEATHSIG = 1
-
-
-def marker_path(marker_dir: Path, key: str) -> Path:
-    """Where the marker of an uploaded key lives; it exists only once the key is durable in the output."""
-    return Path(marker_dir) / f"{key}.done"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

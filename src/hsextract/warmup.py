@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .capture import layer_types
+    from .capture import base_model, layer_types
     from .config import RunConfig
     from .plan import Plan
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     with torch.device("cuda"):
         lm = AutoModelForCausalLM.from_config(text, dtype=getattr(torch, cfg.dtype))
     lm.eval()
-    decoder = lm.get_decoder()
+    decoder = base_model(lm)
     shapes = warm_shapes(plan)
     with torch.inference_mode():
         for rows, length in shapes:

@@ -27,7 +27,7 @@ import torch
 FORMAT_NAME = "hsextract-batch"
 FORMAT_VERSION = "1"
 
-_DTYPE_NAMES = {
+SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
     torch.float32: "F32",
@@ -43,7 +43,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _DTYPE_NAMES[t.dtype],
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -89,4 +89,11 @@ def estimate_file_bytes(
     num_tokens: int, num_samples: int, num_layers: int, hidden: int, itemsize: int
 ) -> int:
     """Bytes of a batch file's tensors (the header adds a few KB)."""
-    return num_tokens * (num_layers * hidden * itemsize + 4 + 1) + (num_samples + 1) * 8 + num_samples * 8
+    return (
+        num_tokens * bytes_per_token(num_layers, hidden, itemsize) + (num_samples + 1) * 8 + num_samples * 8
+    )
+
+
+def bytes_per_token(num_layers: int, hidden: int, itemsize: int) -> int:
+    """States of every captured layer, plus the token id (int32) and its loss-mask byte."""
+    return num_layers * hidden * itemsize + 4 + 1
