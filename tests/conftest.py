@@ -42,6 +42,28 @@ def run_cli(*args, timeout=300, env=None, check=True):
     return r
 
 
+def cli_run_args(root, model, data, **options) -> list:
+    """``hsextract run`` on CPU in float32 with output, run dir and staging under ``root``. ``options`` add or
+    override ``--name value`` (underscores become dashes); ``True`` gives a bare flag, ``None`` drops an option."""
+    opts = {
+        "model": model,
+        "data": data,
+        "output": root / "out",
+        "run-dir": root / "run",
+        "staging": root / "staging",
+        "device": "cpu",
+        "dtype": "float32",
+    }
+    opts.update({key.replace("_", "-"): value for key, value in options.items()})
+    args = ["run"]
+    for key, value in opts.items():
+        if value is True:
+            args.append(f"--{key}")
+        elif value is not None:
+            args += [f"--{key}", str(value)]
+    return args
+
+
 def write_mixed_dataset(path, tokenizer, n_chat=40, seed=0):
     """Chat rows from the demo generator plus pre-tokenized rows from 1 token up, with explicit ids."""
     import json

@@ -4,37 +4,17 @@ import os
 import time
 
 import pytest
-from conftest import run_cli, write_mixed_dataset
+from conftest import cli_run_args, run_cli, write_mixed_dataset
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model, tiny_tokenizer):
     root = tmp_path_factory.mktemp("cli")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=5)
-    return root, [
-        "run",
-        "--model",
-        tiny_model,
-        "--data",
-        data,
-        "--output",
-        root / "out",
-        "--run-dir",
-        root / "run",
-        "--staging",
-        root / "staging",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--num-proc",
-        "1",
-        "--no-progress",
-        "--max-length",
-        "300",
-        "--max-tokens-per-batch",
-        "600",
-    ]
+    args = cli_run_args(
+        root, tiny_model, data, num_proc=1, no_progress=True, max_length=300, max_tokens_per_batch=600
+    )
+    return root, args
 
 
 def _replace(args, flag, value):
@@ -142,28 +122,9 @@ def test_repeated_row_ids_are_kept_and_renamed(tmp_path, tiny_model):
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = run_cli(
-        "run",
-        "--model",
-        tiny_model,
-        "--data",
-        data,
-        "--output",
-        tmp_path / "out",
-        "--run-dir",
-        tmp_path / "run",
-        "--staging",
-        tmp_path / "st",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--num-proc",
-        "1",
-        "--no-progress",
-        "--max-length",
-        "64",
-        "--max-tokens-per-batch",
-        "64",
+        *cli_run_args(
+            tmp_path, tiny_model, data, num_proc=1, no_progress=True, max_length=64, max_tokens_per_batch=64
+        )
     )
     assert "1 row(s) repeat an earlier row's id" in r.stdout
     out = open_output(tmp_path / "out")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli, write_mixed_dataset
+from conftest import cli_run_args, run_cli, write_mixed_dataset
 
 from hsextract.capture import load_model
 from hsextract.config import RunConfig
@@ -83,34 +83,18 @@ def test_estimate_matches_what_a_real_run_writes(setup, tmp_path):
     result = dry_run(cfg, num_samples=4)
     est = result.report["estimate"]
     run_cli(
-        "run",
-        "--model",
-        cfg.model,
-        "--data",
-        cfg.data,
-        "--output",
-        tmp_path / "out",
-        "--run-dir",
-        tmp_path / "run",
-        "--staging",
-        tmp_path / "st",
-        "--layers",
-        "0,3,7",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--shards",
-        "2",
-        "--max-tokens-per-batch",
-        "600",
-        "--max-rows",
-        "16",
-        "--max-length",
-        "300",
-        "--num-proc",
-        "1",
-        "--no-progress",
+        *cli_run_args(
+            tmp_path,
+            cfg.model,
+            cfg.data,
+            layers="0,3,7",
+            shards=2,
+            max_tokens_per_batch=600,
+            max_rows=16,
+            max_length=300,
+            num_proc=1,
+            no_progress=True,
+        )
     )
     files = list((tmp_path / "out").rglob("*.safetensors"))
     written = sum(f.stat().st_size for f in files)

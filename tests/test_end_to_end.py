@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli, write_mixed_dataset
+from conftest import cli_run_args, run_cli, write_mixed_dataset
 from safetensors import safe_open
 
 from hsextract.reader import open_output
@@ -17,36 +17,18 @@ LAYERS = (0, 3, 7)  # first, middle (a full-attention layer), last of the 8-laye
 def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
     root = tmp_path_factory.mktemp("e2e")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
-    args = [
-        "run",
-        "--model",
+    args = cli_run_args(
+        root,
         tiny_model,
-        "--data",
         data,
-        "--output",
-        root / "out",
-        "--run-dir",
-        root / "run",
-        "--staging",
-        root / "staging",
-        "--layers",
-        ",".join(map(str, LAYERS)),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--shards",
-        "2",
-        "--max-tokens-per-batch",
-        "600",
-        "--max-rows",
-        "16",
-        "--max-length",
-        "300",
-        "--num-proc",
-        "2",
-        "--no-progress",
-    ]
+        layers=",".join(map(str, LAYERS)),
+        shards=2,
+        max_tokens_per_batch=600,
+        max_rows=16,
+        max_length=300,
+        num_proc=2,
+        no_progress=True,
+    )
     result = run_cli(*args)
     return root, data, result, args
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli, write_mixed_dataset
+from conftest import cli_run_args, run_cli, write_mixed_dataset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -87,37 +87,22 @@ def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tok
     from hsextract.reader import open_output
 
     data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer)
-    r = run_cli(
-        "run",
-        "--model",
+    args = cli_run_args(
+        tmp_path,
         tiny_model,
-        "--data",
         data,
-        "--output",
-        tmp_path / "out",
-        "--run-dir",
-        tmp_path / "run",
-        "--layers",
-        "0,3,6",
-        "--device",
-        "cuda",
-        "--gpus",
-        "0,0",
-        "--shards",
-        "2",
-        "--dtype",
-        "float32",
-        "--max-tokens-per-batch",
-        "600",
-        "--max-rows",
-        "16",
-        "--max-length",
-        "300",
-        "--num-proc",
-        "2",
-        "--no-progress",
-        timeout=900,
+        staging=None,  # the default, /dev/shm
+        layers="0,3,6",
+        device="cuda",
+        gpus="0,0",
+        shards=2,
+        max_tokens_per_batch=600,
+        max_rows=16,
+        max_length=300,
+        num_proc=2,
+        no_progress=True,
     )
+    r = run_cli(*args, timeout=900)
     print(r.stdout)
     lm = load_model(str(tiny_model), dtype="float32", device="cuda")
     out = open_output(tmp_path / "out")

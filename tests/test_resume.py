@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_mixed_dataset
+from conftest import cli_run_args, run_cli, write_mixed_dataset
 from safetensors import safe_open
 
 from hsextract.plan import Plan
@@ -41,26 +41,16 @@ POLL_S = 0.02
 # -- runs ---------------------------------------------------------------------------------------------------------
 def run_args(root: Path, model, data, **overrides) -> list[str]:
     """``hsextract run`` with small batches (many of them, so kill points fall mid-run) under ``root``."""
-    opts = {
-        "model": model,
-        "data": data,
-        "output": root / "out",
-        "run-dir": root / "run",
-        "staging": root / "staging",
+    options = {
         "layers": "0,3,7",
-        "device": "cpu",
-        "dtype": "float32",
         "shards": SHARDS,
-        "max-tokens-per-batch": 300,
-        "max-rows": 8,
-        "max-length": 300,
-        "num-proc": 1,
+        "max_tokens_per_batch": 300,
+        "max_rows": 8,
+        "max_length": 300,
+        "num_proc": 1,
+        **overrides,
     }
-    opts.update({k.replace("_", "-"): v for k, v in overrides.items()})
-    args = ["run"]
-    for key, value in opts.items():
-        args += [f"--{key}", str(value)]
-    return args
+    return cli_run_args(root, model, data, **options)
 
 
 @contextmanager

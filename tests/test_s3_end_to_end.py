@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_mixed_dataset
+from conftest import cli_run_args, write_mixed_dataset
 from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401
 
 from hsextract.plan import Plan
@@ -61,22 +61,17 @@ def cli_env(**overrides: str) -> dict[str, str]:
 
 def run_args(root: Path, model, data, output: str, *extra) -> list[str]:
     """``hsextract run`` on CPU with small batches, run dir and staging under ``root``."""
-    opts = {
-        "model": model,
-        "data": data,
-        "output": output,
-        "run-dir": root / "run",
-        "staging": root / "staging",
-        "layers": "0,3,7",
-        "device": "cpu",
-        "dtype": "float32",
-        "shards": 2,
-        "max-tokens-per-batch": 300,
-        "max-rows": 4,
-        "max-length": 300,
-        "num-proc": 1,  # a pool of 2 costs more than it saves on 58 rows
-    }
-    return ["run", *(x for key, value in opts.items() for x in (f"--{key}", value)), "--no-progress", *extra]
+    options = dict(
+        output=output,
+        layers="0,3,7",
+        shards=2,
+        max_tokens_per_batch=300,
+        max_rows=4,
+        max_length=300,
+        num_proc=1,  # a pool of 2 costs more than it saves on 58 rows
+        no_progress=True,
+    )
+    return [*cli_run_args(root, model, data, **options), *extra]
 
 
 def s3_args(root: Path, model, data, s3: S3Endpoint, bucket: str, *extra) -> list[str]:
