@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hsextract.capture import LayerCapture, _StopForward, decoder_layers, load_model, resolve_layer_ids  # noqa: E402
 from hsextract.data import TokenizedSamples  # noqa: E402
+from hsextract.pipeline import Extractor, build_batch  # noqa: E402
 from hsextract.plan import make_plan  # noqa: E402
-from hsextract.worker import Extractor, build_batch  # noqa: E402
 from hsextract.writer import write_safetensors  # noqa: E402
 
 

@@ -1,6 +1,11 @@
 """Shared fixtures: the tiny random qwen3_5 model and tokenizer, built once per test session."""
 
 import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -22,11 +27,15 @@ def tiny_lm(tiny_model):
     return load_model(str(tiny_model), dtype="float32", device="cpu")
 
 
+TINY_LIMITS = {"max_length": 300, "max_tokens_per_batch": 600, "max_rows": 16}
+"""Batch limits for the tiny model: samples up to 300 tokens, a few of them per batch, many batches per run."""
+
+RUN_TIMEOUT_S = 180
+POLL_S = 0.02
+
+
 def run_cli(*args, timeout=300, env=None, check=True):
     """``hsextract ARGS`` in a real subprocess; returns the CompletedProcess."""
-    import subprocess
-    import sys
-
     full_env = dict(os.environ, **(env or {}))
     r = subprocess.run(
         [sys.executable, "-m", "hsextract.cli", *map(str, args)],
@@ -94,3 +103,48 @@ def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+# -- a CLI started in the background and killed for real -------------------------------------------------------------
+@contextmanager
+def launched(args, root: Path, env=None):
+    """``hsextract ARGS`` in the background, its output in ``root/launcher.out``; killed (its workers die with it)
+    if it is still running when the block ends."""
+    with open(root / "launcher.out", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+def launcher_output(root: Path) -> str:
+    return (root / "launcher.out").read_text()
+
+
+def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN_TIMEOUT_S):
+    """Poll ``condition`` until it is truthy; fail naming ``what`` if the run exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"the run exited ({proc.returncode}) before {what}:\n{launcher_output(root)}"
+            )
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(POLL_S)
+    return value
+
+
+def marker_count(run_dir: Path, shard: int | None = None) -> int:
+    from hsextract.rundir import RunDir, shard_name
+
+    keys = RunDir(run_dir).done_keys()
+    return len(keys) if shard is None else sum(k.startswith(f"{shard_name(shard)}/") for k in keys)

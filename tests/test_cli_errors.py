@@ -4,16 +4,14 @@ import os
 import time
 
 import pytest
-from conftest import cli_run_args, run_cli, write_mixed_dataset
+from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model, tiny_tokenizer):
     root = tmp_path_factory.mktemp("cli")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=5)
-    args = cli_run_args(
-        root, tiny_model, data, num_proc=1, no_progress=True, max_length=300, max_tokens_per_batch=600
-    )
+    args = cli_run_args(root, tiny_model, data, num_proc=1, no_progress=True, **TINY_LIMITS)
     return root, args
 
 

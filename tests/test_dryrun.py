@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_run_args, run_cli, write_mixed_dataset
+from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 from hsextract.capture import load_model
 from hsextract.config import RunConfig
@@ -24,9 +24,7 @@ def setup(tmp_path_factory, tiny_model, tiny_tokenizer):
         device="cpu",
         dtype="float32",
         shards=2,
-        max_tokens_per_batch=600,
-        max_rows=16,
-        max_length=300,
+        **TINY_LIMITS,
         num_proc=1,
     )
     return root, cfg
@@ -89,9 +87,7 @@ def test_estimate_matches_what_a_real_run_writes(setup, tmp_path):
             cfg.data,
             layers="0,3,7",
             shards=2,
-            max_tokens_per_batch=600,
-            max_rows=16,
-            max_length=300,
+            **TINY_LIMITS,
             num_proc=1,
             no_progress=True,
         )

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_run_args, run_cli, write_mixed_dataset
+from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 from safetensors import safe_open
 
 from hsextract.reader import open_output
@@ -23,9 +23,7 @@ def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
         data,
         layers=",".join(map(str, LAYERS)),
         shards=2,
-        max_tokens_per_batch=600,
-        max_rows=16,
-        max_length=300,
+        **TINY_LIMITS,
         num_proc=2,
         no_progress=True,
     )

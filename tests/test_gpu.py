@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_run_args, run_cli, write_mixed_dataset
+from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -96,9 +96,7 @@ def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tok
         device="cuda",
         gpus="0,0",
         shards=2,
-        max_tokens_per_batch=600,
-        max_rows=16,
-        max_length=300,
+        **TINY_LIMITS,
         num_proc=2,
         no_progress=True,
     )

@@ -14,28 +14,35 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import cli_run_args, run_cli, write_mixed_dataset
+from conftest import (
+    POLL_S,
+    RUN_TIMEOUT_S,
+    TINY_LIMITS,
+    cli_run_args,
+    launched,
+    launcher_output,
+    marker_count,
+    run_cli,
+    wait_for,
+    write_mixed_dataset,
+)
 from safetensors import safe_open
 
 from hsextract.plan import Plan
-from hsextract.progress import ShardProgress, done_keys, progress_path
+from hsextract.progress import ShardProgress
 from hsextract.reader import open_output
+from hsextract.rundir import RunDir
 
 # The timeout covers a test's fixtures too: the reference run and one crash-and-resume cycle fit well within it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SHARDS = 2
 LIVE_STATES = {"starting", "loading", "running", "waiting-for-uploader", "draining"}
-RUN_TIMEOUT_S = 180
-POLL_S = 0.02
 
 
 # -- runs ---------------------------------------------------------------------------------------------------------
@@ -44,52 +51,13 @@ def run_args(root: Path, model, data, **overrides) -> list[str]:
     options = {
         "layers": "0,3,7",
         "shards": SHARDS,
+        **TINY_LIMITS,
         "max_tokens_per_batch": 300,
         "max_rows": 8,
-        "max_length": 300,
         "num_proc": 1,
         **overrides,
     }
     return cli_run_args(root, model, data, **options)
-
-
-@contextmanager
-def launched(args: list[str], root: Path):
-    """``hsextract ARGS`` started in the background; killed (and with it its workers) if the test fails early."""
-    with open(root / "launcher.out", "w") as out, open(root / "launcher.err", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsextract.cli", *args], stdout=out, stderr=err, text=True
-        )
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-
-
-def launcher_output(root: Path) -> str:
-    return (root / "launcher.out").read_text() + (root / "launcher.err").read_text()
-
-
-def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(
-                f"the run exited ({proc.returncode}) before {what}:\n{launcher_output(root)}"
-            )
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(POLL_S)
-
-
-def marker_count(run_dir: Path, shard: int | None = None) -> int:
-    keys = done_keys(run_dir)
-    return len(keys) if shard is None else sum(k.startswith(f"shard-{shard:05d}/") for k in keys)
 
 
 def partial_uploads(out: Path) -> list[Path]:
@@ -194,7 +162,7 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     assert not differing, f"batch files differ from the uninterrupted run's: {differing}"
     assert manifest == json.loads((ref / "manifest.json").read_text())
 
-    assert done_keys(root / "run") == set(keys)
+    assert RunDir(root / "run").done_keys() == set(keys)
     staged = [p for p in (root / "staging").rglob("*") if p.is_file()]
     assert not staged, f"files left in staging: {staged}"
 
@@ -419,7 +387,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     copy_finished_run(reference, tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "out"
     kept = {name: (run_dir / name).read_bytes() for name in ("plan.json", "config.json", "data_report.json")}
-    markers_before = done_keys(run_dir)
+    markers_before = RunDir(run_dir).done_keys()
 
     r = run_cli(*run_args(tmp_path, tiny_model, dataset[0], layers="0,3"), check=False, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -434,7 +402,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     assert {name: (run_dir / name).read_bytes() for name in kept} == kept, (
         "a refused rerun changed the run dir"
     )
-    assert done_keys(run_dir) == markers_before and (out / "manifest.json").exists()
+    assert RunDir(run_dir).done_keys() == markers_before and (out / "manifest.json").exists()
 
     r = run_cli(*changed, "--restart", timeout=RUN_TIMEOUT_S)
     assert "--restart: cleared" in r.stdout and "done:" in r.stdout
@@ -443,7 +411,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     keys = [b["key"] for b in manifest["batches"]]
     assert len(keys) < len(Plan.load(reference / "run" / "plan.json").batches)
     assert output_files(out) == sorted([*keys, "manifest.json"]), "files of the previous plan are left over"
-    assert done_keys(run_dir) == set(keys)
+    assert RunDir(run_dir).done_keys() == set(keys)
     assert Counter(s for b in manifest["batches"] for s in b["sample_ids"]) == Counter(dataset[1])
     assert max(len(b["sample_ids"]) for b in manifest["batches"]) > 8
     assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]
@@ -458,7 +426,7 @@ def test_only_shards_runs_the_chosen_shards_and_the_last_writes_the_manifest(
     r = run_cli(*args, "--only-shards", "1", timeout=RUN_TIMEOUT_S)
     assert "batches still to do" in r.stdout and "no manifest written yet" in r.stdout
     plan = Plan.load(run_dir / "plan.json")
-    assert done_keys(run_dir) == {b.key for b in plan.for_shard(1)}
+    assert RunDir(run_dir).done_keys() == {b.key for b in plan.for_shard(1)}
     assert not (out / "manifest.json").exists()
     assert {f.split("/")[0] for f in output_files(out)} == {"shard-00001"}
     assert not (run_dir / "logs" / "shard-00000.log").exists()
@@ -494,10 +462,8 @@ def test_a_shard_already_being_run_is_refused(tmp_path, tiny_model, dataset):
     """Two processes must never run one shard: the second one stops with a message naming the holder."""
     import fcntl
 
-    from hsextract.progress import lock_path
-
     run_dir = tmp_path / "run"
-    lock = lock_path(run_dir, 1)
+    lock = RunDir(run_dir).lock_file(1)
     lock.parent.mkdir(parents=True)
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -506,4 +472,7 @@ def test_a_shard_already_being_run_is_refused(tmp_path, tiny_model, dataset):
         r = run_cli(*run_args(tmp_path, tiny_model, dataset[0]), check=False, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 1
     assert "shard 1" in r.stdout and "already being run by pid 4242 on elsewhere" in r.stdout
-    assert not progress_path(run_dir, 1).exists() or "failed" not in progress_path(run_dir, 1).read_text()
+    assert (
+        not RunDir(run_dir).progress_file(1).exists()
+        or "failed" not in RunDir(run_dir).progress_file(1).read_text()
+    )

@@ -21,24 +21,30 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_run_args, write_mixed_dataset
+from conftest import (
+    RUN_TIMEOUT_S,
+    TINY_LIMITS,
+    cli_run_args,
+    launched,
+    marker_count,
+    wait_for,
+    write_mixed_dataset,
+)
 from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401
 
 from hsextract.plan import Plan
-from hsextract.progress import ShardProgress, done_keys
+from hsextract.progress import ShardProgress
 from hsextract.reader import open_output
+from hsextract.rundir import RunDir
 
 # aws_test_env: fake credentials for the boto3 clients of this process (the reader); the CLI gets its own (cli_env).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env")]
 
 PREFIX = "runs/e2e"
-RUN_TIMEOUT_S = 180
-POLL_S = 0.02
 OUTAGE_S = 4.0
 PREFLIGHT_LIMIT_S = 30
 
@@ -65,9 +71,7 @@ def run_args(root: Path, model, data, output: str, *extra) -> list[str]:
         output=output,
         layers="0,3,7",
         shards=2,
-        max_tokens_per_batch=300,
-        max_rows=4,
-        max_length=300,
+        **{**TINY_LIMITS, "max_tokens_per_batch": 300, "max_rows": 4},
         num_proc=1,  # a pool of 2 costs more than it saves on 58 rows
         no_progress=True,
     )
@@ -92,41 +96,6 @@ def succeeded(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
     assert "done:" in r.stdout
     return r
-
-
-@contextmanager
-def launched(args, root: Path):
-    """``hsextract ARGS`` in the background; killed (its workers die with it) if the test fails early."""
-    with open(root / "launcher.out", "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsextract.cli", *map(str, args)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=cli_env(),
-        )
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-
-
-def wait_for(condition, what: str, *, proc: subprocess.Popen, root: Path, timeout: float = RUN_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if proc.poll() is not None:
-            output = (root / "launcher.out").read_text()
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{output}")
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(POLL_S)
-    return value
-
-
-def marker_count(run_dir: Path, shard: int | None = None) -> int:
-    keys = done_keys(run_dir)
-    return len(keys) if shard is None else sum(k.startswith(f"shard-{shard:05d}/") for k in keys)
 
 
 def uploader_pid(worker_pid: int) -> int:
@@ -194,7 +163,7 @@ def assert_s3_output_equals_reference(s3: S3Endpoint, bucket: str, root: Path, r
     manifest = json.loads(stored("manifest.json"))
     assert manifest == json.loads(expected["manifest.json"])
     assert sorted(b["key"] for b in manifest["batches"]) == sorted(batches)
-    assert done_keys(root / "run") == set(batches)
+    assert RunDir(root / "run").done_keys() == set(batches)
     assert not staged_files(root), f"files left in staging: {staged_files(root)}"
 
 
@@ -250,7 +219,7 @@ def test_endpoint_outage_mid_run_is_ridden_out_and_each_batch_uploaded_once(
 ):
     run_dir = tmp_path / "run"
     total = len(local_files(reference)) - 1
-    with launched(s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket), tmp_path) as proc:
+    with launched(s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket), tmp_path, env=cli_env()) as proc:
         wait_for(lambda: marker_count(run_dir), "a first uploaded batch", proc=proc, root=tmp_path)
         s3.stop()
         down_since = time.monotonic()
@@ -344,10 +313,10 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
     shard0_total = sum(key.startswith("shard-00000/") for key in local_files(reference))
 
     def unmarked_staged() -> list[str]:
-        done = done_keys(run_dir)
+        done = RunDir(run_dir).done_keys()
         return [p.name for p in staging.glob("*.safetensors") if f"shard-00000/{p.name}" not in done]
 
-    with launched(args, tmp_path) as proc:
+    with launched(args, tmp_path, env=cli_env()) as proc:
         wait_for(
             lambda: marker_count(run_dir, 0), "a first uploaded batch of shard 0", proc=proc, root=tmp_path
         )

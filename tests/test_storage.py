@@ -12,7 +12,8 @@ import pytest
 from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.errors import HsextractError
-from hsextract.storage import LocalSink, MiB, S3Sink, Sink, open_sink, preflight
+from hsextract.s3 import S3Sink
+from hsextract.storage import LocalSink, MiB, Sink, open_sink, preflight
 
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 

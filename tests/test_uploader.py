@@ -15,7 +15,7 @@ import pytest
 from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.errors import UploaderDied
-from hsextract.progress import marker_path
+from hsextract.rundir import marker_path
 from hsextract.storage import open_sink
 from hsextract.uploader import Uploader
 

@@ -3,7 +3,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from hsextract.writer import batch_metadata, write_safetensors
+from hsextract.output import batch_metadata
+from hsextract.writer import write_safetensors
 
 
 def test_batch_file_is_standard_safetensors(tmp_path):

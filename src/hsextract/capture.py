@@ -19,11 +19,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import HsextractError
+from .errors import HsextractError, load_or_explain
 
 log = logging.getLogger(__name__)
 
-CONVENTION = "output_of_decoder_layer"
 PRESETS = ("dflash", "eagle3")
 
 
@@ -101,12 +100,7 @@ def load_model_config(model: str):
             raise HsextractError(
                 f"--model {model}: directory has no config.json (is it a transformers checkpoint?)"
             )
-    try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise HsextractError(
-            f"--model {model}: could not read its config ({str(e).splitlines()[0]})"
-        ) from None
+    config = load_or_explain(model, "read its config", lambda: AutoConfig.from_pretrained(model))
     text = config.get_text_config()
     num_layers = getattr(text, "num_hidden_layers", None)
     if not num_layers:
@@ -142,6 +136,24 @@ def load_model(
     lm.eval()
     lm.requires_grad_(False)
     return lm
+
+
+def load_model_for(cfg, device) -> object:
+    """The model a run's config names, on ``device`` (a torch.device): what the worker and dry-run load."""
+    return load_model(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=str(device),
+        attn_implementation=cfg.attn_implementation,
+        random_weights=cfg.random_weights,
+    )
+
+
+def torch_device(cfg):
+    """``cuda:0`` (each worker sees only its own GPU) or ``cpu``."""
+    import torch
+
+    return torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
 
 
 def decoder_layers(lm):

@@ -114,13 +114,14 @@ def main():
 @_user_errors
 def run(only_shards, restart, no_progress, **opts):
     """Extract hidden states; rerun the same command to resume after a crash."""
-    from .launcher import launch, prepare_run
+    from .launcher import launch
+    from .prepare import prepare_run
 
     cfg = _build_config(**opts)
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     t0 = time.time()
-    plan, _ = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
+    plan = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
     click.echo(
         f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
     )
@@ -156,7 +157,7 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 @_user_errors
 def status(run_dir, as_json):
     """Per-shard progress of a run, live or finished (works for S3 outputs: markers live in RUN_DIR)."""
-    from .progress import shard_status
+    from .progress import format_duration, shard_status
 
     rows, complete = shard_status(Path(run_dir))
     if as_json:
@@ -164,7 +165,7 @@ def status(run_dir, as_json):
         return
     click.echo(f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}")
     for r in rows:
-        eta = "" if r["eta_s"] is None else _duration(r["eta_s"])
+        eta = "" if r["eta_s"] is None else format_duration(r["eta_s"])
         click.echo(
             f"{r['shard']:>5}  {r['state']:<22}{r['batches_done']:>6}/{r['batches_total']:<6}  "
             f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {r['tokens_per_s']:>9,.0f}  {eta:>8}"
@@ -178,11 +179,6 @@ def status(run_dir, as_json):
     )
 
 
-def _duration(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 @main.command()
 @click.option("--root", default="demo", show_default=True, help="Where the tiny model, data and output go.")
 @click.option("--shards", default=2, show_default=True)
@@ -191,7 +187,8 @@ def _duration(s: float) -> str:
 def demo(root, shards, conversations):
     """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
     from .demo import build_demo
-    from .launcher import launch, prepare_run
+    from .launcher import launch
+    from .prepare import prepare_run
     from .reader import open_output
 
     root = Path(root).resolve()
@@ -212,7 +209,7 @@ def demo(root, shards, conversations):
         num_proc=2,
         staging=str(root / "staging"),
     )
-    plan, _ = prepare_run(cfg, echo=click.echo)
+    plan = prepare_run(cfg, echo=click.echo)
     code = launch(cfg, plan, echo=click.echo)
     if code:
         sys.exit(code)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from .errors import HsextractError
+from .rundir import write_json
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
@@ -85,8 +86,6 @@ class RunConfig:
     random_weights: bool = False
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
-    extra: dict = field(default_factory=dict)
-
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -134,9 +133,7 @@ class RunConfig:
         return cls(**d)
 
     def save(self, path: Path) -> None:
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2))
-        tmp.replace(path)
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:

@@ -17,19 +17,27 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .capture import base_model, describe_layer, layer_types, load_model, load_model_config, resolve_layer_ids
+from .capture import (
+    base_model,
+    describe_layer,
+    layer_types,
+    load_model_config,
+    load_model_for,
+    resolve_layer_ids,
+    torch_device,
+)
 from .config import DTYPE_BYTES, RunConfig
-from .data import load_samples
-from .errors import HsextractError
-from .launcher import load_tokenizer
+from .data import load_tokenizer
+from .output import bytes_per_token, estimate_file_bytes
+from .pipeline import Extractor
 from .plan import BatchSpec, make_plan
-from .worker import Extractor
-from .writer import bytes_per_token, estimate_file_bytes
+from .prepare import tokenize
+from .progress import format_duration
+from .rundir import RunDir
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
@@ -60,32 +68,65 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
 
 def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift: int = 0) -> DryRunResult:
     """Run the proof, the health check and the estimate. ``lm`` and ``_shift`` exist for tests."""
-    config, text, num_layers = load_model_config(cfg.model)
+    _config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
-    types = layer_types(text)
     tokenizer = load_tokenizer(cfg.model)
-    samples, data_report = load_samples(
-        cfg.data,
-        tokenizer,
-        max_length=cfg.max_length,
-        too_long=cfg.too_long,
-        num_proc=cfg.num_proc,
-        cache_dir=Path(cfg.run_dir) / "cache",
+    samples, data_report, _renamed = tokenize(cfg, tokenizer, RunDir(cfg.run_dir), echo=lambda _: None)
+    device = torch_device(cfg)
+    if lm is None:
+        lm = load_model_for(cfg, device)
+    proof = prove_layers(
+        lm,
+        layer_ids,
+        samples,
+        device=device,
+        num_samples=num_samples,
+        cfg=cfg,
+        pad_token_id=tokenizer.pad_token_id,
+        _shift=_shift,
     )
+    layers_report, warnings = layer_health(
+        proof, layer_ids, layer_types(text), num_layers, TOLERANCE[cfg.dtype], cfg.dtype
+    )
+    ok = all(e["ok"] for e in layers_report) and not warnings
+    report = {
+        "model": cfg.model,
+        "num_layers": num_layers,
+        "layers": layers_report,
+        "proof": {
+            "samples": proof.num_samples,
+            "tokens": proof.num_tokens,
+            "dtype": cfg.dtype,
+            "tolerance": TOLERANCE[cfg.dtype],
+            "first_batch_s": proof.seconds,
+        },
+        "warnings": warnings,
+        "ok": ok,
+        "estimate": estimate(
+            cfg, lm, layer_ids, text.hidden_size, samples, data_report, device, tokenizer.pad_token_id
+        ),
+    }
+    return DryRunResult(report=report, ok=ok)
+
+
+@dataclass
+class Proof:
+    """The production path's capture of a few samples, and its distance to the reference per layer."""
+
+    states: torch.Tensor
+    """[tokens, layers, hidden] float32, as the pipeline captured them."""
+    errors: dict
+    """layer id -> {"match": [...], "prev": [...], "next": [...]} relative errors per sample vs HF k+1, k, k+2."""
+    num_samples: int
+    num_tokens: int
+    seconds: float
+
+
+def prove_layers(lm, layer_ids, samples, *, device, num_samples, cfg, pad_token_id, _shift=0) -> Proof:
+    """A few samples spread over the length distribution through the worker's Extractor (padded batch, hooks,
+    early exit, on-device gather, host copy), and one at a time through a plain HF forward."""
     lengths = samples.lengths
     picks = pick_samples(lengths, num_samples, cfg.max_tokens_per_batch)
-    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    if lm is None:
-        lm = load_model(
-            cfg.model,
-            dtype=cfg.dtype,
-            device=str(device),
-            attn_implementation=cfg.attn_implementation,
-            random_weights=cfg.random_weights,
-        )
-    hidden = text.hidden_size
-
-    # The production path: one padded batch through the worker's Extractor.
     order = sorted(picks, key=lambda i: (-lengths[i], i))
     batch = BatchSpec(
         batch_id=0,
@@ -101,7 +142,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         device=device,
         max_tokens=batch.num_tokens,
         num_slots=1,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad_token_id,
         _shift=_shift,
     )
 
@@ -110,13 +151,14 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
 
     t0 = time.perf_counter()
     extractor.run([batch], samples, keep)
-    first_s = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
     states = captured["hidden_states"].float()  # [N, L, H]
     cu = captured["cu_seqlens"].tolist()
 
     # The independent reference: unbatched HF forward per sample.
+    num_layers = lm.config.get_text_config().num_hidden_layers
     final_norm = _final_norm(lm)
-    per_layer = {k: {"match": [], "prev": [], "next": []} for k in layer_ids}
+    errors = {k: {"match": [], "prev": [], "next": []} for k in layer_ids}
     with torch.inference_mode():
         for row, i in enumerate(order):
             ids, _ = samples.sample(i)
@@ -128,18 +170,26 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
                 got = got_rows[:, j]
                 if k + 1 == num_layers and final_norm is not None:  # HF's last entry is normed: norm ours too
                     got = final_norm(got.to(ref[k + 1].dtype)).float()
-                per_layer[k]["match"].append(_rel(got, ref[k + 1][0].float().cpu()))
-                per_layer[k]["prev"].append(_rel(got, ref[k][0].float().cpu()))
+                errors[k]["match"].append(_rel(got, ref[k + 1][0].float().cpu()))
+                errors[k]["prev"].append(_rel(got, ref[k][0].float().cpu()))
                 if k + 2 < len(ref):
-                    per_layer[k]["next"].append(_rel(got, ref[k + 2][0].float().cpu()))
+                    errors[k]["next"].append(_rel(got, ref[k + 2][0].float().cpu()))
+    return Proof(
+        states=states, errors=errors, num_samples=len(order), num_tokens=batch.num_tokens, seconds=seconds
+    )
 
-    tol = TOLERANCE[cfg.dtype]
-    layers_report, ok, warnings = [], True, []
+
+def layer_health(
+    proof: Proof, layer_ids, types, num_layers: int, tol: float, dtype: str
+) -> tuple[list, list]:
+    """Per layer: the proof's verdict (matches HF k+1 within ``tol`` and is clearly farther from k and k+2) and
+    the states' health (NaN, Inf, all-zero token vectors). Returns the rows and the warnings."""
+    rows, warnings = [], []
     for j, k in enumerate(layer_ids):
-        match = max(per_layer[k]["match"])
-        neighbours = per_layer[k]["prev"] + per_layer[k]["next"]
+        match = max(proof.errors[k]["match"])
+        neighbours = proof.errors[k]["prev"] + proof.errors[k]["next"]
         nearest = min(neighbours) if neighbours else float("inf")
-        x = states[:, j]
+        x = proof.states[:, j]
         finite = torch.isfinite(x)
         zero_rows = int((x == 0).all(dim=-1).sum())
         entry = {
@@ -156,7 +206,6 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         }
         entry["ok"] = bool(match <= tol and match < nearest / 4)
         if not entry["ok"]:
-            ok = False
             if math.isfinite(match) and nearest < match:
                 warnings.append(
                     f"layer {k}: capture matches a NEIGHBOUR layer better than HF index {k + 1}: "
@@ -165,19 +214,22 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
             else:
                 warnings.append(
                     f"layer {k}: capture differs from HF output_hidden_states[{k + 1}] by {match:.2e} "
-                    f"(tolerance {tol:.0e} for {cfg.dtype})"
+                    f"(tolerance {tol:.0e} for {dtype})"
                 )
         if entry["nan"] or entry["inf"]:
-            ok = False
+            entry["ok"] = False
             warnings.append(f"layer {k}: {entry['nan']} NaN and {entry['inf']} Inf values")
         if zero_rows:
-            ok = False
+            entry["ok"] = False
             warnings.append(f"layer {k}: {zero_rows} of {x.shape[0]} token vectors are all zeros")
-        layers_report.append(entry)
+        rows.append(entry)
+    return rows, warnings
 
-    # The estimate: the plan `run` would make, and the rate just measured.
+
+def estimate(cfg: RunConfig, lm, layer_ids, hidden: int, samples, data_report, device, pad_token_id) -> dict:
+    """The plan ``run`` would make over the whole dataset, its bytes, and an ETA from a rate measured here."""
     plan = make_plan(
-        lengths.tolist(),
+        samples.lengths.tolist(),
         max_tokens_per_batch=cfg.max_tokens_per_batch,
         max_rows=cfg.max_rows,
         shards=cfg.shards,
@@ -189,37 +241,22 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         + HEADER_BYTES_PER_SAMPLE * b.rows
         for b in plan.batches
     )
-    tokens_per_s, rate_batch = _measure_rate(lm, layer_ids, plan, samples, device, tokenizer.pad_token_id)
-    report = {
-        "model": cfg.model,
-        "num_layers": num_layers,
-        "layers": layers_report,
-        "proof": {
-            "samples": len(order),
-            "tokens": batch.num_tokens,
-            "dtype": cfg.dtype,
-            "tolerance": tol,
-            "first_batch_s": first_s,
-        },
-        "warnings": warnings,
-        "ok": ok,
-        "estimate": {
-            "data": data_report.to_json(),
-            "tokens": plan.num_tokens,
-            "samples": plan.num_samples,
-            "batches": len(plan.batches),
-            "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
-            "padding_waste": plan.padding_waste,
-            "bytes_per_token": bytes_per_token(len(layer_ids), hidden, itemsize),
-            "total_bytes": total_bytes,
-            "measured_tokens_per_s": tokens_per_s,
-            "measured_on": str(device),
-            "measured_batch": rate_batch,
-            "shards": cfg.shards,
-            "eta_s": plan.num_tokens / (tokens_per_s * cfg.shards),
-        },
+    tokens_per_s, rate_batch = _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id)
+    return {
+        "data": data_report.to_json(),
+        "tokens": plan.num_tokens,
+        "samples": plan.num_samples,
+        "batches": len(plan.batches),
+        "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
+        "padding_waste": plan.padding_waste,
+        "bytes_per_token": bytes_per_token(len(layer_ids), hidden, itemsize),
+        "total_bytes": total_bytes,
+        "measured_tokens_per_s": tokens_per_s,
+        "measured_on": str(device),
+        "measured_batch": rate_batch,
+        "shards": cfg.shards,
+        "eta_s": plan.num_tokens / (tokens_per_s * cfg.shards),
     }
-    return DryRunResult(report=report, ok=ok)
 
 
 def _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id) -> tuple[float, dict]:
@@ -253,10 +290,6 @@ def _final_norm(lm):
     )
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
-
-
 def format_report(report: dict) -> str:
     lines = [f"Layer map for {report['model']} ({report['num_layers']} decoder layers)"]
     lines.append(
@@ -283,7 +316,7 @@ def format_report(report: dict) -> str:
         f"output: {est['bytes_per_token']:,} bytes/token, {est['total_bytes'] / 1e9:,.2f} GB in total",
         f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']} "
         f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
-        f"ETA with {est['shards']} shard(s): {_duration(est['eta_s'])}",
+        f"ETA with {est['shards']} shard(s): {format_duration(est['eta_s'])}",
     ]
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
@@ -293,6 +326,3 @@ def format_report(report: dict) -> str:
         else "dry run FAILED: do not start the run until the warnings above are understood"
     )
     return "\n".join(lines)
-
-
-__all__ = ["dry_run", "format_report", "HsextractError"]

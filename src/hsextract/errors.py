@@ -7,3 +7,11 @@ class HsextractError(Exception):
 
 class UploaderDied(HsextractError):
     """The uploader process of a shard exited while batches were still to be uploaded."""
+
+
+def load_or_explain(model: str, what: str, load):
+    """``load()``; transformers failing to read ``model`` becomes a one-line user error saying ``what`` failed."""
+    try:
+        return load()
+    except (OSError, ValueError) as e:
+        raise HsextractError(f"--model {model}: could not {what} ({str(e).splitlines()[0]})") from None

@@ -1,16 +1,11 @@
-"""Prepare a run (every check before any weight loads), start one worker process per shard, finish the output.
-
-``prepare_run`` does the cheap, fallible work first so bad input fails in seconds, not after loading 54 GB of
-weights: the model config and layer ids, the output (a probe object), the staging directory's free space, the
-dataset (tokenized in parallel, cached in the run dir, bad rows counted in ``data_report.json``) and the plan. A
-run dir that already holds a plan is resumed only if the new plan is identical; otherwise the message says what
-changed, and ``--restart`` starts over.
+"""Run the shards of a prepared run (prepare.py) to completion, then finish the output.
 
 ``launch`` starts one worker process per shard (``hsextract.worker.main`` with RUN_DIR SHARD) with
 ``CUDA_VISIBLE_DEVICES`` set before torch is imported there, and a parent-death signal so a killed launcher takes
-its workers with it. It draws a progress bar per shard from the progress files, waits for every worker, and exits
-non-zero naming each failed shard and its log. When every planned batch has a marker it writes ``manifest.json``
-to the output, last: an output with a manifest is complete.
+its workers with it. On GPUs it first pre-warms flash-linear-attention's kernels into the run's shared Triton
+cache (warmup.py). It draws a progress bar per shard from the progress files, waits for every worker, and exits
+non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
+manifest to the output, last: an output with a manifest is complete.
 """
 
 from __future__ import annotations
@@ -18,237 +13,20 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from . import __version__
-from .capture import CONVENTION, layer_types, load_model_config, resolve_layer_ids
-from .config import DTYPE_BYTES, RunConfig
-from .data import DataReport, TokenizedSamples, data_fingerprint, load_samples, tokenizer_fingerprint
+from .config import RunConfig
+from .data import TokenizedSamples
 from .errors import HsextractError
-from .plan import Plan, fingerprint_changes, make_plan
+from .output import build_manifest, write_manifest
+from .plan import Plan
 from .procs import die_with_parent
-from .progress import ShardProgress, done_keys, log_path, markers_dir, progress_path, shard_status
-from .storage import open_sink, preflight
-from .writer import estimate_file_bytes
-
-TOKENS_FILE = "tokens.safetensors"
-
-
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise HsextractError(
-            f"--model {model}: could not load its tokenizer ({str(e).splitlines()[0]})"
-        ) from None
-    if tok.pad_token_id is None:
-        # Padding is on the right and masked out; any id works, the states of valid tokens never see it.
-        tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
-    return tok
-
-
-def _model_identity(model: str, config) -> dict:
-    config_file = Path(model) / "config.json"
-    digest = ""
-    if config_file.exists():
-        import hashlib
-
-        digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
-    return {
-        "model": model,
-        "model_revision": getattr(config, "_commit_hash", None) or "",
-        "model_config_hash": digest,
-    }
-
-
-def check_staging(cfg: RunConfig, need_bytes: int) -> None:
-    """The staging directory must be writable and hold at least one batch file, else fail before any work."""
-    staging = cfg.staging_dir
-    try:
-        staging.mkdir(parents=True, exist_ok=True)
-        probe = staging / ".probe"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as e:
-        raise HsextractError(
-            f"staging directory {staging} is not writable ({e.strerror}); choose another with --staging"
-        ) from None
-    free = shutil.disk_usage(staging).free
-    if free < need_bytes:
-        raise HsextractError(
-            f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
-            f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
-            "or lower --max-tokens-per-batch"
-        )
-
-
-def prepare_run(
-    cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True
-) -> tuple[Plan, dict]:
-    """Validate everything, tokenize, plan; write config.json, run.json and plan.json. Loads no weights."""
-    run_dir = Path(cfg.run_dir)
-    config, text, num_layers = load_model_config(cfg.model)
-    layer_ids = resolve_layer_ids(cfg.layers, num_layers)
-    hidden = text.hidden_size
-    itemsize = DTYPE_BYTES[cfg.dtype]
-    preflight(cfg.output, cfg.s3_endpoint_url)
-    check_staging(cfg, estimate_file_bytes(cfg.max_tokens_per_batch, 1, len(layer_ids), hidden, itemsize))
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(cfg.model)
-    samples, report = load_samples(
-        cfg.data,
-        tokenizer,
-        max_length=cfg.max_length,
-        too_long=cfg.too_long,
-        num_proc=cfg.num_proc,
-        cache_dir=run_dir / "cache",
-        progress=show_progress,
-    )
-    echo(f"data: {report.summary()}")
-    samples, duplicate_ids = _unique_sample_ids(samples, echo)
-
-    tok_fp = tokenizer_fingerprint(tokenizer)
-    fingerprint = {
-        "data": data_fingerprint(cfg.data),
-        **tok_fp,
-        **_model_identity(cfg.model, config),
-        "layer_ids": list(layer_ids),
-        "dtype": cfg.dtype,
-        "max_length": cfg.max_length,
-        "too_long": cfg.too_long,
-        "max_tokens_per_batch": cfg.max_tokens_per_batch,
-        "max_rows": cfg.max_rows,
-        "random_weights": cfg.random_weights,
-    }
-    plan = make_plan(
-        samples.lengths.tolist(),
-        max_tokens_per_batch=cfg.max_tokens_per_batch,
-        max_rows=cfg.max_rows,
-        shards=cfg.shards,
-        fingerprint=fingerprint,
-    )
-    plan_file = run_dir / "plan.json"
-    if not plan_file.exists():
-        _refuse_foreign_output(cfg, plan)
-    if plan_file.exists():
-        old = Plan.load(plan_file)
-        if old.plan_hash != plan.plan_hash:
-            if not restart:
-                changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
-                if old.shards != plan.shards:
-                    changes.append(f"shards: {old.shards} -> {plan.shards}")
-                raise HsextractError(
-                    f"run dir {run_dir} holds a different plan; resuming would mix two jobs. What changed:\n  "
-                    + "\n  ".join(changes or ["the batches (same settings, different samples)"])
-                    + "\nRerun with the original settings to resume, or add --restart to start over."
-                )
-            _reset_run(run_dir, cfg, old, plan)
-            echo(
-                f"--restart: cleared markers, progress and staging of the previous plan in {run_dir}, and its "
-                f"manifest and batch files in {cfg.output}"
-            )
-
-    # Written only once the plan is accepted: a refused rerun leaves the run dir as it was.
-    (run_dir / "data_report.json").write_text(
-        json.dumps({**report.to_json(), "duplicate_ids_renamed": duplicate_ids}, indent=2)
-    )
-    samples.save(run_dir / TOKENS_FILE)
-    meta = {
-        "layer_ids": list(layer_ids),
-        "num_layers": num_layers,
-        "hidden_size": hidden,
-        "pad_token_id": tokenizer.pad_token_id,
-        "tokens_file": TOKENS_FILE,
-        "plan_hash": plan.plan_hash,
-        "layer_types": [layer_types(text)[k] for k in layer_ids],
-        "file_metadata": {
-            "layer_ids": json.dumps(list(layer_ids)),
-            "layer_convention": CONVENTION,
-            "hf_output_hidden_states_index": json.dumps([k + 1 for k in layer_ids]),
-            "pre_final_norm": "true",
-            "model": cfg.model,
-            "model_revision": fingerprint["model_revision"],
-            "model_config_hash": fingerprint["model_config_hash"],
-            "dtype": cfg.dtype,
-            "hidden_size": str(hidden),
-            "tokenizer_hash": tok_fp["tokenizer_hash"],
-            "chat_template_hash": tok_fp["chat_template_hash"],
-            "plan_hash": plan.plan_hash,
-            "hsextract_version": __version__,
-        },
-    }
-    cfg.save(run_dir / "config.json")
-    (run_dir / "run.json").write_text(json.dumps(meta, indent=2))
-    plan.save(plan_file)
-    echo(f"plan: {plan.summary()}")
-    return plan, meta
-
-
-def _refuse_foreign_output(cfg: RunConfig, plan: Plan) -> None:
-    """A new run dir must not write into an output that holds another run's batches: keys would collide and the
-    result would mix two jobs' states without a trace."""
-    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
-    if sink.exists("manifest.json"):
-        other = json.loads(sink.get_bytes("manifest.json")).get("plan_hash")
-        if other == plan.plan_hash:
-            return  # the same job, finished before (its run dir was lost): rerunning rewrites identical batches
-        raise HsextractError(
-            f"output {cfg.output} already holds a finished run with another plan ({other}); "
-            "choose a new --output, or delete that one first"
-        )
-    existing = sink.list_keys("shard-")
-    if existing:
-        raise HsextractError(
-            f"output {cfg.output} already holds {len(existing)} batch file(s) (e.g. {existing[0]}) but run dir "
-            f"{cfg.run_dir} is new, so nothing says which job wrote them: rerun with that job's --run-dir to "
-            "resume it, or choose a new --output"
-        )
-
-
-def _unique_sample_ids(samples: TokenizedSamples, echo) -> tuple[TokenizedSamples, int]:
-    """Rows sharing an id are all kept; repeats get ``#2``, ``#3``... so the reader can look each one up."""
-    seen: dict[str, int] = {}
-    ids, renamed = [], 0
-    for sid in samples.sample_ids:
-        n = seen.get(sid, 0) + 1
-        seen[sid] = n
-        if n > 1:
-            renamed += 1
-            sid = f"{sid}#{n}"
-            while sid in seen:
-                sid += "'"
-            seen[sid] = 1
-        ids.append(sid)
-    if not renamed:
-        return samples, 0
-    echo(
-        f"warning: {renamed} row(s) repeat an earlier row's id; renamed to id#2, id#3, ... (see data_report.json)"
-    )
-    fixed = TokenizedSamples(
-        sample_ids=ids, input_ids=samples.input_ids, loss_mask=samples.loss_mask, offsets=samples.offsets
-    )
-    return fixed, renamed
-
-
-def _reset_run(run_dir: Path, cfg: RunConfig, old: Plan, new: Plan) -> None:
-    # The manifest goes first: from here on the output is no longer the old plan's, and until the new manifest is
-    # written it is not complete. Batch files the new plan does not overwrite would be left over from the old one.
-    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
-    sink.delete("manifest.json")
-    for key in {b.key for b in old.batches} - {b.key for b in new.batches}:
-        sink.delete(key)
-    for sub in ("markers", "progress"):
-        shutil.rmtree(run_dir / sub, ignore_errors=True)
-    shutil.rmtree(cfg.staging_dir, ignore_errors=True)
-    (run_dir / "COMPLETE").unlink(missing_ok=True)
+from .progress import ShardProgress
+from .rundir import RunDir, RunInfo, atomic_write
+from .storage import open_sink
 
 
 def _die_with_launcher():
@@ -257,7 +35,7 @@ def _die_with_launcher():
 
 
 def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
-    run_dir = Path(cfg.run_dir)
+    run_dir = RunDir(cfg.run_dir)
     env = dict(os.environ)
     if cfg.device == "cuda":
         gpus = cfg.gpus or tuple(range(cfg.shards))
@@ -270,15 +48,15 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // cfg.shards)))
     env.setdefault("PYTHONUNBUFFERED", "1")
     # One Triton cache for every process of the run: kernels compiled once (by the warm-up) serve all shards.
-    env.setdefault("TRITON_CACHE_DIR", str(run_dir / "triton-cache"))
-    out = log_path(run_dir, shard, "stderr")
+    env.setdefault("TRITON_CACHE_DIR", str(run_dir.triton_cache))
+    out = run_dir.log_file(shard, "stderr")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not `-m hsextract.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
     # module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
     entry = "import sys; from hsextract.worker import main; sys.exit(main())"
     with open(out, "ab") as f:
         return subprocess.Popen(
-            [sys.executable, "-c", entry, str(run_dir), str(shard)],
+            [sys.executable, "-c", entry, str(run_dir.root), str(shard)],
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -296,16 +74,17 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
             "(pip install -e .[gpu])"
         )
         return
-    run_dir = Path(cfg.run_dir)
+    run_dir = RunDir(cfg.run_dir)
     env = dict(os.environ)
-    env.setdefault("TRITON_CACHE_DIR", str(run_dir / "triton-cache"))
+    env.setdefault("TRITON_CACHE_DIR", str(run_dir.triton_cache))
     env["CUDA_VISIBLE_DEVICES"] = str((cfg.gpus or (0,))[0])
     t0 = time.time()
     echo("pre-warming flash-linear-attention kernels into the shared Triton cache ...")
-    log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path(run_dir, 0, "warmup"), "ab") as f:
+    log = run_dir.log_file(0, "warmup")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
         r = subprocess.run(
-            [sys.executable, "-m", "hsextract.warmup", str(run_dir)],
+            [sys.executable, "-m", "hsextract.warmup", str(run_dir.root)],
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -314,19 +93,17 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
     if r.returncode == 0:
         echo(f"kernels warm in {time.time() - t0:.0f} s")
     else:
-        echo(
-            f"warm-up failed (exit {r.returncode}, see {log_path(run_dir, 0, 'warmup')}); shards compile themselves"
-        )
+        echo(f"warm-up failed (exit {r.returncode}, see {log}); shards compile themselves")
 
 
 def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
     """Run the shards to completion; returns the process exit code."""
-    run_dir = Path(cfg.run_dir)
+    run_dir = RunDir(cfg.run_dir)
     shards = sorted(only_shards) if only_shards else list(range(cfg.shards))
     bad = [s for s in shards if not 0 <= s < cfg.shards]
     if bad:
         raise HsextractError(f"--only-shards {bad}: this run has shards 0..{cfg.shards - 1}")
-    done = done_keys(run_dir)
+    done = run_dir.done_keys()
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
         echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
@@ -352,10 +129,11 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
         if prog and prog.state == "failed" and prog.error:
             why = f": {prog.error}"
         else:  # died before it could record why (or refused to touch the progress file): its last words
-            why = _last_line(log_path(run_dir, s, "stderr"))
+            why = _last_line(run_dir.log_file(s, "stderr"))
             why = f": {why}" if why else ""
         echo(
-            f"shard {s} failed ({_exit_reason(rc)}){why}\n  log: {log_path(run_dir, s)}\n  output: {log_path(run_dir, s, 'stderr')}"
+            f"shard {s} failed ({_exit_reason(rc)}){why}\n  log: {run_dir.log_file(s)}\n"
+            f"  output: {run_dir.log_file(s, 'stderr')}"
         )
     if failed:
         echo("Rerun the same command to resume: finished batches are kept.")
@@ -363,7 +141,7 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
     return finalize(cfg, plan, echo=echo)
 
 
-def _last_line(path: Path) -> str:
+def _last_line(path) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
@@ -386,45 +164,23 @@ def _exit_reason(returncode: int) -> str:
 
 def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
     """Write the manifest once every planned batch is durable. The manifest goes last."""
-    run_dir = Path(cfg.run_dir)
-    done = done_keys(run_dir)
+    run_dir = RunDir(cfg.run_dir)
+    done = run_dir.done_keys()
     missing = [b.key for b in plan.batches if b.key not in done]
     if missing:
         echo(
             f"{len(missing)} of {len(plan.batches)} batches still to do (other shards); no manifest written yet"
         )
         return 0
-    meta = json.loads((run_dir / "run.json").read_text())
-    samples = TokenizedSamples.load(run_dir / meta["tokens_file"])
-    report = json.loads((run_dir / "data_report.json").read_text())
-    manifest = {
-        "format": "hsextract-output",
-        "format_version": 1,
-        "hsextract_version": __version__,
-        "layer_ids": meta["layer_ids"],
-        "layer_convention": CONVENTION,
-        "layer_types": meta["layer_types"],
-        "hidden_size": meta["hidden_size"],
-        "dtype": cfg.dtype,
-        "plan_hash": plan.plan_hash,
-        "fingerprint": plan.fingerprint,
-        "num_samples": plan.num_samples,
-        "num_tokens": plan.num_tokens,
-        "data_report": report,
-        "batches": [
-            {
-                "key": b.key,
-                "batch_id": b.batch_id,
-                "shard": b.shard,
-                "num_tokens": b.num_tokens,
-                "sample_ids": [samples.sample_ids[i] for i in b.sample_indices],
-            }
-            for b in plan.batches
-        ],
-    }
-    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
-    sink.put_bytes("manifest.json", json.dumps(manifest).encode())
-    (run_dir / "COMPLETE").write_text(plan.plan_hash)
+    manifest = build_manifest(
+        info=RunInfo.load(run_dir),
+        plan=plan,
+        dtype=cfg.dtype,
+        sample_ids=TokenizedSamples.load(run_dir.tokens_file).sample_ids,
+        data_report=json.loads(run_dir.data_report_file.read_text()),
+    )
+    write_manifest(open_sink(cfg.output, cfg.s3_endpoint_url), manifest)
+    atomic_write(run_dir.complete_file, plan.plan_hash)
     echo(
         f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(plan.batches)} batch files at {cfg.output}"
     )
@@ -434,7 +190,7 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
 class _Bars:
     """One tqdm bar per shard, fed from the progress files the workers write."""
 
-    def __init__(self, run_dir: Path, plan: Plan, shards, enabled: bool):
+    def __init__(self, run_dir: RunDir, plan: Plan, shards, enabled: bool):
         self.run_dir, self.shards, self.bars = run_dir, shards, {}
         if not enabled:
             return
@@ -469,6 +225,3 @@ class _Bars:
         self.update()
         for bar in self.bars.values():
             bar.close()
-
-
-__all__ = ["prepare_run", "launch", "finalize", "shard_status", "progress_path", "markers_dir", "DataReport"]

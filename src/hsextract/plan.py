@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .rundir import atomic_write, batch_key
+
 PLAN_FORMAT = 1
 
 
@@ -46,10 +48,6 @@ class BatchSpec:
     @property
     def key(self) -> str:
         return batch_key(self.shard, self.batch_id)
-
-
-def batch_key(shard: int, batch_id: int) -> str:
-    return f"shard-{shard:05d}/batch-{batch_id:06d}.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +111,7 @@ class Plan:
                 for b in self.batches
             ],
         }
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(path)
+        atomic_write(path, json.dumps(body))
 
     @classmethod
     def load(cls, path: Path) -> Plan:

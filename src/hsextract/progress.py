@@ -1,13 +1,10 @@
 """Progress markers and per-shard progress files: what resume trusts and what ``hsextract status`` shows.
 
-Layout under the run directory:
-
-- ``markers/shard-SSSSS/batch-BBBBBB.safetensors.done``: written by the uploader after the batch is durable in the
-  output (renamed into place locally, or confirmed in the bucket). The only thing resume trusts: a batch with a
-  marker is never recomputed, a batch without one is (or is re-uploaded from staging).
-- ``progress/shard-SSSSS.json``: counters, rates, ETA and state of each shard, replaced atomically by its worker.
-  Informational; ``status`` recomputes the done counts from the markers.
-- ``logs/shard-SSSSS.log``: each worker's log (the uploader's is ``shard-SSSSS.uploader.log``).
+- Markers (``RunDir.marker``): written by the uploader after the batch is durable in the output (renamed into
+  place locally, or confirmed in the bucket). The only thing resume trusts: a batch with a marker is never
+  recomputed, a batch without one is (or is re-uploaded from staging).
+- Progress files (``RunDir.progress_file``): counters, rates, ETA and state of each shard, replaced atomically by
+  its worker. Informational; ``status`` recomputes the done counts from the markers.
 
 ``shard_status`` combines the two for ``hsextract status``; it lives here, not in the launcher, so that status
 imports neither torch nor transformers and answers in a fraction of a second.
@@ -25,44 +22,7 @@ from pathlib import Path
 
 from .errors import HsextractError
 from .plan import Plan
-
-MARKER_SUFFIX = ".done"
-
-
-def markers_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "markers"
-
-
-def marker_path(marker_dir: Path, key: str) -> Path:
-    """Where the marker of an uploaded key lives; it exists only once the key is durable in the output."""
-    return Path(marker_dir) / f"{key}{MARKER_SUFFIX}"
-
-
-def done_keys(run_dir: Path) -> set[str]:
-    """Output keys of every batch recorded durable, listed once."""
-    root = markers_dir(run_dir)
-    if not root.exists():
-        return set()
-    keys = set()
-    for shard_dir in root.iterdir():
-        if shard_dir.is_dir():
-            for entry in os.scandir(shard_dir):
-                if entry.name.endswith(MARKER_SUFFIX):
-                    keys.add(f"{shard_dir.name}/{entry.name[: -len(MARKER_SUFFIX)]}")
-    return keys
-
-
-def progress_path(run_dir: Path, shard: int) -> Path:
-    return Path(run_dir) / "progress" / f"shard-{shard:05d}.json"
-
-
-def lock_path(run_dir: Path, shard: int) -> Path:
-    return Path(run_dir) / "locks" / f"shard-{shard:05d}.lock"
-
-
-def log_path(run_dir: Path, shard: int, role: str = "") -> Path:
-    suffix = f".{role}" if role else ""
-    return Path(run_dir) / "logs" / f"shard-{shard:05d}{suffix}.log"
+from .rundir import RunDir, atomic_write
 
 
 @dataclass
@@ -86,18 +46,15 @@ class ShardProgress:
     staged_bytes: int = 0
     error: str = ""
 
-    def save(self, run_dir: Path) -> None:
+    def save(self, run_dir: RunDir | Path) -> None:
         self.updated_at = time.time()
-        path = progress_path(run_dir, self.shard)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        # Rewritten every second and only ever reported: no fsync, but a reader still sees a whole file.
+        atomic_write(RunDir(run_dir).progress_file(self.shard), json.dumps(asdict(self)), durable=False)
 
     @classmethod
-    def load(cls, run_dir: Path, shard: int) -> ShardProgress | None:
+    def load(cls, run_dir: RunDir | Path, shard: int) -> ShardProgress | None:
         try:
-            return cls(**json.loads(progress_path(run_dir, shard).read_text()))
+            return cls(**json.loads(RunDir(run_dir).progress_file(shard).read_text()))
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
@@ -122,18 +79,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def shard_status(run_dir: Path) -> tuple[list[dict], bool]:
+def shard_status(run_dir: RunDir | Path) -> tuple[list[dict], bool]:
     """Per-shard rows for ``hsextract status``: done counts from the markers, rates and state from progress.
 
     A shard whose progress says it is live but whose worker process is gone is ``crashed``. That is only known for
     workers on this host; a shard on another host (``--only-shards`` there, a shared run dir) keeps its state.
     """
-    run_dir = Path(run_dir)
-    if not (run_dir / "plan.json").exists():
-        raise HsextractError(f"{run_dir} is not an hsextract run directory (no plan.json)")
-    plan = Plan.load(run_dir / "plan.json")
-    done = done_keys(run_dir)
-    complete = (run_dir / "COMPLETE").exists()
+    run_dir = RunDir(run_dir)
+    if not run_dir.is_run_dir():
+        raise HsextractError(
+            f"{run_dir.root} is not an hsextract run directory (no {run_dir.plan_file.name})"
+        )
+    plan = Plan.load(run_dir.plan_file)
+    done = run_dir.done_keys()
+    complete = run_dir.complete_file.exists()
     host = socket.gethostname()
     rows = []
     for s in range(plan.shards):
@@ -160,7 +119,13 @@ def shard_status(run_dir: Path) -> tuple[list[dict], bool]:
                 "updated_at": p.updated_at if p else None,
                 "host": p.host if p else "",
                 "error": p.error if p else "",
-                "log": str(log_path(run_dir, s)),
+                "log": str(run_dir.log_file(s)),
             }
         )
     return rows, complete
+
+
+def format_duration(seconds: float) -> str:
+    """``1h02m`` or ``3m05s``: ETAs in the status table and the dry run."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

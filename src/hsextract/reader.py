@@ -23,11 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import HsextractError
+from .output import read_manifest
 from .storage import open_sink
 from .writer import SAFETENSORS_DTYPES
 
-MANIFEST = "manifest.json"
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
@@ -92,12 +91,7 @@ class Output:
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
-        if not self.sink.exists(MANIFEST):
-            raise HsextractError(
-                f"{path} has no {MANIFEST}: the run has not finished (see `hsextract status RUN_DIR`) "
-                "or this is not an hsextract output"
-            )
-        self.manifest = json.loads(self.sink.get_bytes(MANIFEST))
+        self.manifest = read_manifest(self.sink)
         self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest
         self._where: dict[str, tuple[str, int]] = {}

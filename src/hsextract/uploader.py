@@ -45,7 +45,7 @@ from pathlib import Path
 
 from hsextract.errors import HsextractError, UploaderDied
 from hsextract.procs import die_with_parent
-from hsextract.progress import marker_path
+from hsextract.rundir import atomic_write, marker_path
 from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, StoredObject, open_sink
 
 log = logging.getLogger(__name__)
@@ -213,9 +213,7 @@ class Uploader:
 
 
 def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
-    die_with_parent(config.parent_pid)
-    if os.getppid() != config.parent_pid:
-        os._exit(3)  # the parent died before PR_SET_PDEATHSIG took effect
+    die_with_parent(config.parent_pid)  # also exits at once if the parent died before the request took effect
     _log_to_file(config.log_file)
     log.info(
         "uploader started: pid %d, output %s, concurrency %d", os.getpid(), config.output, config.concurrency
@@ -294,14 +292,8 @@ def _upload_one(sink: Sink, marker_dir: Path, path: Path, key: str, results: mul
 
 
 def _write_marker(marker: Path, stored: StoredObject, output_url: str) -> None:
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f"{marker.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
     record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker)
+    atomic_write(marker, json.dumps(record))
 
 
 def _exit_if_orphaned(config: UploaderConfig, results: multiprocessing.Queue) -> None:

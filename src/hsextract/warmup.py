@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 
 def fla_available() -> bool:
@@ -41,12 +40,12 @@ def main(argv=None) -> int:
     from .capture import base_model, layer_types
     from .config import RunConfig
     from .plan import Plan
+    from .rundir import RunDir
 
     argv = sys.argv[1:] if argv is None else argv
-    run_dir = Path(argv[0])
-    cfg = RunConfig.load(run_dir / "config.json")
-    plan = Plan.load(run_dir / "plan.json")
-    meta = json.loads((run_dir / "run.json").read_text())
+    run_dir = RunDir(argv[0])
+    cfg = RunConfig.load(run_dir.config_file)
+    plan = Plan.load(run_dir.plan_file)
     text = AutoConfig.from_pretrained(cfg.model).get_text_config()
     types = layer_types(text)
     depth = next((i + 1 for i in range(len(types)) if set(types[: i + 1]) == set(types)), len(types))
@@ -73,7 +72,6 @@ def main(argv=None) -> int:
                 "warmup_s": time.time() - t0,
                 "shapes": len(shapes),
                 "layers": depth,
-                "pad_token_id": meta.get("pad_token_id"),
             }
         )
     )

@@ -1,220 +1,41 @@
-"""The per-shard worker: padded batches through the hooked model, copies overlapped with compute, files to staging.
+"""The per-shard worker: resume bookkeeping, the GPU pipeline, files to staging, the uploader process.
 
-One process per shard (``main`` with RUN_DIR SHARD; ``python -m hsextract.worker RUN_DIR SHARD`` by hand, but then
-``spawn`` imports this module, and torch, into the uploader too), started by the launcher with
-``CUDA_VISIBLE_DEVICES`` already set. The GPU never waits for host work:
+One process per shard (``main`` with RUN_DIR SHARD), started by the launcher with ``CUDA_VISIBLE_DEVICES``
+already set. ``ShardRun`` locks the shard, works out what is left (batches with a marker are done; complete files
+left in staging are uploaded, not recomputed; ``*.tmp-*`` files, writes cut short, are deleted), loads the model
+and drives the pipeline (pipeline.py) over the remaining batches. Its writer callback writes each batch file into
+the staging directory and hands it to the uploader process (uploader.py), which marks it done once it is durable.
 
-1. The main thread builds a padded batch, runs the forward; the hooks gather the captured layers' valid tokens
-   into a device buffer laid out as the file stores them ([tokens, layers, hidden]).
-2. A side CUDA stream copies that buffer into a reused pinned host buffer as soon as the forward is done, while
-   the main thread already launches the next batch.
-3. A writer thread waits for the copy, writes the safetensors file into the staging directory (temporary name,
-   then rename) straight from the pinned buffer, and hands it to the uploader process.
-
-A fixed set of buffer slots (``pinned_buffers``) bounds host and device memory and how far the GPU runs ahead.
-Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; slots then stop coming
-back and the GPU loop waits too, without failing, until the uploader drains the staging directory.
-
-Resume: batches with a marker are skipped; complete files left in staging are uploaded, not recomputed;
-``*.tmp`` files (a write cut short) are deleted.
+Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; the pipeline's slots then
+stop coming back and the GPU waits too, without failing, until the uploader drains the staging directory.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
-import queue
 import socket
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .capture import GatherTarget, LayerCapture, load_model
+from .capture import load_model_for, torch_device
 from .config import RunConfig
 from .data import TokenizedSamples
 from .errors import HsextractError
+from .output import batch_metadata
+from .pipeline import Extractor
 from .plan import BatchSpec, Plan
-from .progress import ShardProgress, done_keys, lock_path, log_path, markers_dir
+from .progress import ShardProgress
+from .rundir import RunDir, RunInfo, shard_name
 from .storage import open_sink
 from .uploader import Uploader
-from .writer import batch_metadata, write_safetensors
+from .writer import write_safetensors
 
 log = logging.getLogger("hsextract.worker")
-
-
-@dataclass
-class BatchInputs:
-    input_ids: torch.Tensor  # [rows, padded_length] int64, right-padded
-    attention_mask: torch.Tensor  # [rows, padded_length] int64
-    flat_index: torch.Tensor  # [tokens] positions of valid tokens in the flattened batch
-    tokens_ids: torch.Tensor  # [tokens] int32, what the file stores
-    tokens_mask: torch.Tensor  # [tokens] uint8
-    cu_seqlens: torch.Tensor  # [rows + 1] int64
-    sample_index: torch.Tensor  # [rows] int64
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.flat_index.numel())
-
-
-def build_batch(samples: TokenizedSamples, batch: BatchSpec, pad_token_id: int) -> BatchInputs:
-    """Right-padded rows and the index of their valid tokens. Padding on the right keeps every valid token's
-    state equal to the unpadded forward's (causal attention and the linear-attention recurrence never see it)."""
-    rows, width = batch.rows, batch.padded_length
-    ids = np.full((rows, width), pad_token_id, dtype=np.int64)
-    mask = np.zeros((rows, width), dtype=np.int64)
-    lengths = np.empty(rows, dtype=np.int64)
-    flat_ids, flat_mask, flat_index = [], [], []
-    for r, i in enumerate(batch.sample_indices):
-        s_ids, s_mask = samples.sample(i)
-        n = len(s_ids)
-        ids[r, :n] = s_ids
-        mask[r, :n] = 1
-        lengths[r] = n
-        flat_ids.append(s_ids)
-        flat_mask.append(s_mask)
-        flat_index.append(np.arange(r * width, r * width + n, dtype=np.int64))
-    cu = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    return BatchInputs(
-        input_ids=torch.from_numpy(ids),
-        attention_mask=torch.from_numpy(mask),
-        flat_index=torch.from_numpy(np.concatenate(flat_index)),
-        tokens_ids=torch.from_numpy(np.concatenate(flat_ids).astype(np.int32)),
-        tokens_mask=torch.from_numpy(np.concatenate(flat_mask).astype(np.uint8)),
-        cu_seqlens=torch.from_numpy(cu),
-        sample_index=torch.tensor(batch.sample_indices, dtype=torch.int64),
-    )
-
-
-class _Slot:
-    """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU)."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
-        self.device_buf = torch.empty(numel, dtype=dtype, device=device)
-        if device.type == "cuda":
-            self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
-            self.copied = torch.cuda.Event()
-        else:
-            self.host_buf = self.device_buf
-            self.copied = None
-
-
-class Extractor:
-    """Runs batches through the hooked model and hands each batch's tensors, on the host, to ``on_batch``
-    in a writer thread, overlapping the copy and the write with the next forward."""
-
-    def __init__(
-        self,
-        lm,
-        layer_ids,
-        *,
-        device: torch.device,
-        max_tokens: int,
-        num_slots: int,
-        pad_token_id: int,
-        _shift: int = 0,
-    ):
-        # ``_shift`` only lets the dry run's tests prove that a capture off by one layer is caught.
-        self._shift = _shift
-        self.lm = lm
-        self.layer_ids = tuple(layer_ids)
-        self.device = device
-        self.pad_token_id = pad_token_id
-        self.hidden = lm.config.get_text_config().hidden_size
-        self.dtype = next(lm.parameters()).dtype
-        numel = max_tokens * len(self.layer_ids) * self.hidden
-        self.slots = [_Slot(numel, self.dtype, device) for _ in range(num_slots)]
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def run(self, batches, samples: TokenizedSamples, on_batch, on_forward=None, should_stop=None):
-        """``on_batch(batch, tensors)`` runs in the writer thread; its tensors alias a slot that is reused once it
-        returns. ``on_forward(batch, seconds)`` runs in this thread after each forward is launched."""
-        free: queue.Queue = queue.Queue()
-        for s in self.slots:
-            free.put(s)
-        work: queue.Queue = queue.Queue()
-        failure: list[BaseException] = []
-
-        def writer():
-            while (item := work.get()) is not None:
-                slot, batch, inputs = item
-                try:
-                    if failure:
-                        continue
-                    if slot.copied is not None:
-                        slot.copied.synchronize()
-                    n = inputs.num_tokens
-                    states = slot.host_buf[: n * len(self.layer_ids) * self.hidden].view(
-                        n, len(self.layer_ids), self.hidden
-                    )
-                    on_batch(
-                        batch,
-                        {
-                            "hidden_states": states,
-                            "input_ids": inputs.tokens_ids,
-                            "loss_mask": inputs.tokens_mask,
-                            "cu_seqlens": inputs.cu_seqlens,
-                            "sample_index": inputs.sample_index,
-                        },
-                    )
-                except BaseException as e:  # surfaced in the main thread
-                    failure.append(e)
-                finally:
-                    free.put(slot)
-
-        thread = threading.Thread(target=writer, name="batch-writer", daemon=True)
-        thread.start()
-        try:
-            with LayerCapture(self.lm, self.layer_ids, shift=self._shift) as cap, torch.inference_mode():
-                for batch in batches:
-                    slot = self._take(free, failure, should_stop)
-                    inputs = build_batch(samples, batch, self.pad_token_id)
-                    t0 = time.perf_counter()
-                    n = inputs.num_tokens
-                    out = slot.device_buf[: n * len(self.layer_ids) * self.hidden].view(
-                        n, len(self.layer_ids), self.hidden
-                    )
-                    cap.forward(
-                        inputs.input_ids.to(self.device, non_blocking=True),
-                        inputs.attention_mask.to(self.device, non_blocking=True),
-                        GatherTarget(
-                            flat_index=inputs.flat_index.to(self.device, non_blocking=True), out=out
-                        ),
-                    )
-                    if self.copy_stream is not None:
-                        # The copy waits for this forward only; the next forward starts at once on the main stream.
-                        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                        with torch.cuda.stream(self.copy_stream):
-                            slot.host_buf[: out.numel()].copy_(out.view(-1), non_blocking=True)
-                            slot.copied.record(self.copy_stream)
-                    work.put((slot, batch, inputs))
-                    if on_forward is not None:
-                        on_forward(batch, time.perf_counter() - t0)
-        finally:
-            work.put(None)
-            thread.join()
-        if failure:
-            raise failure[0]
-
-    @staticmethod
-    def _take(free: queue.Queue, failure: list, should_stop):
-        while True:
-            if failure:
-                raise failure[0]
-            if should_stop is not None:
-                should_stop()
-            try:
-                return free.get(timeout=0.5)
-            except queue.Empty:
-                continue
 
 
 def staged_bytes(staging: Path) -> int:
@@ -241,14 +62,14 @@ class ShardRun:
     """Everything one shard does, from resume bookkeeping to the last confirmed upload."""
 
     def __init__(self, run_dir: Path, shard: int):
-        self.run_dir = Path(run_dir)
+        self.run_dir = RunDir(run_dir)
         self.shard = shard
-        self.cfg = RunConfig.load(self.run_dir / "config.json")
-        self.meta = json.loads((self.run_dir / "run.json").read_text())
-        self.plan = Plan.load(self.run_dir / "plan.json")
+        self.cfg = RunConfig.load(self.run_dir.config_file)
+        self.info = RunInfo.load(self.run_dir)
+        self.plan = Plan.load(self.run_dir.plan_file)
         self.batches = self.plan.for_shard(shard)
         self.by_key = {b.key: b for b in self.batches}
-        self.staging = self.cfg.staging_dir / f"shard-{shard:05d}"
+        self.staging = self.cfg.staging_dir / shard_name(shard)
         self.budget = int(self.cfg.staging_max_gb * 1e9)
         self.progress = ShardProgress(
             shard=shard,
@@ -300,8 +121,8 @@ class ShardRun:
         self.staging.mkdir(parents=True, exist_ok=True)
         pending = []
         for entry in sorted(os.scandir(self.staging), key=lambda e: e.name):
-            key = f"shard-{self.shard:05d}/{entry.name}"
-            if entry.name.endswith(".tmp"):
+            key = f"{shard_name(self.shard)}/{entry.name}"
+            if ".tmp" in entry.name:  # a write cut short: temporary names hold .tmp
                 os.unlink(entry.path)
                 log.info("discarded partial staged file %s", entry.name)
             elif key in self.done or key not in self.by_key:
@@ -336,7 +157,7 @@ class ShardRun:
         self._wait_for_budget(hs.numel() * hs.element_size())
         sample_ids = [self.sample_ids[i] for i in batch.sample_indices]
         meta = batch_metadata(
-            run_meta=self.meta["file_metadata"],
+            run_meta=self.info.file_metadata,
             batch_id=batch.batch_id,
             shard=batch.shard,
             sample_ids=sample_ids,
@@ -358,7 +179,7 @@ class ShardRun:
     def _lock_shard(self) -> None:
         """Hold an exclusive lock on this shard for the life of the process: two processes running one shard
         would race on its staging directory and output keys. The kernel drops the lock when the process dies."""
-        path = lock_path(self.run_dir, self.shard)
+        path = self.run_dir.lock_file(self.shard)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(path, "a+")
         try:
@@ -385,14 +206,14 @@ class ShardRun:
             self.progress.tokens_total,
             self.staging,
         )
-        all_done = done_keys(self.run_dir)
+        all_done = self.run_dir.done_keys()
         self._mark_done(k for k in self.by_key if k in all_done)
         self.session_tokens = 0
         staged = self._recover_staging()
         if len(self.done) < len(self.batches):
             # A killed uploader can leave a half-copied file (local) or an open multipart upload (S3) in the output.
             partials = open_sink(self.cfg.output, self.cfg.s3_endpoint_url).discard_partials(
-                f"shard-{self.shard:05d}/"
+                f"{shard_name(self.shard)}/"
             )
             if partials:
                 log.info(
@@ -410,52 +231,44 @@ class ShardRun:
         self.uploader = Uploader(
             output=self.cfg.output,
             endpoint_url=self.cfg.s3_endpoint_url,
-            marker_dir=markers_dir(self.run_dir),
-            log_file=log_path(self.run_dir, self.shard, "uploader"),
+            marker_dir=self.run_dir.markers_dir,
+            log_file=self.run_dir.log_file(self.shard, "uploader"),
         )
+        # From here on a failure leaves the uploader to die with this process (parent-death signal); staged files
+        # stay for the rerun.
         self.uploader.start()
-        try:
-            for key in staged:
-                self.uploader.submit(self.staging / Path(key).name, key)
-            if todo:
-                self._compute(todo)
-            self._save_progress("draining")
-            while len(self.done) < len(self.batches):
-                self._poll_uploader()
-                self._save_progress()
-                time.sleep(0.1)
-            self._mark_done(self.uploader.close())
-            self.uploader = None
-        except BaseException:
-            # The uploader is killed with this process (parent-death signal); staged files stay for the rerun.
-            raise
+        for key in staged:
+            self.uploader.submit(self.staging / Path(key).name, key)
+        if todo:
+            self._compute(todo)
+        self._save_progress("draining")
+        while len(self.done) < len(self.batches):
+            self._poll_uploader()
+            self._save_progress()
+            time.sleep(0.1)
+        self._mark_done(self.uploader.close())
+        self.uploader = None
         self._save_progress("done")
         log.info("shard %d done", self.shard)
 
     def _compute(self, todo: list[BatchSpec]) -> None:
         cfg = self.cfg
-        samples = TokenizedSamples.load(self.run_dir / self.meta["tokens_file"])
+        samples = TokenizedSamples.load(self.run_dir.tokens_file)
         self.sample_ids = samples.sample_ids
-        device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+        device = torch_device(cfg)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self._save_progress("loading")
         t0 = time.time()
-        lm = load_model(
-            cfg.model,
-            dtype=cfg.dtype,
-            device=str(device),
-            attn_implementation=cfg.attn_implementation,
-            random_weights=cfg.random_weights,
-        )
+        lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
         extractor = Extractor(
             lm,
-            tuple(self.meta["layer_ids"]),
+            self.info.layer_ids,
             device=device,
             max_tokens=max(b.num_tokens for b in todo),
             num_slots=cfg.pinned_buffers,
-            pad_token_id=self.meta["pad_token_id"],
+            pad_token_id=self.info.pad_token_id,
         )
         self.t_start = time.time()
         self._save_progress("running")
@@ -476,7 +289,7 @@ class ShardRun:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir, shard = Path(argv[0]), int(argv[1])
-    _setup_logging(log_path(run_dir, shard))
+    _setup_logging(RunDir(run_dir).log_file(shard))
     shard_run = None
     try:
         shard_run = ShardRun(run_dir, shard)
@@ -490,9 +303,8 @@ def main(argv=None) -> int:
         log.exception("shard %d failed", shard)
         print(f"shard {shard} failed: {e!r}", file=sys.stderr)
         code, message = 1, repr(e)
-    if (
-        shard_run is not None and shard_run.locked
-    ):  # never overwrite the progress of the process holding the shard
+    # Only the process holding the shard's lock may write its progress (another may be running it right now).
+    if shard_run is not None and shard_run.locked:
         shard_run.progress.error = message
         shard_run._save_progress("failed")
     return code

@@ -18,14 +18,12 @@ after a crash is byte-identical to the first attempt.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
 import torch
 
-FORMAT_NAME = "hsextract-batch"
-FORMAT_VERSION = "1"
+from .rundir import atomic_write
 
 SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
@@ -59,41 +57,13 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     Renamed into place only after flush and fsync: a file under its final name is complete.
     """
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     header = safetensors_header(tensors, metadata)
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
         f.write(header)
         for t in tensors.values():
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    atomic_write(path, write)
     return path.stat().st_size
-
-
-def batch_metadata(*, run_meta: dict, batch_id: int, shard: int, sample_ids: list[str]) -> dict[str, str]:
-    """The per-file metadata: run-wide fields plus this batch's identity."""
-    meta = {k: str(v) for k, v in run_meta.items()}
-    meta.update(
-        format=FORMAT_NAME,
-        format_version=FORMAT_VERSION,
-        batch_id=str(batch_id),
-        shard=str(shard),
-        sample_ids=json.dumps(sample_ids),
-    )
-    return meta
-
-
-def estimate_file_bytes(
-    num_tokens: int, num_samples: int, num_layers: int, hidden: int, itemsize: int
-) -> int:
-    """Bytes of a batch file's tensors (the header adds a few KB)."""
-    return (
-        num_tokens * bytes_per_token(num_layers, hidden, itemsize) + (num_samples + 1) * 8 + num_samples * 8
-    )
-
-
-def bytes_per_token(num_layers: int, hidden: int, itemsize: int) -> int:
-    """States of every captured layer, plus the token id (int32) and its loss-mask byte."""
-    return num_layers * hidden * itemsize + 4 + 1

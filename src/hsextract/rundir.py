@@ -1,0 +1,218 @@
+"""The run directory: every path in it, the shard and batch naming, and the one way hsextract writes a file.
+
+A run directory is what a rerun resumes from. Layout::
+
+    config.json          the resolved RunConfig (what the workers read instead of command-line options)
+    run.json             RunInfo: what preparation learned (layer ids and types, hidden size, pad id, metadata)
+    plan.json            the Plan: batches and shards (resume trusts it only if a new plan hashes the same)
+    data_report.json     rows skipped, truncated, renamed
+    tokens.safetensors   the tokenized samples the workers read
+    cache/               tokenization cache (reused by dry-run and reruns)
+    markers/shard-SSSSS/batch-BBBBBB.safetensors.done   a batch durable in the output (what resume trusts)
+    progress/shard-SSSSS.json                           counters and state of a shard (what status shows)
+    logs/shard-SSSSS[.role].log                         each process's log
+    locks/shard-SSSSS.lock                              held by the process running the shard
+    triton-cache/        compiled kernels shared by every process of the run
+    COMPLETE             written after the manifest: the run is finished
+
+Output keys are ``shard-SSSSS/batch-BBBBBB.safetensors``; staging uses the same shard directory names.
+
+``atomic_write`` is how every file is written: a temporary name beside the target, flush, fsync, rename over the
+target, fsync of the directory. A file under its final name is therefore complete, and a crash leaves at most a
+``*.tmp-*`` file that nothing reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+MARKER_SUFFIX = ".done"
+TMP_MARK = ".tmp-"
+"""In the name of every temporary file hsextract writes; such files are never read and are safe to delete."""
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}"
+
+
+def batch_key(shard: int, batch_id: int) -> str:
+    """The output key (and staging-relative path) of a batch file."""
+    return f"{shard_name(shard)}/batch-{batch_id:06d}.safetensors"
+
+
+def tmp_path(path: Path) -> Path:
+    """A temporary name beside ``path``, unique per process and thread."""
+    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_native_id()}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems (e.g. certain network mounts) do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    content: bytes | str | Callable[[BinaryIO], Any],
+    *,
+    durable: bool = True,
+) -> Any:
+    """Write ``content`` (bytes, text, or a function that writes to the open file and returns a value) to ``path``.
+
+    Temporary name, flush, fsync, rename, fsync of the directory: a file under its final name is complete. With
+    ``durable=False`` (files rewritten every second that only report, never decide) the two fsyncs are skipped;
+    the rename still makes every reader see a whole file. Returns what the writing function returned.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            if callable(content):
+                result = content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+                result = None
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+    return result
+
+
+def write_json(path: str | os.PathLike[str], value: Any, *, durable: bool = True) -> None:
+    atomic_write(path, json.dumps(value, indent=2), durable=durable)
+
+
+def marker_path(marker_dir: Path, key: str) -> Path:
+    """Where the marker of an uploaded key lives; it exists only once the key is durable in the output."""
+    return Path(marker_dir) / f"{key}{MARKER_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path in a run directory. Nothing else in hsextract spells these names."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]):
+        object.__setattr__(self, "root", Path(root))
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def info_file(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def plan_file(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def data_report_file(self) -> Path:
+        return self.root / "data_report.json"
+
+    @property
+    def tokens_file(self) -> Path:
+        return self.root / "tokens.safetensors"
+
+    @property
+    def complete_file(self) -> Path:
+        return self.root / "COMPLETE"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def markers_dir(self) -> Path:
+        return self.root / "markers"
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.root / "progress"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def locks_dir(self) -> Path:
+        return self.root / "locks"
+
+    @property
+    def triton_cache(self) -> Path:
+        return self.root / "triton-cache"
+
+    def progress_file(self, shard: int) -> Path:
+        return self.progress_dir / f"{shard_name(shard)}.json"
+
+    def lock_file(self, shard: int) -> Path:
+        return self.locks_dir / f"{shard_name(shard)}.lock"
+
+    def log_file(self, shard: int, role: str = "") -> Path:
+        """``role`` is "" for the worker, or ``uploader``, ``stderr``, ``warmup``."""
+        suffix = f".{role}" if role else ""
+        return self.logs_dir / f"{shard_name(shard)}{suffix}.log"
+
+    def marker(self, key: str) -> Path:
+        return marker_path(self.markers_dir, key)
+
+    def done_keys(self) -> set[str]:
+        """Output keys of every batch recorded durable, listed once."""
+        if not self.markers_dir.exists():
+            return set()
+        keys = set()
+        for shard_dir in self.markers_dir.iterdir():
+            if shard_dir.is_dir():
+                for entry in os.scandir(shard_dir):
+                    if entry.name.endswith(MARKER_SUFFIX):
+                        keys.add(f"{shard_dir.name}/{entry.name[: -len(MARKER_SUFFIX)]}")
+        return keys
+
+    def is_run_dir(self) -> bool:
+        return self.plan_file.exists()
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunInfo:
+    """What preparation learned about the run, written to ``run.json`` for the workers, warm-up and manifest."""
+
+    layer_ids: tuple[int, ...]
+    """Captured decoder-layer ids (output of layer k), sorted."""
+    layer_types: tuple[str, ...]
+    """The architecture's type of each captured layer (``linear_attention``, ``full_attention``...)."""
+    num_layers: int
+    hidden_size: int
+    pad_token_id: int
+    plan_hash: str
+    file_metadata: dict
+    """Run-wide string metadata every batch file carries (output.py builds it)."""
+
+    def save(self, run_dir: RunDir) -> None:
+        write_json(run_dir.info_file, asdict(self))
+
+    @classmethod
+    def load(cls, run_dir: RunDir) -> RunInfo:
+        d = json.loads(run_dir.info_file.read_text())
+        return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
