@@ -9,10 +9,16 @@ realistic length mix (median 221, mean ~330, p99 ~1800 tokens), and times on the
   (b) hsextract's Extractor end to end: hooks, on-device gather, async copy into pinned buffers on a side stream,
       writer thread saving safetensors files to /dev/shm (each file removed after it is written, as the uploader
       would);
-  (c) a naive loop: hooks, GPU concat, one blocking ``.cpu()`` per layer, synchronous ``safetensors.save_file``.
+  (c) a naive loop: hooks, GPU concat, one blocking ``.cpu()`` per layer, synchronous ``safetensors.save_file``;
+  (a') and (b'): (a) and (b) with hsextract.kernels' fused kernels swapped in (modes ``af`` and ``bf``).
 
-Prints tokens/s, (b)/(a), (b)/(c) and model TFLOP/s (2 x parameters of layers 0..deepest per token).
-``--startup`` also measures time to the first batch in fresh processes with an empty and a warm Triton cache.
+Prints tokens/s on real and on padded (computed) tokens, the ratios, and model TFLOP/s (2 x parameters of layers
+0..deepest per computed token). ``--startup`` also measures time to the first batch in fresh processes with an
+empty and a warm Triton cache, stock and fused.
+
+``--kernel-profile`` instead times each swapped module alone, stock against fused, on a few layers of the real
+shape and one padded batch (inputs captured from a stock forward), then the whole shallow forward, with a
+profiler breakdown of CUDA time by kernel family for both: the measurements that pick what to fuse next.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hsextract import kernels  # noqa: E402
 from hsextract.capture import LayerCapture, _StopForward, decoder_layers, load_model, resolve_layer_ids  # noqa: E402
 from hsextract.data import TokenizedSamples  # noqa: E402
 from hsextract.pipeline import Extractor, build_batch  # noqa: E402
@@ -154,12 +161,288 @@ def bench_naive(lm, layer_ids, batches, samples, device, pad, staging: Path):
             h.remove()
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# --kernel-profile: each swapped module alone, then the shallow forward with a profiler breakdown.
+
+KERNEL_FAMILIES = [  # (family, regex on the CUDA kernel name), first match wins
+    ("causal conv", r"conv|fprop"),
+    ("our q/k norm+rope, gate", r"qk_norm_rope|sigmoid_gate"),
+    ("matrix products", r"gemm|cutlass|xmma|nvjet|cublas|s16816|wgmma"),
+    ("attention (sdpa)", r"flash|fmha|attention|sdpa|mha"),
+    ("FLA chunk kernels", r"chunk|delta|kkt|solve_tril|recompute_w_u|fwd_h|fwd_o|l2norm|beta_sigmoid"),
+    ("norms", r"rms|norm"),
+    ("silu * mul", r"swiglu|silu"),
+    ("copies, casts, cat", r"copy|cpy|memset|cat|index|repeat|gather|scatter|fill"),
+    ("other elementwise", r"elementwise|vectorized|unrolled|reduce"),
+]
+
+
+def kernel_breakdown(fn, steps: int = 3) -> tuple[dict, int]:
+    """CUDA time per kernel family (ms per step) over ``steps`` calls of ``fn``, and kernels launched per step."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    fams: dict = {}
+    launches = 0
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t <= 0:
+            continue
+        launches += ev.count
+        fam = next((f for f, rx in KERNEL_FAMILIES if re.search(rx, ev.key, re.I)), "other")
+        fams.setdefault(fam, {"ms": 0.0, "top": []})
+        fams[fam]["ms"] += t / 1000 / steps
+        fams[fam]["top"].append((t / 1000 / steps, ev.key[:90]))
+    for f in fams.values():
+        f["top"] = sorted(f["top"], reverse=True)[:3]
+    return fams, launches // steps
+
+
+def cuda_time(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` calls (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def _capture_module_inputs(decoder, modules: dict, ids, mask) -> dict:
+    got = {}
+    handles = [
+        mod.register_forward_pre_hook(
+            lambda m, a, kw, n=name: got.setdefault(n, (a, dict(kw))), with_kwargs=True
+        )
+        for name, mod in modules.items()
+    ]
+    try:
+        with torch.inference_mode():
+            decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def kernel_profile(args) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    cfg = AutoConfig.from_pretrained(args.config).get_text_config()
+    cfg.num_hidden_layers = args.profile_layers
+    cfg.layer_types = cfg.layer_types[: args.profile_layers]
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    decoder = LayerCapture(lm, (0,)).decoder
+    layers = decoder_layers(lm)
+    gdn_i = cfg.layer_types.index("linear_attention")
+    att_i = cfg.layer_types.index("full_attention")
+    gdn, att = layers[gdn_i], layers[att_i]
+    rows, length = args.profile_rows, args.profile_length
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(length // 2, length + 1, (rows,), generator=g)
+    lengths[0] = length
+    ids = torch.randint(0, cfg.vocab_size, (rows, length), generator=g).cuda()
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long().cuda()
+    real, padded = int(lengths.sum()), rows * length
+    out: dict = {"layers": args.profile_layers, "rows": rows, "length": length, "real_tokens": real}
+    print(f"kernel profile: {args.profile_layers} layers, {rows} x {length} tokens ({real} real)", flush=True)
+
+    mods = {
+        "input rms_norm": gdn.input_layernorm,
+        "Gated-DeltaNet mixer": gdn.linear_attn,
+        "gated rms_norm": gdn.linear_attn.norm,
+        "attention mixer": att.self_attn,
+        "MLP": gdn.mlp,
+        "Gated-DeltaNet layer": gdn,
+        "attention layer": att,
+    }
+    inputs = _capture_module_inputs(decoder, mods, ids, mask)
+    x = inputs["Gated-DeltaNet mixer"][1]["hidden_states"]  # the normed layer input
+    lin = gdn.linear_attn
+
+    def unmasked(kw):
+        return {k: (None if k == "attention_mask" else v) for k, v in kw.items()}
+
+    def module_pair(name):
+        mod = mods[name]
+        a, kw = inputs[name]
+        return (lambda: type(mod).forward(mod, *a, **kw)), (lambda: mod(*a, **unmasked(kw)))
+
+    # Parts of the Gated-DeltaNet mixer, stock (as transformers runs them) against fused.
+    with torch.inference_mode():
+        qkv = lin.in_proj_qkv(x)
+        b, a = lin.in_proj_b(x), lin.in_proj_a(x)
+        w = lin.conv1d.weight.squeeze(1)
+        kd = lin.key_dim
+        q_, k_, v_ = torch.split(
+            m.causal_conv1d_fn(qkv.transpose(1, 2), w, None, activation="silu").transpose(1, 2),
+            [kd, kd, lin.value_dim],
+            dim=-1,
+        )
+        B, T = x.shape[:2]
+        q_, k_ = q_.reshape(B, T, -1, lin.head_k_dim), k_.reshape(B, T, -1, lin.head_k_dim)
+        v_ = v_.reshape(B, T, -1, lin.head_v_dim)
+    lib = kernels._libs()
+    rep = lin.num_v_heads // lin.num_k_heads
+
+    def conv_stock():
+        y = m.causal_conv1d_fn(qkv.transpose(1, 2), w, None, activation="silu").transpose(1, 2)
+        q, k, v = torch.split(y, [kd, kd, lin.value_dim], dim=-1)
+        return q.contiguous(), k.contiguous(), v.contiguous()  # FLA's input guard makes these copies
+
+    def conv_fused():
+        return [
+            lib.causal_conv1d(qkv[..., s], w[s], activation="silu")[0]
+            for s in (slice(0, kd), slice(kd, 2 * kd), slice(2 * kd, None))
+        ]
+
+    def rule_stock():
+        beta = b.sigmoid()
+        gg = -lin.A_log.float().exp() * torch.nn.functional.softplus(a.float() + lin.dt_bias)
+        return m.torch_chunk_gated_delta_rule(
+            q_.repeat_interleave(rep, 2),
+            k_.repeat_interleave(rep, 2),
+            v_,
+            g=gg,
+            beta=beta,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    def rule_fused():
+        return lib.chunk_gated_delta_rule(
+            q_,
+            k_,
+            v_,
+            g=a,
+            beta=b,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=lin.A_log,
+            dt_bias=lin.dt_bias,
+            use_beta_sigmoid_in_kernel=True,
+        )
+
+    mlp = gdn.mlp
+    h_mlp = inputs["MLP"][0][0]
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+
+    resid = inputs["Gated-DeltaNet layer"][0][0]
+    post = gdn.post_attention_layernorm
+
+    def add_norm_stock():
+        s = resid + x
+        return type(post).forward(post, s)
+
+    pairs = {
+        "input rms_norm": module_pair("input rms_norm"),
+        "causal conv1d + silu (q, k, v)": (conv_stock, conv_fused),
+        "gated delta rule (repeat q/k vs GVA)": (rule_stock, rule_fused),
+        "gated rms_norm": module_pair("gated rms_norm"),
+        "Gated-DeltaNet mixer": module_pair("Gated-DeltaNet mixer"),
+        "attention mixer": module_pair("attention mixer"),
+        "residual add + rms_norm": (add_norm_stock, lambda: kernels.add_rms_norm(x, resid, post)),
+        "MLP": module_pair("MLP"),
+        "MLP, gate/up one GEMM": (
+            module_pair("MLP")[0],
+            lambda: mlp.down_proj(LigerFusedGateUpSiLUMulFunction.apply(h_mlp @ gate_up.t())),
+        ),
+        "Gated-DeltaNet layer": module_pair("Gated-DeltaNet layer"),
+        "attention layer": module_pair("attention layer"),
+    }
+    # Stock timings with transformers' forwards everywhere (a stock layer calls its mixer), then fused.
+    times: dict = {}
+    with torch.inference_mode():
+        for mode in ("stock", "fused"):
+            kernels.apply(lm, mode)
+            for name, pair in pairs.items():
+                times.setdefault(name, {})[mode] = cuda_time(pair[mode == "fused"])
+        kernels.restore(lm)
+    rows_out = []
+    for name, t in times.items():
+        rows_out.append({"module": name, "stock_ms": t["stock"], "fused_ms": t["fused"]})
+        print(
+            f"  {name:40s} stock {t['stock']:8.2f} ms  fused {t['fused']:8.2f} ms  {t['stock'] / t['fused']:5.2f}x"
+        )
+    out["modules"] = rows_out
+
+    def forward():
+        decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    whole = {}
+    with torch.inference_mode():
+        for mode in ("stock", "fused"):
+            kernels.apply(lm, mode)
+            ms = cuda_time(forward, reps=5)
+            fams, launches = kernel_breakdown(forward)
+            whole[mode] = {
+                "ms": ms,
+                "padded_tokens_per_s": padded / ms * 1e3,
+                "real_tokens_per_s": real / ms * 1e3,
+                "kernels_per_forward": launches,
+                "families": fams,
+            }
+        kernels.restore(lm)
+    out["forward"] = whole
+    lines = [
+        "",
+        f"| {args.profile_layers}-layer forward, {rows} x {length} | stock | fused |",
+        "|---|---|---|",
+        f"| ms per forward | {whole['stock']['ms']:.1f} | {whole['fused']['ms']:.1f} "
+        f"({whole['stock']['ms'] / whole['fused']['ms']:.3f}x) |",
+        f"| kernels launched per forward | {whole['stock']['kernels_per_forward']} | "
+        f"{whole['fused']['kernels_per_forward']} |",
+    ]
+    fams = sorted(
+        {f for w in whole.values() for f in w["families"]},
+        key=lambda f: -whole["stock"]["families"].get(f, {}).get("ms", 0),
+    )
+    for f in fams:
+        cells = []
+        for mode in ("stock", "fused"):
+            t = whole[mode]["families"].get(f, {}).get("ms", 0.0)
+            tot = sum(v["ms"] for v in whole[mode]["families"].values())
+            cells.append(f"{t:.1f} ms ({100 * t / tot:.1f}%)")
+        lines.append(f"| {f} | {cells[0]} | {cells[1]} |")
+    print("\n".join(lines), flush=True)
+    for mode in ("stock", "fused"):
+        print(f"top kernels, {mode}:")
+        for f, v in sorted(whole[mode]["families"].items(), key=lambda kv: -kv[1]["ms"]):
+            for t, name in v["top"]:
+                print(f"  {t:8.2f} ms  [{f}] {name}")
+    return out
+
+
 def startup_probe(args) -> None:
     """Child mode: build a shallow model of the config's shape, time the first batches (Triton compiles here)."""
-    t_start = time.perf_counter()
-    cfg_dir = Path(args.startup_model)
-    lm = load_model(str(cfg_dir), dtype="bfloat16", device="cuda", random_weights=True)
-    t_model = time.perf_counter() - t_start
+    t_entry = time.perf_counter()
+    times = {"python_and_imports_s": time.time() - float(os.environ.get("HSX_SPAWN_T", time.time()))}
+    import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (imports flash-linear-attention)
+
+    times["transformers_and_fla_import_s"] = time.perf_counter() - t_entry
+    t0 = time.perf_counter()
+    lm = load_model(str(Path(args.startup_model)), dtype="bfloat16", device="cuda", random_weights=True)
+    sync()
+    times["model_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    times["kernels"] = kernels.apply(lm, args.kernels)
+    times["apply_kernels_s"] = time.perf_counter() - t0
     samples = realistic_samples(200_000, lm.config.vocab_size, args.max_length, seed=1)
     plan = make_plan(
         samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1
@@ -174,19 +457,37 @@ def startup_probe(args) -> None:
         num_slots=2,
         pad_token_id=0,
     )
+    per_batch = []
+    for b in batches:  # each a new shape: what the first batches of a run meet
+        t0 = time.perf_counter()
+        ext.run([b], samples, lambda b, t: None)
+        sync()
+        per_batch.append(round(time.perf_counter() - t0, 3))
     t0 = time.perf_counter()
-    ext.run(batches[:1], samples, lambda b, t: None)
+    ext.run(batches, samples, lambda b, t: None)  # the same shapes again: the steady state
     sync()
-    t_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ext.run(batches, samples, lambda b, t: None)
-    sync()
-    t_all = time.perf_counter() - t0
-    print(json.dumps({"model_s": t_model, "first_batch_s": t_first, f"{len(batches)}_batch_shapes_s": t_all}))
+    times.update(
+        first_batch_s=per_batch[0],
+        per_new_shape_batch_s=per_batch,
+        same_batches_again_s=round(time.perf_counter() - t0, 3),
+        shapes=[[b.rows, b.padded_length] for b in batches],
+    )
+    print(json.dumps(times))
+
+
+def _autotune_report(stdout: str) -> dict:
+    """Triton's TRITON_PRINT_AUTOTUNING lines: benchmarking seconds per kernel (cache misses only)."""
+    import re
+
+    found: dict = {}
+    for fn, secs in re.findall(r"autotuning for function (\S+?),.*?finished after ([0-9.]+)s", stdout, re.S):
+        found[fn] = round(found.get(fn, 0.0) + float(secs), 2)
+    return {"seconds_total": round(sum(found.values()), 2), "runs": len(found), "per_kernel_s": found}
 
 
 def measure_startup(args) -> dict:
-    """Fresh processes: empty Triton cache (cold) then the same cache again (warm)."""
+    """Fresh processes, stock and fused: an empty Triton cache (cold) then the same cache again (warm). With
+    ``--startup-cache DIR`` only the warm case, in that (already filled) cache."""
     shallow = Path(tempfile.mkdtemp()) / "shallow"
     shallow.mkdir()
     cfg = json.loads((Path(args.config) / "config.json").read_text())
@@ -194,32 +495,47 @@ def measure_startup(args) -> dict:
         4  # 3 Gated-DeltaNet + 1 full attention: every kernel, a fraction of the weights
     )
     (shallow / "config.json").write_text(json.dumps(cfg))
-    cache = Path(tempfile.mkdtemp(prefix="triton-"))
     out = {}
-    for label in ("cold_cache", "warm_cache"):
-        env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
-        t0 = time.perf_counter()
-        r = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--startup-model",
-                str(shallow),
-                "--startup-batches",
-                str(args.startup_batches),
-                "--max-tokens",
-                str(args.max_tokens),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        wall = time.perf_counter() - t0
-        if r.returncode != 0:
-            out[label] = {"error": r.stderr[-2000:]}
-            continue
-        out[label] = {"process_wall_s": wall, **json.loads(r.stdout.strip().splitlines()[-1])}
-    shutil.rmtree(cache, ignore_errors=True)
+    for mode in args.startup_kernels.split(","):
+        cache = Path(args.startup_cache) if args.startup_cache else Path(tempfile.mkdtemp(prefix="triton-"))
+        for label in ("warm_cache",) if args.startup_cache else ("cold_cache", "warm_cache"):
+            env = dict(
+                os.environ,
+                TRITON_CACHE_DIR=str(cache),
+                TRITON_PRINT_AUTOTUNING="1",
+                HSX_SPAWN_T=str(time.time()),
+            )
+            t0 = time.perf_counter()
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--startup-model",
+                    str(shallow),
+                    "--startup-batches",
+                    str(args.startup_batches),
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--kernels",
+                    mode,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            wall = time.perf_counter() - t0
+            key = f"{mode}_{label}"
+            if r.returncode != 0:
+                out[key] = {"error": r.stderr[-2000:]}
+                continue
+            out[key] = {
+                "process_wall_s": round(wall, 2),
+                **json.loads(r.stdout.strip().splitlines()[-1]),
+                "autotuning": _autotune_report(r.stdout),
+            }
+            print(key, json.dumps(out[key]), flush=True)
+        if not args.startup_cache:
+            shutil.rmtree(cache, ignore_errors=True)
     return out
 
 
@@ -233,14 +549,30 @@ def main():
     ap.add_argument("--max-length", type=int, default=8192)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--staging", default="/dev/shm/hsextract-bench")
-    ap.add_argument("--modes", default="a,b,c")
+    ap.add_argument(
+        "--modes", default="a,b,c,af,bf", help="a, b, c stock; af, bf = (a'), (b') with fused kernels"
+    )
     ap.add_argument("--startup", action="store_true")
+    ap.add_argument("--startup-kernels", default="stock,fused")
+    ap.add_argument("--startup-cache", help="a filled Triton cache: measure only the warm start, in it")
     ap.add_argument("--startup-model")
     ap.add_argument("--startup-batches", type=int, default=12)
+    ap.add_argument("--kernels", default="stock", help="startup probe child: stock or fused")
+    ap.add_argument(
+        "--kernel-profile", action="store_true", help="each swapped module alone, then the shallow forward"
+    )
+    ap.add_argument("--profile-layers", type=int, default=8)
+    ap.add_argument("--profile-rows", type=int, default=64)
+    ap.add_argument("--profile-length", type=int, default=1024)
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.startup_model:
         return startup_probe(args)
+    if args.kernel_profile:
+        out = kernel_profile(args)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(out, indent=1))
+        return
 
     report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     try:
@@ -279,40 +611,64 @@ def main():
         flush=True,
     )
 
-    # Warm-up: every batch shape once, so Triton compilation stays out of the timings.
-    t0 = time.perf_counter()
-    bench_forward_only(lm, layer_ids, batches, samples, device, 0)
-    report["warmup_s"] = time.perf_counter() - t0
-    print(f"warm-up pass {report['warmup_s']:.1f} s", flush=True)
+    padded_tokens = sum(b.padded_tokens for b in batches)
+
+    def warm_up(label):
+        """Every batch shape once, so Triton compilation and autotuning stay out of the timings."""
+        t0 = time.perf_counter()
+        bench_forward_only(lm, layer_ids, batches, samples, device, 0)
+        report[f"warmup_{label}_s"] = time.perf_counter() - t0
+        print(f"warm-up pass, {label} kernels: {report[f'warmup_{label}_s']:.1f} s", flush=True)
 
     staging = Path(args.staging)
     staging.mkdir(parents=True, exist_ok=True)
     results = {}
+    warmed = set()
     for mode in args.modes.split(","):
-        if mode == "a":
+        fused = mode.endswith("f")
+        report.setdefault("kernels", {})[mode] = kernels.apply(lm, "fused" if fused else "stock")
+        if fused not in warmed:
+            warm_up("fused" if fused else "stock")
+            warmed.add(fused)
+        if mode in ("a", "af"):
             dt = bench_forward_only(lm, layer_ids, batches, samples, device, 0)
-        elif mode == "b":
+        elif mode in ("b", "bf"):
             dt, nbytes = bench_hsextract(lm, layer_ids, batches, samples, device, 0, staging, args.slots)
             report["bytes_written"] = nbytes
         elif mode == "c":
             dt = bench_naive(lm, layer_ids, batches, samples, device, 0, staging)
-        results[mode] = tokens / dt
+        results[mode] = {"s": dt, "tokens_per_s": tokens / dt, "padded_tokens_per_s": padded_tokens / dt}
         print(f"({mode}) {tokens / dt:,.0f} tokens/s  ({dt:.1f} s)", flush=True)
-    report["tokens_per_s"] = results
+    kernels.restore(lm)
+    report["tokens_per_s"] = {m: r["tokens_per_s"] for m, r in results.items()}
+    report["results"] = results
+    report["padded_tokens"] = padded_tokens
     flop_per_token = 2 * params
-    lines = ["", "| loop | tokens/s | vs (a) | model TFLOP/s |", "|---|---|---|---|"]
+    report["flop_per_token"] = flop_per_token
     names = {
-        "a": "(a) forward of layers 0..deepest only",
+        "a": "(a) forward of layers 0..deepest only, stock transformers",
         "b": "(b) hsextract worker loop, files to /dev/shm",
         "c": "(c) blocking .cpu() per layer + sync save_file",
+        "af": "(a') forward of layers 0..deepest only, fused kernels",
+        "bf": "(b') hsextract worker loop, fused kernels",
     }
-    for mode, tps in results.items():
-        ratio = tps / results["a"] if "a" in results else float("nan")
-        lines.append(f"| {names[mode]} | {tps:,.0f} | {ratio:.3f} | {tps * flop_per_token / 1e12:,.0f} |")
-    if "b" in results and "c" in results:
+    lines = [
+        "",
+        "| loop | tokens/s (real) | tokens/s (padded, computed) | vs (a) | model TFLOP/s (computed) |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        ratio = r["tokens_per_s"] / results["a"]["tokens_per_s"] if "a" in results else float("nan")
         lines.append(
-            f"\n(b)/(a) = {results['b'] / results['a']:.3f}   (b)/(c) = {results['b'] / results['c']:.3f}"
+            f"| {names[mode]} | {r['tokens_per_s']:,.0f} | {r['padded_tokens_per_s']:,.0f} | {ratio:.3f} | "
+            f"{r['padded_tokens_per_s'] * flop_per_token / 1e12:,.0f} |"
         )
+    tps = report["tokens_per_s"]
+    ratios = [("b", "a"), ("b", "c"), ("af", "a"), ("bf", "af"), ("bf", "b")]
+    lines.append(
+        "\n" + "   ".join(f"({x})/({y}) = {tps[x] / tps[y]:.3f}" for x, y in ratios if x in tps and y in tps)
+    )
+    lines[-1] = lines[-1].replace("(af)", "(a')").replace("(bf)", "(b')")
     print("\n".join(lines), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))

@@ -2,17 +2,20 @@
 # Everything measured on the GPU machine, in one place. Run from the repo root on a CUDA host:
 #   bash scripts/gpu_session.sh tests    # GPU tests + start-up times (cold vs warm Triton cache)
 #   bash scripts/gpu_session.sh bench    # (a) forward floor, (b) hsextract loop, (c) blocking loop, one process
-# flash-linear-attention comes from wheels in .whl/ (fla-core, flash-linear-attention) when it is not installed.
+#   bash scripts/gpu_session.sh kernels  # fused kernels: GPU correctness tests, then each kernel alone (profile)
+#   bash scripts/gpu_session.sh fused    # (a), (b) against (a'), (b') with fused kernels; warm start-up after it
+# flash-linear-attention and liger-kernel come from wheels in .whl/ (fla-core, flash-linear-attention,
+# liger-kernel) when they are not installed.
 set -uo pipefail
 OUT=${OUT:-/tmp/hsextract-gpu-out}
 mkdir -p "$OUT"
-if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import fla, liger_kernel" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"
+python3 -c "import torch, transformers, fla, triton; from importlib.metadata import version as v; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'triton', triton.__version__, 'liger-kernel', v('liger-kernel'))"
 date -u
 case "${1:-all}" in
   tests|all)
@@ -25,6 +28,21 @@ case "${1:-all}" in
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
+# Fused kernels (issue 13). Correctness first (fused vs float32 at least as close as stock, per module and layer),
+# then each swapped module timed alone and the shallow forward's profile, stock against fused.
+if [[ "${1:-}" == "kernels" ]]; then
+  python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
+  python3 scripts/bench.py --kernel-profile --json-out "$OUT/kernel_profile.json" 2>&1 | tee "$OUT/kernel_profile.log"
+fi
+# The full forward, stock (a), (b) against fused (a'), (b'), one process; then fresh processes starting with the
+# Triton cache that run left (the warm start a real run has after its pre-warm), stock and fused.
+if [[ "${1:-}" == "fused" ]]; then
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-fused}
+  python3 scripts/bench.py --tokens "${BENCH_TOKENS:-400000}" --max-tokens "${BENCH_BATCH:-65536}" \
+    --modes "${BENCH_MODES:-a,b,af,bf}" --json-out "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log"
+  python3 scripts/bench.py --startup --startup-cache "$TRITON_CACHE_DIR" --modes none \
+    --max-tokens "${BENCH_BATCH:-65536}" --json-out "$OUT/startup_fused.json" 2>&1 | tee "$OUT/startup_fused.log"
+fi
 # Several shards on the GPUs this machine has (issue 7): random-weight checkpoint of the real layer shapes, then
 # scripts/multi_shard.py (single vs N shards, kill + resume, exactly-once check). GPUS=0,0,0,0 shares one GPU.
 if [[ "${1:-}" == "multishard" ]]; then
