@@ -28,11 +28,11 @@ case "${1:-all}" in
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
-# Fused kernels (issue 13). Correctness first (fused vs float32 at least as close as stock, per module and layer),
-# then each swapped module timed alone and the shallow forward's profile, stock against fused.
+# Fused kernels (issue 13): each swapped module timed alone and the shallow forward's profile, stock against fused;
+# then correctness (fused vs float32 at least as close as stock, per module and per layer).
 if [[ "${1:-}" == "kernels" ]]; then
-  python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
-  python3 scripts/bench.py --kernel-profile --json-out "$OUT/kernel_profile.json" 2>&1 | tee "$OUT/kernel_profile.log"
+  timeout "${PROFILE_TIMEOUT:-240}" python3 scripts/bench.py --kernel-profile --json-out "$OUT/kernel_profile.json" 2>&1 | tee "$OUT/kernel_profile.log"
+  timeout "${TESTS_TIMEOUT:-280}" python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
 fi
 # The full forward, stock (a), (b) against fused (a'), (b'), one process; then fresh processes starting with the
 # Triton cache that run left (the warm start a real run has after its pre-warm), stock and fused.
