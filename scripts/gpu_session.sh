@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh bench    # (a) forward floor, (b) hsextract loop, (c) blocking loop, one process
 #   bash scripts/gpu_session.sh kernels  # fused kernels: GPU correctness tests, then each kernel alone (profile)
 #   bash scripts/gpu_session.sh fused    # (a), (b) against (a'), (b') with fused kernels; warm start-up after it
+#   bash scripts/gpu_session.sh issue13  # kernels, then fused
 # flash-linear-attention and liger-kernel come from wheels in .whl/ (fla-core, flash-linear-attention,
 # liger-kernel) when they are not installed.
 set -uo pipefail
@@ -28,20 +29,21 @@ case "${1:-all}" in
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
-# Fused kernels (issue 13): each swapped module timed alone and the shallow forward's profile, stock against fused;
-# then correctness (fused vs float32 at least as close as stock, per module and per layer).
-if [[ "${1:-}" == "kernels" ]]; then
-  timeout "${PROFILE_TIMEOUT:-240}" python3 scripts/bench.py --kernel-profile --json-out "$OUT/kernel_profile.json" 2>&1 | tee "$OUT/kernel_profile.log"
-  timeout "${TESTS_TIMEOUT:-280}" python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
+# Fused kernels (issue 13). kernels: correctness (fused vs float32 at least as close as stock, per module and per
+# layer), then each swapped module timed alone and the shallow forward's profile, stock against fused.
+# fused: the full forward, stock (a), (b) against fused (a'), (b'), one process; then fresh processes starting with
+# the Triton cache that run left (the warm start a real run has after its pre-warm), fused and stock.
+# Each step runs under a time limit (seconds, from the environment) so one call of the GPU machine holds them all.
+if [[ "${1:-}" == "kernels" || "${1:-}" == "issue13" ]]; then
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
+  timeout "${PROFILE_TIMEOUT:-300}" python3 scripts/bench.py --kernel-profile --json-out "$OUT/kernel_profile.json" 2>&1 | tee "$OUT/kernel_profile.log"
 fi
-# The full forward, stock (a), (b) against fused (a'), (b'), one process; then fresh processes starting with the
-# Triton cache that run left (the warm start a real run has after its pre-warm), stock and fused.
-if [[ "${1:-}" == "fused" ]]; then
+if [[ "${1:-}" == "fused" || "${1:-}" == "issue13" ]]; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-fused}
-  python3 scripts/bench.py --tokens "${BENCH_TOKENS:-400000}" --max-tokens "${BENCH_BATCH:-65536}" \
-    --modes "${BENCH_MODES:-a,b,af,bf}" --json-out "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log"
-  python3 scripts/bench.py --startup --startup-cache "$TRITON_CACHE_DIR" --modes none \
-    --max-tokens "${BENCH_BATCH:-65536}" --json-out "$OUT/startup_fused.json" 2>&1 | tee "$OUT/startup_fused.log"
+  timeout "${BENCH_TIMEOUT:-600}" python3 scripts/bench.py --tokens "${BENCH_TOKENS:-300000}" --max-tokens "${BENCH_BATCH:-32768}" \
+    --modes "${BENCH_MODES:-a,af,b,bf}" --json-out "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log"
+  timeout "${STARTUP_TIMEOUT:-300}" python3 scripts/bench.py --startup --startup-cache "$TRITON_CACHE_DIR" --modes none \
+    --startup-kernels fused,stock --max-tokens "${BENCH_BATCH:-32768}" --json-out "$OUT/startup_fused.json" 2>&1 | tee "$OUT/startup_fused.log"
 fi
 # Several shards on the GPUs this machine has (issue 7): random-weight checkpoint of the real layer shapes, then
 # scripts/multi_shard.py (single vs N shards, kill + resume, exactly-once check). GPUS=0,0,0,0 shares one GPU.

@@ -336,7 +336,7 @@ def _gdn_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     qkv = self.in_proj_qkv(hidden_states)  # [B, T, 2 kd + vd]; the conv reads its three parts strided
     z = self.in_proj_z(hidden_states)
     joined = getattr(self, "_hsx_ba", None)
-    if joined is not None:  # b and a in one GEMM; their weights are views of ``joined``
+    if joined is not None and joined.data_ptr() == self.in_proj_b.weight.data_ptr():  # b and a in one GEMM
         both = hidden_states @ joined.t()
         b, a = both[..., :hv], both[..., hv:]
     else:
@@ -474,23 +474,19 @@ def _is_cuda(lm) -> bool:
     return p is not None and p.device.type == "cuda"
 
 
-def _join_rows(first, second):
-    """Make two Linear weights views of one [rows1 + rows2, cols] tensor, so both can run as one GEMM; returns it."""
+def _join_b_a(gdn):
+    """One [2 * heads, hidden] tensor holding the b and a projections' weights, which become views of it, so that
+    both run as one GEMM; kept on the module, reused by a later ``apply`` while the weights are still its views."""
     import torch
 
-    w1, w2 = first.weight, second.weight
-    if (
-        w1.is_contiguous()
-        and w2.is_contiguous()
-        and w1.data_ptr() + w1.numel() * w1.element_size() == w2.data_ptr()
-    ):
-        return w1.as_strided(
-            (w1.shape[0] + w2.shape[0], w1.shape[1]), w1.stride()
-        )  # joined by an earlier apply
-    joined = torch.cat([w1.detach(), w2.detach()])
+    w1, w2 = gdn.in_proj_b.weight, gdn.in_proj_a.weight
+    joined = getattr(gdn, "_hsx_ba", None)
     n = w1.shape[0]
-    first.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
-    second.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
+    if joined is not None and w1.data_ptr() == joined.data_ptr() and w2.data_ptr() == joined[n:].data_ptr():
+        return joined
+    joined = torch.cat([w1.detach(), w2.detach()])
+    gdn.in_proj_b.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
+    gdn.in_proj_a.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
     return joined
 
 
@@ -527,7 +523,7 @@ def apply(lm, mode: str = "fused") -> list[str]:
         elif isinstance(mod, m.Qwen3_5MLP) and getattr(mod.config, "hidden_act", "silu") in ("silu", "swish"):
             _patch(mod, _mlp_forward, "silu_mul", swapped)
         elif isinstance(mod, m.Qwen3_5GatedDeltaNet) and mod.activation in ("silu", "swish"):
-            mod._hsx_ba = _join_rows(mod.in_proj_b, mod.in_proj_a)
+            mod._hsx_ba = _join_b_a(mod)
             _patch(mod, _gdn_forward, "gated_delta_rule", swapped)
             swapped.add("causal_conv1d")
         elif isinstance(mod, m.Qwen3_5Attention):
