@@ -165,10 +165,10 @@ def bench_naive(lm, layer_ids, batches, samples, device, pad, staging: Path):
 # --kernel-profile: each swapped module alone, then the shallow forward with a profiler breakdown.
 
 KERNEL_FAMILIES = [  # (family, regex on the CUDA kernel name), first match wins
-    ("causal conv", r"conv|fprop"),
+    ("attention (sdpa)", r"sdpa|flash|fmha|attention|mha"),  # before conv: cuDNN's SDPA kernel says "fprop"
+    ("causal conv", r"conv"),
     ("our q/k norm+rope, gate", r"qk_norm_rope|sigmoid_gate"),
     ("matrix products", r"gemm|cutlass|xmma|nvjet|cublas|s16816|wgmma"),
-    ("attention (sdpa)", r"flash|fmha|attention|sdpa|mha"),
     ("FLA chunk kernels", r"chunk|delta|kkt|solve_tril|recompute_w_u|fwd_h|fwd_o|l2norm|beta_sigmoid"),
     ("norms", r"rms|norm"),
     ("silu * mul", r"swiglu|silu"),
@@ -201,7 +201,7 @@ def kernel_breakdown(fn, steps: int = 3) -> tuple[dict, int]:
         fams[fam]["ms"] += t / 1000 / steps
         fams[fam]["top"].append((t / 1000 / steps, ev.key[:90]))
     for f in fams.values():
-        f["top"] = sorted(f["top"], reverse=True)[:3]
+        f["top"] = sorted(f["top"], reverse=True)[:8]
     return fams, launches // steps
 
 
@@ -218,6 +218,43 @@ def cuda_time(fn, reps: int = 10, warmup: int = 2) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
+
+
+class ClockSampler:
+    """SM clock (MHz) and board power (W) read every 50 ms through NVML while a block runs: whether a denser
+    stream of matrix products runs the GPU at lower clocks (power limit) shows here, without touching any setting."""
+
+    def __init__(self):
+        import threading
+
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            try:
+                self.samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1000))
+            except Exception:  # no NVML here: no samples
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, watts = zip(*self.samples, strict=True)
+        return {
+            "sm_clock_mhz_mean": float(np.mean(clocks)),
+            "power_w_mean": float(np.mean(watts)),
+            "n": len(clocks),
+        }
 
 
 def _capture_module_inputs(decoder, modules: dict, ids, mask) -> dict:
@@ -389,10 +426,12 @@ def kernel_profile(args) -> dict:
     with torch.inference_mode():
         for mode in ("stock", "fused"):
             kernels.apply(lm, mode)
-            ms = cuda_time(forward, reps=5)
+            with ClockSampler() as clocks:
+                ms = cuda_time(forward, reps=5)
             fams, launches = kernel_breakdown(forward)
             whole[mode] = {
                 "ms": ms,
+                "clocks": clocks.summary(),
                 "padded_tokens_per_s": padded / ms * 1e3,
                 "real_tokens_per_s": real / ms * 1e3,
                 "kernels_per_forward": launches,
@@ -408,6 +447,12 @@ def kernel_profile(args) -> dict:
         f"({whole['stock']['ms'] / whole['fused']['ms']:.3f}x) |",
         f"| kernels launched per forward | {whole['stock']['kernels_per_forward']} | "
         f"{whole['fused']['kernels_per_forward']} |",
+        "| mean SM clock, board power while timed | "
+        + " | ".join(
+            f"{c.get('sm_clock_mhz_mean', float('nan')):.0f} MHz, {c.get('power_w_mean', float('nan')):.0f} W"
+            for c in (whole["stock"]["clocks"], whole["fused"]["clocks"])
+        )
+        + " |",
     ]
     fams = sorted(
         {f for w in whole.values() for f in w["families"]},
@@ -424,7 +469,7 @@ def kernel_profile(args) -> dict:
     for mode in ("stock", "fused"):
         print(f"top kernels, {mode}:")
         for f, v in sorted(whole[mode]["families"].items(), key=lambda kv: -kv[1]["ms"]):
-            for t, name in v["top"]:
+            for t, name in v["top"][:3]:
                 print(f"  {t:8.2f} ms  [{f}] {name}")
     return out
 

@@ -40,9 +40,9 @@ if [[ "${1:-}" == "kernels" || "${1:-}" == "issue13" ]]; then
 fi
 if [[ "${1:-}" == "fused" || "${1:-}" == "issue13" ]]; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-fused}
-  timeout "${BENCH_TIMEOUT:-600}" python3 scripts/bench.py --tokens "${BENCH_TOKENS:-300000}" --max-tokens "${BENCH_BATCH:-32768}" \
+  timeout "${BENCH_TIMEOUT:-480}" python3 scripts/bench.py --tokens "${BENCH_TOKENS:-300000}" --max-tokens "${BENCH_BATCH:-32768}" \
     --modes "${BENCH_MODES:-a,af,b,bf}" --json-out "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log"
-  timeout "${STARTUP_TIMEOUT:-300}" python3 scripts/bench.py --startup --startup-cache "$TRITON_CACHE_DIR" --modes none \
+  timeout "${STARTUP_TIMEOUT:-110}" python3 scripts/bench.py --startup --startup-cache "$TRITON_CACHE_DIR" --modes none \
     --startup-kernels fused,stock --max-tokens "${BENCH_BATCH:-32768}" --json-out "$OUT/startup_fused.json" 2>&1 | tee "$OUT/startup_fused.log"
 fi
 # Several shards on the GPUs this machine has (issue 7): random-weight checkpoint of the real layer shapes, then
