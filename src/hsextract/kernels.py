@@ -29,7 +29,8 @@ elementwise kernels and copies (``docs/PERFORMANCE.md``). Each swap below remove
 - ``gated_rms_norm``: ``Qwen3_5RMSNormGated`` -> FLA's fused RMSNorm * silu(z) (float32 throughout).
 - ``attention``: full-attention layers: q/k RMSNorm and partial RoPE in one Triton kernel (float32, one rounding)
   writing the layout SDPA reads, SDPA on the grouped k/v (no ``repeat_kv`` copies) with ``is_causal`` when the
-  batch is right-padded (the flash kernel instead of the masked one), and ``attn * sigmoid(gate)`` in one kernel.
+  batch is right-padded (cuDNN's or flash's causal kernel instead of a masked one), and ``attn * sigmoid(gate)``
+  in one kernel.
 - ``right_padding``: a pre-hook on the text model drops a 2-D attention mask whose rows are right-padded. For
   every valid token that is exact: with right padding all earlier positions are valid, and the conv, the
   Gated-DeltaNet recurrence and causal attention only look back, so padding after a row's last token can never
@@ -37,8 +38,14 @@ elementwise kernels and copies (``docs/PERFORMANCE.md``). Each swap below remove
   (left padding, holes) is kept and honoured as in the stock forward.
 
 Numerics: every fused kernel computes in float32 and rounds once, where the stock bf16 forward rounds after each
-torch op, so its states sit at least as close to a float32 forward (``tests/test_kernels_gpu.py`` checks this per
-module and per layer). Forwards with a KV cache (generation) keep the stock path.
+torch op, so its states should sit at least as close to a float32 forward; ``tests/test_kernels_gpu.py`` checks
+that per module and per layer. Forwards with a KV cache (generation) keep the stock path. A proof that compares a
+capture against "a plain HF forward" must run that reference inside ``stock_forward(lm)``, or it compares the
+fused forward with itself.
+
+Requirements on CUDA: flash-linear-attention (fla-core) >= 0.6.0 and liger-kernel >= 0.8.5 (the ``gpu`` extra);
+missing or older ones are an ``HsextractError`` naming the fix. ``causal-conv1d`` is not used. Measurements, and
+the profile behind each swap: ``docs/PERFORMANCE.md``.
 """
 
 from __future__ import annotations
@@ -250,11 +257,34 @@ def sigmoid_gate(attn, gate):
 _LIB = None
 
 
+# The oldest releases these calls were checked against: an older FLA may not know ``use_gate_in_kernel`` and would
+# read the raw gate as a log-decay, silently wrong, so it is refused rather than tried.
+_MIN_VERSIONS = {"fla-core": "0.6.0", "liger-kernel": "0.8.5"}
+
+
+def _check_versions() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    for dist, least in _MIN_VERSIONS.items():
+        try:
+            have = version(dist)
+        except PackageNotFoundError:
+            continue  # the import below names what is missing
+        if Version(have) < Version(least):
+            raise HsextractError(
+                f"--kernels fused needs {dist} >= {least}, found {have}: pip install 'hsextract[gpu]' "
+                "or run with --kernels stock"
+            )
+
+
 def _libs():
-    """flash-linear-attention and liger-kernel entry points; a clear error if either is missing."""
+    """flash-linear-attention and liger-kernel entry points; a clear error if either is missing or too old."""
     global _LIB
     if _LIB is not None:
         return _LIB
+    _check_versions()
     try:
         from fla.modules.convolution import causal_conv1d
         from fla.modules.fused_norm_gate import rms_norm_gated
