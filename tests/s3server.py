@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -161,4 +162,19 @@ def aws_test_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    return env
+
+
+def cli_env(**overrides: str) -> dict[str, str]:
+    """The environment of an ``hsextract`` subprocess: no AWS setting of this machine, fake credentials."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    missing = "/nonexistent/hsextract-test-aws"
+    env.update(
+        FAKE_CREDENTIALS,
+        AWS_DEFAULT_REGION=REGION,
+        AWS_CONFIG_FILE=missing,
+        AWS_SHARED_CREDENTIALS_FILE=missing,
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    env.update(overrides)
     return env

@@ -99,11 +99,15 @@ def test_new_run_dir_into_an_output_of_another_run_is_refused(base, tmp_path):
     run_cli(*args, "--layers", "1,2")
     before = sorted(p.name for p in (tmp_path / "out").rglob("*"))
     other = _replace(args, "--run-dir", tmp_path / "run2")
+    # The output's claim names the job that holds it, and what differs.
+    _fails(other + ["--layers", "1,3"], "is held by another job", str(tmp_path / "run1"), "layer_ids")
+    # An output written before claims existed (no job.json): its manifest, else its batch files, refuse it.
+    (tmp_path / "out" / "hsextract" / "job.json").unlink()
     _fails(other + ["--layers", "1,3"], "already holds a finished run with another plan")
     (tmp_path / "out" / "manifest.json").unlink()
     _fails(other + ["--layers", "1,3"], "already holds", "batch file(s)", "--run-dir")
     assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == [
-        n for n in before if n != "manifest.json"
+        n for n in before if n not in ("manifest.json", "job.json")
     ]
 
 

@@ -33,6 +33,8 @@ from conftest import (
 )
 from safetensors import safe_open
 
+from hsextract.config import run_staging_dir
+from hsextract.output import JOB, done_key
 from hsextract.plan import Plan
 from hsextract.progress import ShardProgress
 from hsextract.reader import open_output
@@ -150,7 +152,8 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     manifest = json.loads((out / "manifest.json").read_text())
     keys = [b["key"] for b in manifest["batches"]]
     assert len(keys) == len(set(keys)), "a batch is listed twice in the manifest"
-    assert files == sorted([*keys, "manifest.json"]), (
+    bookkeeping = sorted([JOB, *(done_key(k) for k in keys)])
+    assert files == sorted([*keys, "manifest.json", *bookkeeping]), (
         "the output holds files the manifest does not list, or lacks some"
     )
     listed = Counter(sid for b in manifest["batches"] for sid in b["sample_ids"])
@@ -158,7 +161,8 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     assert sorted(open_output(out).sample_ids()) == sorted(sample_ids)
 
     assert files == output_files(ref)
-    differing = [k for k in keys if (out / k).read_bytes() != (ref / k).read_bytes()]
+    same_bytes = [*keys, *(done_key(k) for k in keys)]
+    differing = [k for k in same_bytes if (out / k).read_bytes() != (ref / k).read_bytes()]
     assert not differing, f"batch files differ from the uninterrupted run's: {differing}"
     assert manifest == json.loads((ref / "manifest.json").read_text())
 
@@ -342,7 +346,7 @@ def test_rerun_uploads_complete_staged_file_and_discards_partial_one(
     (run_dir / "COMPLETE").unlink()
     (out / "manifest.json").unlink()
     staged, partial = Plan.load(run_dir / "plan.json").for_shard(0)[3:5]
-    staging = tmp_path / "staging" / "shard-00000"
+    staging = run_staging_dir(tmp_path / "staging", tmp_path / "run") / "shard-00000"
     staging.mkdir(parents=True)
     for batch in (staged, partial):
         (run_dir / "markers" / f"{batch.key}.done").unlink()

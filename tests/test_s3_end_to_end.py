@@ -34,8 +34,9 @@ from conftest import (
     wait_for,
     write_mixed_dataset,
 )
-from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401
+from s3server import S3Endpoint, aws_test_env, cli_env, free_port, s3, s3_bucket  # noqa: F401
 
+from hsextract.output import JOB
 from hsextract.plan import Plan
 from hsextract.progress import ShardProgress
 from hsextract.reader import open_output
@@ -50,21 +51,6 @@ PREFLIGHT_LIMIT_S = 30
 
 
 # -- running the CLI ----------------------------------------------------------------------------------------------
-def cli_env(**overrides: str) -> dict[str, str]:
-    """The environment of an ``hsextract`` subprocess: no AWS setting of this machine, fake credentials."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    missing = "/nonexistent/hsextract-test-aws"
-    env.update(
-        FAKE_CREDENTIALS,
-        AWS_DEFAULT_REGION=REGION,
-        AWS_CONFIG_FILE=missing,
-        AWS_SHARED_CREDENTIALS_FILE=missing,
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    env.update(overrides)
-    return env
-
-
 def run_args(root: Path, model, data, output: str, *extra) -> list[str]:
     """``hsextract run`` on CPU with small batches, run dir and staging under ``root``."""
     options = dict(
@@ -157,11 +143,19 @@ def assert_s3_output_equals_reference(s3: S3Endpoint, bucket: str, root: Path, r
     def stored(key: str) -> bytes:
         return client.get_object(Bucket=bucket, Key=f"{PREFIX}/{key}")["Body"].read()
 
-    batches = [key for key in expected if key != "manifest.json"]
-    differing = [key for key in batches if stored(key) != expected[key]]
+    batches = [key for key in expected if key.startswith("shard-")]
+    same_bytes = [
+        key for key in expected if key not in ("manifest.json", JOB)
+    ]  # batches and completion records
+    differing = [key for key in same_bytes if stored(key) != expected[key]]
     assert not differing, f"objects differ from the local run's files: {differing}"
     manifest = json.loads(stored("manifest.json"))
     assert manifest == json.loads(expected["manifest.json"])
+    assert (
+        json.loads(stored(JOB))["plan_hash"]
+        == json.loads(expected[JOB])["plan_hash"]
+        == manifest["plan_hash"]
+    )
     assert sorted(b["key"] for b in manifest["batches"]) == sorted(batches)
     assert RunDir(root / "run").done_keys() == set(batches)
     assert not staged_files(root), f"files left in staging: {staged_files(root)}"

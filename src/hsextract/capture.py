@@ -139,14 +139,20 @@ def load_model(
 
 
 def load_model_for(cfg, device) -> object:
-    """The model a run's config names, on ``device`` (a torch.device): what the worker and dry-run load."""
-    return load_model(
+    """The model a run's config names, on ``device`` (a torch.device), with the run's kernels swapped in
+    (kernels.py): what the worker and dry-run load."""
+    from . import kernels
+
+    lm = load_model(
         cfg.model,
         dtype=cfg.dtype,
         device=str(device),
         attn_implementation=cfg.attn_implementation,
         random_weights=cfg.random_weights,
     )
+    swapped = kernels.apply(lm, cfg.kernel_mode)
+    log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
+    return lm
 
 
 def torch_device(cfg):

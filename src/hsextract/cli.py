@@ -64,6 +64,11 @@ def job_options(fn):
         click.option("--device", type=click.Choice(["cuda", "cpu"])),
         click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"])),
         click.option("--attn-implementation"),
+        click.option(
+            "--kernels",
+            type=click.Choice(["fused", "stock"]),
+            help="Fused CUDA kernels for qwen3_5 (default on CUDA) or transformers' stock forward (default on CPU).",
+        ),
         click.option("--num-proc", type=int, help="Processes that tokenize the dataset."),
     ]
     for opt in reversed(options):
@@ -99,35 +104,45 @@ def main():
 @job_options
 @click.option("--output", help="Local directory or s3://bucket/prefix for the batch files.")
 @click.option("--run-dir", help="Local directory for plan, token cache, logs and progress (resume from it).")
-@click.option("--shards", type=int, help="Worker processes, one per GPU.")
+@click.option("--shards", type=int, help="Worker processes on this node, one per GPU.")
 @click.option("--gpus", help="GPU indices for the shards, e.g. 0,1,2,3.")
 @click.option("--staging", help="Staging directory (default /dev/shm/hsextract/<run>).")
 @click.option(
     "--staging-max-gb", type=float, help="Staged GB per shard at which the worker waits for uploads."
 )
 @click.option("--s3-endpoint-url", help="S3-compatible endpoint (AWS_ENDPOINT_URL_S3 works too).")
+@click.option("--nodes", type=int, help="Nodes running this job (default: from SLURM / NNODES, else 1).")
+@click.option("--node-rank", type=int, help="This node's rank, 0..nodes-1 (default: from SLURM / NODE_RANK).")
 @click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
 @click.option(
     "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."
 )
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @_user_errors
-def run(only_shards, restart, no_progress, **opts):
+def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
     """Extract hidden states; rerun the same command to resume after a crash."""
+    from .cluster import node_place
     from .launcher import launch
     from .prepare import prepare_run
+    from .rundir import RunDir
 
-    cfg = _build_config(**opts)
+    place = node_place(nodes, node_rank)
+    cfg = _build_config(nodes=place.nodes, node_rank=place.rank, **opts)
+    if place.nodes > 1:
+        click.echo(
+            f"{place.describe()}: shards {cfg.local_shards[0]}..{cfg.local_shards[-1]} of {cfg.total_shards}"
+        )
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     t0 = time.time()
-    plan = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
-    click.echo(
-        f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
-    )
-    code = launch(
-        cfg, plan, only_shards=_int_list(only_shards), show_progress=not no_progress, echo=click.echo
-    )
+    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart):
+        plan = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
+        click.echo(
+            f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
+        )
+        code = launch(
+            cfg, plan, only_shards=_int_list(only_shards), show_progress=not no_progress, echo=click.echo
+        )
     sys.exit(code)
 
 
@@ -152,13 +167,18 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path())
+@click.argument("run_dir", metavar="RUN_DIR|OUTPUT")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--s3-endpoint-url", help="S3-compatible endpoint, for an s3:// OUTPUT.")
 @_user_errors
-def status(run_dir, as_json):
-    """Per-shard progress of a run, live or finished (works for S3 outputs: markers live in RUN_DIR)."""
+def status(run_dir, as_json, s3_endpoint_url):
+    """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.
+    Given an output (s3://bucket/prefix or a directory): every node's and shard's progress, from the output alone."""
     from .progress import format_duration, shard_status
+    from .rundir import RunDir
 
+    if not RunDir(run_dir).is_run_dir() and _is_output(run_dir, s3_endpoint_url):
+        return _output_status(run_dir, s3_endpoint_url, as_json)
     rows, complete = shard_status(Path(run_dir))
     if as_json:
         click.echo(json.dumps({"complete": complete, "shards": rows}, indent=2))
@@ -177,6 +197,45 @@ def status(run_dir, as_json):
         f"total {total[0]}/{total[1]} tokens; "
         + ("complete (manifest written)" if complete else "not complete")
     )
+
+
+def _is_output(target: str, endpoint: str | None) -> bool:
+    return "://" in target or (Path(target) / "hsextract").is_dir()
+
+
+def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
+    from .finalize import output_status
+    from .storage import open_sink
+
+    doc = output_status(open_sink(target, endpoint, retry_deadline_s=120))
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"{'node':>4} {'shard':>5}  {'state':<28}{'batches':>13}  {'tokens':>21}")
+    for r in doc["shards"]:
+        click.echo(
+            f"{r['node']:>4} {r['shard']:>5}  {r['state']:<28}{r['batches_done']:>6}/{r['batches_total']:<6}  "
+            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}"
+        )
+    done = sum(r["tokens_done"] for r in doc["shards"])
+    total = sum(r["tokens_total"] for r in doc["shards"])
+    click.echo(
+        f"total {done}/{total} tokens over {doc['nodes']} node(s); "
+        + ("complete (manifest written)" if doc["complete"] else "not complete")
+    )
+
+
+@main.command()
+@click.argument("output")
+@click.option("--s3-endpoint-url", help="S3-compatible endpoint, for an s3:// OUTPUT.")
+@_user_errors
+def finalize(output, s3_endpoint_url):
+    """Write OUTPUT's manifest if every batch of the job is done; checks each batch in the output first."""
+    from .finalize import finalize_output
+    from .storage import open_sink
+
+    code, _damaged = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
+    sys.exit(code)
 
 
 @main.command()

@@ -7,15 +7,19 @@ workers read it back from there, so a worker process never re-parses command-lin
 from __future__ import annotations
 
 import dataclasses
-import json
+import hashlib
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .errors import HsextractError
-from .rundir import write_json
+from .errors import HsextractError, redact
+from .rundir import load_json, write_json
 
+DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
+ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
 TOO_LONG_POLICIES = ("truncate", "skip")
@@ -52,7 +56,13 @@ class RunConfig:
     """Bound on rows per batch: flash-linear-attention's launch grid breaks at a few thousand rows."""
 
     shards: int = 1
-    """Worker processes, one per GPU."""
+    """Worker processes on this node, one per GPU. The plan has ``nodes x shards`` shards."""
+
+    nodes: int = 1
+    """Nodes running this job (``--nodes``, or the scheduler's environment: cluster.py)."""
+
+    node_rank: int = 0
+    """This node: it runs shards ``node_rank * shards`` .. ``node_rank * shards + shards - 1``."""
 
     gpus: tuple[int, ...] | None = None
     """GPU indices for the shards (default 0..shards-1)."""
@@ -63,8 +73,14 @@ class RunConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
 
+    kernels: str | None = None
+    """``fused`` (the default on CUDA: kernels.py swaps in fused norms, conv, gates and grouped-head linear
+    attention; closer to a float32 forward than stock, measured) or ``stock`` (transformers' own forward; the
+    default on CPU)."""
+
     staging: str | None = None
-    """Where batch files are written before upload; default ``/dev/shm/hsextract/<run name>``."""
+    """Root of the staging directories (default ``/dev/shm/hsextract``). Each run stages in its own directory
+    under it, named after the run dir and a hash of its absolute path, so two runs never share staged files."""
 
     staging_max_gb: float = 16.0
     """Staged bytes per shard at which its worker waits for the uploader to drain."""
@@ -96,6 +112,7 @@ class RunConfig:
             "max_tokens_per_batch",
             "max_rows",
             "shards",
+            "nodes",
             "num_proc",
             "pinned_buffers",
         ):
@@ -108,21 +125,42 @@ class RunConfig:
                 f"--max-length {self.max_length} exceeds --max-tokens-per-batch {self.max_tokens_per_batch}: "
                 "a sample that long could never fit in a batch; lower --max-length or raise the batch budget"
             )
+        if not 0 <= self.node_rank < self.nodes:
+            raise HsextractError(f"node rank {self.node_rank} is not in 0..{self.nodes - 1}")
         if self.gpus is not None and len(self.gpus) < self.shards:
             raise HsextractError(f"--gpus lists {len(self.gpus)} GPUs for {self.shards} shards")
+        if self.kernels not in (None, "fused", "stock"):
+            raise HsextractError(f"--kernels must be fused or stock, got {self.kernels!r}")
         if self.device not in ("cuda", "cpu"):
             raise HsextractError(f"--device must be cuda or cpu, got {self.device!r}")
-        if self.staging_max_gb <= 0:
-            raise HsextractError("--staging-max-gb must be positive")
+        if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):
+            raise HsextractError(f"--staging-max-gb must be a positive number, got {self.staging_max_gb}")
+
+    @property
+    def kernel_mode(self) -> str:
+        return self.kernels or ("fused" if self.device == "cuda" else "stock")
+
+    @property
+    def total_shards(self) -> int:
+        return self.nodes * self.shards
+
+    @property
+    def local_shards(self) -> list[int]:
+        """The plan's shards this node runs."""
+        return list(range(self.node_rank * self.shards, (self.node_rank + 1) * self.shards))
 
     @property
     def staging_dir(self) -> Path:
-        if self.staging:
-            return Path(self.staging)
-        return Path("/dev/shm/hsextract") / Path(self.run_dir).resolve().name
+        """This run's staging directory."""
+        return run_staging_dir(self.staging, self.run_dir)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """What config.json holds: every field, the endpoint's credentials redacted. The workers get the endpoint
+        as given through ``ENDPOINT_ENV`` (``load``), so no credential is ever written to disk."""
+        d = dataclasses.asdict(self)
+        if self.s3_endpoint_url:
+            d["s3_endpoint_url"] = redact(self.s3_endpoint_url)
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> RunConfig:
@@ -137,7 +175,23 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        cfg = cls.from_json(load_json(path, "the run's configuration"))
+        given = os.environ.get(ENDPOINT_ENV)
+        if given and cfg.s3_endpoint_url == redact(given):
+            cfg = dataclasses.replace(cfg, s3_endpoint_url=given)
+        return cfg
+
+    def child_env(self) -> dict[str, str]:
+        """Environment a worker needs beyond config.json: the endpoint with its credentials, if it has any."""
+        url = self.s3_endpoint_url
+        return {ENDPOINT_ENV: url} if url and redact(url) != url else {}
+
+
+def run_staging_dir(staging_root: str | None, run_dir: str | os.PathLike) -> Path:
+    """``<root>/<run dir name>-<hash of its absolute path>``: unique per run dir, the same on every rerun."""
+    resolved = Path(run_dir).resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    return Path(staging_root or DEFAULT_STAGING_ROOT) / f"{resolved.name}-{digest}"
 
 
 def load_yaml(path: str | Path) -> dict:

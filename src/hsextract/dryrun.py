@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kernels
 from .capture import (
     base_model,
     describe_layer,
@@ -159,7 +160,8 @@ def prove_layers(lm, layer_ids, samples, *, device, num_samples, cfg, pad_token_
     num_layers = lm.config.get_text_config().num_hidden_layers
     final_norm = _final_norm(lm)
     errors = {k: {"match": [], "prev": [], "next": []} for k in layer_ids}
-    with torch.inference_mode():
+    # The reference runs transformers' own modules, never the fused ones the capture may use.
+    with torch.inference_mode(), kernels.stock_forward(lm):
         for row, i in enumerate(order):
             ids, _ = samples.sample(i)
             ref = lm(

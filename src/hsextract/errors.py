@@ -1,8 +1,21 @@
 """Errors a user can hit. The CLI prints their message (no traceback) and exits with status 2."""
 
+import re
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``scheme://user:password@host``) replaced by ``***``."""
+    return _USERINFO.sub(r"\1***@", text)
+
 
 class HsextractError(Exception):
-    """A problem with the user's input or environment, worded as what was wrong and what to do."""
+    """A problem with the user's input or environment, worded as what was wrong and what to do. The message never
+    carries a credential: URLs in it are redacted."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(redact(str(message)))
 
 
 class UploaderDied(HsextractError):

@@ -11,7 +11,6 @@ manifest to the output, last: an output with a manifest is complete.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -19,13 +18,12 @@ import sys
 import time
 
 from .config import RunConfig
-from .data import TokenizedSamples
 from .errors import HsextractError
-from .output import build_manifest, write_manifest
+from .finalize import finalize_output, is_complete
 from .plan import Plan
 from .procs import die_with_parent
 from .progress import ShardProgress
-from .rundir import RunDir, RunInfo, atomic_write
+from .rundir import RunDir, atomic_write
 from .storage import open_sink
 
 
@@ -36,10 +34,10 @@ def _die_with_launcher():
 
 def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
     run_dir = RunDir(cfg.run_dir)
-    env = dict(os.environ)
+    env = {**os.environ, **cfg.child_env()}
     if cfg.device == "cuda":
         gpus = cfg.gpus or tuple(range(cfg.shards))
-        env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard])
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard - cfg.local_shards[0]])
     else:
         # CPU shards share the host's cores. Each torch would start one OpenMP thread per core, and more threads
         # than cores make every small op wait on spinning threads (measured: a 300-token forward of the tiny model
@@ -97,12 +95,32 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
 
 
 def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
-    """Run the shards to completion; returns the process exit code."""
-    run_dir = RunDir(cfg.run_dir)
-    shards = sorted(only_shards) if only_shards else list(range(cfg.shards))
-    bad = [s for s in shards if not 0 <= s < cfg.shards]
+    """Run the shards to completion and finish the output; returns the process exit code.
+
+    A batch whose file is missing from the output or differs from what was uploaded (deleted or damaged behind
+    the run's back) is found by ``finalize`` before the manifest is written; its marker is dropped and its shard
+    is run once more, which recomputes exactly those batches."""
+    local = cfg.local_shards
+    shards = sorted(only_shards) if only_shards else local
+    bad = [s for s in shards if s not in local]
     if bad:
-        raise HsextractError(f"--only-shards {bad}: this run has shards 0..{cfg.shards - 1}")
+        raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
+    for attempt in range(2):
+        code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo)
+        if code:
+            return code
+        code, damaged = finalize(cfg, plan, echo=echo)
+        if not damaged:
+            return code
+        shards = sorted({b.shard for b in plan.batches if b.key in damaged} & set(shards))
+        if attempt == 0:
+            echo(f"recomputing {len(damaged)} batch(es) of shard(s) {shards}")
+    echo("the output still lacks batches after recomputing them; see the messages above")
+    return 1
+
+
+def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo) -> int:
+    run_dir = RunDir(cfg.run_dir)
     done = run_dir.done_keys()
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
@@ -138,7 +156,7 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
     if failed:
         echo("Rerun the same command to resume: finished batches are kept.")
         return 1
-    return finalize(cfg, plan, echo=echo)
+    return 0
 
 
 def _last_line(path) -> str:
@@ -162,29 +180,22 @@ def _exit_reason(returncode: int) -> str:
     return f"killed by {name}" + (", out of host memory?" if name == "SIGKILL" else "")
 
 
-def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
-    """Write the manifest once every planned batch is durable. The manifest goes last."""
+def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
+    """Once this node's shards are done: write the manifest if the whole job is done (finalize.py checks every
+    batch in the output first). Returns the exit code and the keys of this node's shards found missing or
+    damaged in the output; their markers are removed, so that running those shards again recomputes them."""
     run_dir = RunDir(cfg.run_dir)
-    done = run_dir.done_keys()
-    missing = [b.key for b in plan.batches if b.key not in done]
-    if missing:
+    code, damaged = finalize_output(open_sink(cfg.output, cfg.s3_endpoint_url), echo=echo)
+    mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & damaged
+    for key in mine:
+        run_dir.marker(key).unlink(missing_ok=True)
+    if damaged - mine:
         echo(
-            f"{len(missing)} of {len(plan.batches)} batches still to do (other shards); no manifest written yet"
+            f"{len(damaged - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"
         )
-        return 0
-    manifest = build_manifest(
-        info=RunInfo.load(run_dir),
-        plan=plan,
-        dtype=cfg.dtype,
-        sample_ids=TokenizedSamples.load(run_dir.tokens_file).sample_ids,
-        data_report=json.loads(run_dir.data_report_file.read_text()),
-    )
-    write_manifest(open_sink(cfg.output, cfg.s3_endpoint_url), manifest)
-    atomic_write(run_dir.complete_file, plan.plan_hash)
-    echo(
-        f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(plan.batches)} batch files at {cfg.output}"
-    )
-    return 0
+    if code == 0 and damaged == set() and is_complete(open_sink(cfg.output, cfg.s3_endpoint_url)):
+        atomic_write(run_dir.complete_file, plan.plan_hash)
+    return code, mine
 
 
 class _Bars:

@@ -1,8 +1,17 @@
 """The output format: what a batch file's metadata says, and the manifest that makes an output complete.
 
-An output (a local directory or ``s3://bucket/prefix``) holds one safetensors file per batch under its key
-(``shard-SSSSS/batch-BBBBBB.safetensors``, see rundir.py; bytes written by writer.py) and, once every batch is
-durable, ``manifest.json``, written last: an output with a manifest is complete. docs/FORMAT.md describes both.
+An output (a local directory or ``s3://bucket/prefix``) holds:
+
+- ``shard-SSSSS/batch-BBBBBB.safetensors``: one file per batch (key format in rundir.py, bytes by writer.py);
+- ``hsextract/job.json``: the claim. Created only if absent (a conditional put on S3), before any batch is
+  written; it names the job (plan hash, fingerprint, shards, nodes) and who started it. A run whose plan differs is
+  refused, and every uploader checks it before each upload, so two jobs can never mix in one output;
+- ``hsextract/plan.json``, ``run.json``, ``sample_ids.json``, ``data_report.json``: what finishing the output
+  needs, so that any node, or ``hsextract finalize OUTPUT``, can write the manifest without a run dir;
+- ``hsextract/done/<batch key>.json``: one completion record per durable batch (size, CRC32), written by the
+  uploader after the upload is verified. Progress and completion are visible from the output alone;
+- ``manifest.json``: written last, once every planned batch has a completion record AND its object was checked to
+  exist with that size and checksum: an output with a manifest is complete. docs/FORMAT.md describes it all.
 
 Each batch file carries run-wide metadata (layer ids and their convention, model, dtype, tokenizer and plan
 hashes) and its own identity (batch id, shard, sample ids), so a file read alone still says what it holds. The
@@ -12,11 +21,22 @@ manifest lists every batch with its sample ids in plan order; the reader maps sa
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from . import __version__
 from .errors import HsextractError
 
 MANIFEST = "manifest.json"
+JOB = "hsextract/job.json"
+JOB_FILES = {
+    "plan": "hsextract/plan.json",
+    "info": "hsextract/run.json",
+    "samples": "hsextract/sample_ids.json",
+    "data_report": "hsextract/data_report.json",
+}
+"""What any node, or ``hsextract finalize``, needs to finish the output without a run dir (finalize.py)."""
+DONE_PREFIX = "hsextract/done/"
 BATCH_FORMAT = "hsextract-batch"
 BATCH_FORMAT_VERSION = "1"
 OUTPUT_FORMAT = "hsextract-output"
@@ -36,6 +56,7 @@ def run_file_metadata(
     tokenizer_hash: str,
     chat_template_hash: str,
     plan_hash: str,
+    kernels: str,
 ) -> dict[str, str]:
     """The run-wide part of every batch file's metadata."""
     return {
@@ -51,6 +72,7 @@ def run_file_metadata(
         "tokenizer_hash": tokenizer_hash,
         "chat_template_hash": chat_template_hash,
         "plan_hash": plan_hash,
+        "kernels": kernels,
         "hsextract_version": __version__,
     }
 
@@ -139,3 +161,109 @@ def read_manifest(sink) -> dict:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("batches"), list):
         raise HsextractError(f"{sink.url}/{MANIFEST} has no batch list; the output is damaged")
     return manifest
+
+
+# -- the claim ------------------------------------------------------------------------------------------------------
+def job_record(*, plan, nodes: int, run_dir: str, host: str) -> dict:
+    return {
+        "plan_hash": plan.plan_hash,
+        "shards": plan.shards,
+        "nodes": nodes,
+        "fingerprint": plan.fingerprint,
+        "started_by": {"run_dir": run_dir, "host": host, "time": time.time()},
+    }
+
+
+def read_job(sink) -> dict | None:
+    try:
+        return json.loads(sink.get_bytes(JOB))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HsextractError(
+            f"{sink.url}/{JOB} is damaged ({e}); delete it only if no run writes there"
+        ) from None
+
+
+def claim_output(sink, job: dict) -> dict:
+    """Make ``job`` the output's job if it has none (atomically: of two racing runs exactly one wins); returns
+    the job in force, which the caller compares with its own."""
+    if sink.put_bytes_if_absent(JOB, json.dumps(job, indent=2).encode()):
+        return job
+    held = read_job(sink)
+    if held is None:  # deleted between our attempt and the read: try once more
+        return (
+            job if sink.put_bytes_if_absent(JOB, json.dumps(job, indent=2).encode()) else read_job(sink) or {}
+        )
+    return held
+
+
+def describe_job(job: dict) -> str:
+    who = job.get("started_by", {})
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(who.get("time", 0)))
+    return f"plan {job.get('plan_hash')}, started from run dir {who.get('run_dir')} on {who.get('host')} at {when}"
+
+
+def check_claim(sink, plan_hash: str) -> None:
+    """Raise unless the output is still claimed by the job with ``plan_hash`` (uploaders call it per file)."""
+    job = read_job(sink)
+    if job is None or job.get("plan_hash") != plan_hash:
+        held = "no job at all" if job is None else f"another job ({describe_job(job)})"
+        raise HsextractError(
+            f"output {sink.url} is now held by {held}, not this run's plan {plan_hash}: stopped so that two jobs "
+            "never mix in one output"
+        )
+
+
+def publish_job_files(sink, files: dict[str, object]) -> None:
+    """Put the job files next to the claim, each only if absent: every node of a job computes the same ones."""
+    for name, value in files.items():
+        sink.put_bytes_if_absent(JOB_FILES[name], json.dumps(value).encode())
+
+
+# -- completion records ---------------------------------------------------------------------------------------------
+def done_key(key: str) -> str:
+    return f"{DONE_PREFIX}{key}.json"
+
+
+def write_done(sink, stored, plan_hash: str) -> None:
+    """Record a verified batch in the output. Deterministic content: a recomputed batch writes the same bytes."""
+    record = {"key": stored.key, "size": stored.size, "crc32": stored.crc32, "plan_hash": plan_hash}
+    sink.put_bytes(done_key(stored.key), json.dumps(record, sort_keys=True).encode())
+
+
+def done_in_output(sink, prefix: str = "") -> set[str]:
+    """Batch keys with a completion record in the output (one listing; ``prefix`` e.g. ``shard-00003/``)."""
+    return {
+        k[len(DONE_PREFIX) : -len(".json")]
+        for k in sink.list_keys(DONE_PREFIX + prefix)
+        if k.endswith(".json")
+    }
+
+
+def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> dict[str, str]:
+    """For each batch key: its completion record exists, matches this plan, and the object is there with the
+    recorded size and (where the store keeps one) CRC32. Returns ``{key: what is wrong}`` for the bad ones."""
+
+    def check(key: str) -> str | None:
+        try:
+            record = json.loads(sink.get_bytes(done_key(key)))
+        except FileNotFoundError:
+            return "no completion record"
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "damaged completion record"
+        if record.get("plan_hash") != plan_hash:
+            return f"completion record of another plan ({record.get('plan_hash')})"
+        stored = sink.stored(key)
+        if stored is None:
+            return "batch file missing"
+        if stored.size != record["size"]:
+            return f"batch file has {stored.size} bytes, {record['size']} were uploaded"
+        if stored.crc32 is not None and record.get("crc32") is not None and stored.crc32 != record["crc32"]:
+            return f"batch file CRC32 {stored.crc32:08x}, {record['crc32']:08x} was uploaded"
+        return None
+
+    keys = list(keys)
+    with ThreadPoolExecutor(max(1, min(workers, len(keys)))) as pool:
+        problems = dict(zip(keys, pool.map(check, keys), strict=True))
+    return {k: v for k, v in problems.items() if v}

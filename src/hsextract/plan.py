@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .rundir import atomic_write, batch_key
+from .errors import HsextractError
+from .rundir import atomic_write, batch_key, load_json
 
 PLAN_FORMAT = 1
 
@@ -100,8 +101,8 @@ class Plan:
             f"padding waste {100 * self.padding_waste:.2f}%"
         )
 
-    def save(self, path: Path) -> None:
-        body = {
+    def to_json(self) -> dict:
+        return {
             "format": PLAN_FORMAT,
             "plan_hash": self.plan_hash,
             "shards": self.shards,
@@ -111,16 +112,26 @@ class Plan:
                 for b in self.batches
             ],
         }
-        atomic_write(path, json.dumps(body))
+
+    def save(self, path: Path) -> None:
+        atomic_write(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: Path) -> Plan:
-        body = json.loads(Path(path).read_text())
-        batches = tuple(
-            BatchSpec(batch_id=i, shard=s, sample_indices=tuple(idx), padded_length=p, num_tokens=n)
-            for i, s, p, n, idx in body["batches"]
-        )
-        return cls(batches=batches, shards=body["shards"], fingerprint=body["fingerprint"])
+        return cls.from_json(load_json(path, "the plan"), where=str(path))
+
+    @classmethod
+    def from_json(cls, body: dict, where: str = "the plan") -> Plan:
+        try:
+            batches = tuple(
+                BatchSpec(batch_id=i, shard=s, sample_indices=tuple(idx), padded_length=p, num_tokens=n)
+                for i, s, p, n, idx in body["batches"]
+            )
+            return cls(batches=batches, shards=body["shards"], fingerprint=body["fingerprint"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise HsextractError(
+                f"{where} (the plan) is damaged ({e!r}): rerun the same command with --restart to start over"
+            ) from None
 
 
 def make_plan(

@@ -3,12 +3,13 @@
 Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
 it was. So ``prepare_run`` goes:
 
-1. ``check_inputs``: the model config and layer ids, the output (a probe object), the staging directory's space;
+1. ``check_inputs``: the run dir, the model config and layer ids, the output (a probe object), the staging
+   directory's space, and that staging, output and run dir do not overlap;
 2. ``tokenize``: every row of the dataset (parallel, cached in the run dir, bad rows counted), ids made unique;
 3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
 4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
-   the message says what changed, and ``--restart`` clears the old plan's progress and output first; a new run
-   dir must not write into an output that holds another job's batches;
+   the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
+   output is claimed for this plan (output.py): an output held by another job is refused, naming it;
 5. ``write_run_files``: data report, tokens, config, run info and, last, the plan.
 """
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from dataclasses import dataclass
+import socket
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .capture import layer_types, load_model_config, resolve_layer_ids
@@ -31,7 +33,21 @@ from .data import (
     unique_sample_ids,
 )
 from .errors import HsextractError
-from .output import delete_manifest, estimate_file_bytes, has_manifest, read_manifest, run_file_metadata
+from .output import (
+    DONE_PREFIX,
+    JOB,
+    JOB_FILES,
+    claim_output,
+    delete_manifest,
+    describe_job,
+    estimate_file_bytes,
+    has_manifest,
+    job_record,
+    publish_job_files,
+    read_job,
+    read_manifest,
+    run_file_metadata,
+)
 from .plan import Plan, fingerprint_changes, make_plan
 from .rundir import RunDir, RunInfo, write_json
 from .storage import open_sink, preflight
@@ -57,7 +73,7 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
         samples.lengths.tolist(),
         max_tokens_per_batch=cfg.max_tokens_per_batch,
         max_rows=cfg.max_rows,
-        shards=cfg.shards,
+        shards=cfg.total_shards,
         fingerprint=fingerprint,
     )
     accept_plan(cfg, run_dir, plan, restart=restart, echo=echo)
@@ -70,6 +86,10 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
 
 def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The model config, the layer ids, the output and the staging space: fails fast, writes nothing."""
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HsextractError(f"--run-dir {run_dir} is a file, not a directory: choose a directory path")
+    check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     preflight(cfg.output, cfg.s3_endpoint_url)
@@ -78,6 +98,21 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     )
     check_staging(cfg.staging_dir, one_file)
     return ModelFacts(config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids)
+
+
+def check_no_overlap(cfg: RunConfig) -> None:
+    """Staging is emptied as files are uploaded and cleared by --restart: it must not hold, or lie in, the
+    output or the run dir."""
+    staging = cfg.staging_dir.resolve()
+    places = {"--run-dir": Path(cfg.run_dir).resolve()}
+    if "://" not in cfg.output:
+        places["--output"] = Path(cfg.output).resolve()
+    for name, place in places.items():
+        if staging == place or staging.is_relative_to(place) or place.is_relative_to(staging):
+            raise HsextractError(
+                f"the staging directory {staging} and {name} {place} overlap: staged files are deleted once "
+                "uploaded, so they must live apart; choose another --staging"
+            )
 
 
 def check_staging(staging: Path, need_bytes: int) -> None:
@@ -123,6 +158,11 @@ def tokenize(
     return samples, report, renamed
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLES_PER_WEIGHT_FILE = 16
+SAMPLE_BYTES = 1 << 16
+
+
 def model_identity(model: str, config) -> dict:
     config_file = Path(model) / "config.json"
     digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.exists() else ""
@@ -130,7 +170,25 @@ def model_identity(model: str, config) -> dict:
         "model": model,
         "model_revision": getattr(config, "_commit_hash", None) or "",
         "model_config_hash": digest,
+        "model_weights_hash": weights_fingerprint(Path(model)),
     }
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A cheap hash that changes when the weights do: per weight file its name, size, and 16 x 64 KiB spread over
+    it (header included). Reads ~1 MB per file instead of 54 GB; any retrained or re-saved checkpoint differs in
+    the sampled bytes. Empty for a hub id or a config-only directory."""
+    if not model_dir.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(SAMPLES_PER_WEIGHT_FILE):
+                f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES_PER_WEIGHT_FILE - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
 
 
 def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer) -> dict:
@@ -150,33 +208,62 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer) -> dict:
 
 
 def accept_plan(cfg: RunConfig, run_dir: RunDir, plan: Plan, *, restart: bool, echo=print) -> None:
-    """Resume only the same plan; ``restart`` clears a different one. A new run dir must own its output."""
-    if not run_dir.plan_file.exists():
-        refuse_foreign_output(cfg, plan)
-        return
-    old = Plan.load(run_dir.plan_file)
-    if old.plan_hash == plan.plan_hash:
-        return
-    if not restart:
-        changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
-        if old.shards != plan.shards:
-            changes.append(f"shards: {old.shards} -> {plan.shards}")
-        raise HsextractError(
-            f"run dir {run_dir.root} holds a different plan; resuming would mix two jobs. What changed:\n  "
-            + "\n  ".join(changes or ["the batches (same settings, different samples)"])
-            + "\nRerun with the original settings to resume, or add --restart to start over."
-        )
-    reset_run(cfg, run_dir, old, plan)
-    echo(
-        f"--restart: cleared markers, progress and staging of the previous plan in {run_dir.root}, and its "
-        f"manifest and batch files in {cfg.output}"
-    )
-
-
-def refuse_foreign_output(cfg: RunConfig, plan: Plan) -> None:
-    """A new run dir must not write into an output that holds another run's batches: keys would collide and the
-    result would mix two jobs' states without a trace."""
+    """Resume only the same plan; ``restart`` clears a different (or damaged) one. Then claim the output."""
     sink = open_sink(cfg.output, cfg.s3_endpoint_url)
+    new_run_dir = not run_dir.plan_file.exists()
+    if not new_run_dir:
+        try:
+            old = Plan.load(run_dir.plan_file)
+        except HsextractError:
+            if not restart:
+                raise
+            old = None
+        if old is None or old.plan_hash != plan.plan_hash:
+            if not restart:
+                changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
+                if old.shards != plan.shards:
+                    changes.append(f"shards: {old.shards} -> {plan.shards}")
+                raise HsextractError(
+                    f"run dir {run_dir.root} holds a different plan; resuming would mix two jobs. What changed:\n  "
+                    + "\n  ".join(changes or ["the batches (same settings, different samples)"])
+                    + "\nRerun with the original settings to resume, or add --restart to start over."
+                )
+            reset_run(cfg, run_dir, sink, old, plan)
+            echo(
+                f"--restart: cleared markers, progress and staging of the previous plan in {run_dir.root}, and its "
+                f"manifest and batch files in {cfg.output}"
+            )
+    claim(cfg, sink, plan, new_run_dir=new_run_dir)
+
+
+def claim(cfg: RunConfig, sink, plan: Plan, *, new_run_dir: bool) -> None:
+    """Claim the output for this plan, or accept it if this plan holds it already (a rerun, another node, a lost
+    run dir); refuse an output held by another job, naming it and what differs."""
+    if new_run_dir and read_job(sink) is None:
+        refuse_unclaimed_batches(cfg, sink, plan)
+    job = job_record(
+        plan=plan, nodes=cfg.nodes, run_dir=str(Path(cfg.run_dir).resolve()), host=socket.gethostname()
+    )
+    held = claim_output(sink, job)
+    if held.get("plan_hash") == plan.plan_hash and held.get("nodes", 1) != cfg.nodes:
+        raise HsextractError(
+            f"output {cfg.output} is being written by this job on {held.get('nodes', 1)} node(s), but this node "
+            f"was started as one of {cfg.nodes}: every node (and every rerun) must give the same node count"
+        )
+    if held.get("plan_hash") != plan.plan_hash:
+        changes = fingerprint_changes(held.get("fingerprint", {}), plan.fingerprint)
+        if held.get("shards") != plan.shards:
+            changes.append(f"shards: {held.get('shards')} -> {plan.shards} (nodes x shards per node)")
+        raise HsextractError(
+            f"output {cfg.output} is held by another job ({describe_job(held)}); two jobs never share an output. "
+            + ("What differs:\n  " + "\n  ".join(changes) + "\n" if changes else "")
+            + "Choose another --output, or rerun that job's own command to resume it."
+        )
+
+
+def refuse_unclaimed_batches(cfg: RunConfig, sink, plan: Plan) -> None:
+    """An output without a claim (written by an older hsextract, or by hand) may still hold batches: writing into
+    it would mix two jobs' states without a trace."""
     if has_manifest(sink):
         other = read_manifest(sink).get("plan_hash")
         if other == plan.plan_hash:
@@ -194,13 +281,30 @@ def refuse_foreign_output(cfg: RunConfig, plan: Plan) -> None:
         )
 
 
-def reset_run(cfg: RunConfig, run_dir: RunDir, old: Plan, new: Plan) -> None:
+def reset_run(cfg: RunConfig, run_dir: RunDir, sink, old: Plan | None, new: Plan) -> None:
+    """--restart: forget the old plan (``None`` when its file is damaged) here and in the output."""
     # The manifest goes first: from here on the output is no longer the old plan's, and until the new manifest is
     # written it is not complete. Batch files the new plan does not overwrite would be left over from the old one.
-    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
+    held = read_job(sink)
+    mine = held is not None and (
+        (old is not None and held.get("plan_hash") == old.plan_hash)
+        or held.get("started_by", {}).get("run_dir") == str(run_dir.root.resolve())
+    )
+    if held is not None and not mine:
+        raise HsextractError(
+            f"--restart: output {cfg.output} is held by another job ({describe_job(held)}), not this run dir's: "
+            "nothing was cleared. Choose another --output."
+        )
     delete_manifest(sink)
-    for key in {b.key for b in old.batches} - {b.key for b in new.batches}:
+    old_keys = {b.key for b in old.batches} if old is not None else set(sink.list_keys("shard-"))
+    for key in old_keys - {b.key for b in new.batches}:
         sink.delete(key)
+    for key in sink.list_keys(DONE_PREFIX):
+        sink.delete(key)
+    if held is not None:
+        for key in JOB_FILES.values():
+            sink.delete(key)
+        sink.delete(JOB)
     shutil.rmtree(run_dir.markers_dir, ignore_errors=True)
     shutil.rmtree(run_dir.progress_dir, ignore_errors=True)
     shutil.rmtree(cfg.staging_dir, ignore_errors=True)
@@ -237,8 +341,18 @@ def write_run_files(
             tokenizer_hash=fp["tokenizer_hash"],
             chat_template_hash=fp["chat_template_hash"],
             plan_hash=plan.plan_hash,
+            kernels=cfg.kernel_mode,
         ),
     )
     cfg.save(run_dir.config_file)
     info.save(run_dir)
     plan.save(run_dir.plan_file)
+    publish_job_files(
+        open_sink(cfg.output, cfg.s3_endpoint_url),
+        {
+            "plan": plan.to_json(),
+            "info": asdict(info),
+            "samples": samples.sample_ids,
+            "data_report": data_report,
+        },
+    )

@@ -95,7 +95,7 @@ def shard_status(run_dir: RunDir | Path) -> tuple[list[dict], bool]:
     complete = run_dir.complete_file.exists()
     host = socket.gethostname()
     rows = []
-    for s in range(plan.shards):
+    for s in _local_shards(run_dir, plan):
         batches = plan.for_shard(s)
         n_done = sum(b.key in done for b in batches)
         tokens_done = sum(b.num_tokens for b in batches if b.key in done)
@@ -123,6 +123,17 @@ def shard_status(run_dir: RunDir | Path) -> tuple[list[dict], bool]:
             }
         )
     return rows, complete
+
+
+def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
+    """The shards this run dir's node runs (all of them on a single node)."""
+    try:
+        cfg = json.loads(run_dir.config_file.read_text())
+        nodes, rank = int(cfg.get("nodes", 1)), int(cfg.get("node_rank", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return list(range(plan.shards))
+    per_node = plan.shards // max(nodes, 1)
+    return list(range(rank * per_node, (rank + 1) * per_node)) or list(range(plan.shards))
 
 
 def format_duration(seconds: float) -> str:

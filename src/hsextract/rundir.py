@@ -24,13 +24,17 @@ target, fsync of the directory. A file under its final name is therefore complet
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from .errors import HsextractError
 
 MARKER_SUFFIX = ".done"
 TMP_MARK = ".tmp-"
@@ -97,6 +101,19 @@ def atomic_write(
 
 def write_json(path: str | os.PathLike[str], value: Any, *, durable: bool = True) -> None:
     atomic_write(path, json.dumps(value, indent=2), durable=durable)
+
+
+def load_json(path: str | os.PathLike[str], what: str) -> Any:
+    """A JSON file hsextract wrote; a clear error naming it if it is missing or damaged."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HsextractError(f"{path} ({what}) is missing: the run dir is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise HsextractError(
+            f"{path} ({what}) is damaged ({e}): rerun the same command with --restart to start this run over"
+        ) from None
 
 
 def marker_path(marker_dir: Path, key: str) -> Path:
@@ -193,6 +210,29 @@ class RunDir:
     def is_run_dir(self) -> bool:
         return self.plan_file.exists()
 
+    @contextmanager
+    def launcher_lock(self, *, exclusive: bool):
+        """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (shards are
+        locked one by one by their workers), exclusive for ``--restart``, which must not clear progress, markers
+        and staging under a run that is still going."""
+        if self.root.exists() and not self.root.is_dir():
+            raise HsextractError(f"--run-dir {self.root} is a file, not a directory: choose a directory path")
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.locks_dir / "launcher.lock", "a+") as f:
+            try:
+                fcntl.flock(f, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise HsextractError(
+                    f"run dir {self.root} is in use by another hsextract run"
+                    + (
+                        ": --restart would clear its progress under it"
+                        if exclusive
+                        else " started with --restart"
+                    )
+                    + "; wait for it to finish (hsextract status) or stop it first"
+                ) from None
+            yield
+
 
 @dataclass(kw_only=True, frozen=True)
 class RunInfo:
@@ -214,5 +254,13 @@ class RunInfo:
 
     @classmethod
     def load(cls, run_dir: RunDir) -> RunInfo:
-        d = json.loads(run_dir.info_file.read_text())
-        return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
+        return cls.from_json(
+            load_json(run_dir.info_file, "what preparation learned"), where=str(run_dir.info_file)
+        )
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "run.json") -> RunInfo:
+        try:
+            return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
+        except (TypeError, KeyError) as e:
+            raise HsextractError(f"{where} is damaged ({e!r}): rerun with --restart") from None

@@ -26,6 +26,7 @@ from boto3's standard chain. This module must not import torch: it runs in the l
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from .errors import HsextractError
+from .errors import HsextractError, redact
 from .storage import (
     DEFAULT_RETRY_DEADLINE_S,
     FIRST_BACKOFF_S,
@@ -165,7 +166,7 @@ class S3Sink(Sink):
         # A session per sink: boto3's default session is shared module state, not meant for several threads.
         session = boto3.session.Session()
         self._client = session.client("s3", endpoint_url=resolve_endpoint(endpoint_url), config=config)
-        self.endpoint = self._client.meta.endpoint_url
+        self.endpoint = redact(self._client.meta.endpoint_url)  # for messages: never a credential
         # One transfer manager for the sink: max_concurrency then bounds all uploads in flight together.
         self._transfer = S3Transfer(
             client=self._client,
@@ -227,6 +228,34 @@ class S3Sink(Sink):
             ),
         )
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        def put() -> bool:
+            try:
+                self._client.put_object(
+                    Bucket=self.bucket, Key=self._object_key(key), Body=data, IfNoneMatch="*"
+                )
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                    return False
+                raise
+            return True
+
+        # A retry after a lost response may find the object this call itself wrote: that is reported as absent
+        # then present, so callers read the object back and compare rather than trusting the flag alone.
+        return self._retrying(f"conditional write of {key}", put)
+
+    def stored(self, key: str) -> StoredObject | None:
+        head = self._retrying(f"lookup of {key}", lambda: self._head(key, checksum=True))
+        if head is None:
+            return None
+        remote = head.get("ChecksumCRC32")
+        crc = None
+        if remote and "-" not in remote:
+            crc = int.from_bytes(base64.b64decode(remote), "big")
+        return StoredObject(key, head["ContentLength"], crc)
+
     def get_bytes(self, key: str) -> bytes:
         return self._retrying(f"read of {key}", lambda: self._get(key).read())
 
@@ -260,11 +289,12 @@ class S3Sink(Sink):
     def exists(self, key: str) -> bool:
         return self._retrying(f"lookup of {key}", lambda: self._head(key)) is not None
 
-    def _head(self, key: str) -> dict | None:
+    def _head(self, key: str, checksum: bool = False) -> dict | None:
         from botocore.exceptions import ClientError
 
+        extra = {"ChecksumMode": "ENABLED"} if checksum else {}
         try:
-            return self._client.head_object(Bucket=self.bucket, Key=self._object_key(key))
+            return self._client.head_object(Bucket=self.bucket, Key=self._object_key(key), **extra)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None

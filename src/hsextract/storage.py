@@ -23,6 +23,7 @@ import abc
 import base64
 import logging
 import os
+import re
 import uuid
 import zlib
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from hsextract.errors import HsextractError
-from hsextract.rundir import TMP_MARK, atomic_write
+from hsextract.rundir import TMP_MARK, atomic_write, fsync_dir, tmp_path
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class StoredObject:
-    """An object that ``put_file`` made durable: its key, size in bytes and CRC32 (as zlib computes it)."""
+    """An object in the output: its key, size in bytes and CRC32 (as zlib computes it; None where unknown)."""
 
     key: str
     size: int
-    crc32: int
+    crc32: int | None
 
 
 def read_with_crc32(path: Path, copy_to: BinaryIO | None = None) -> tuple[int, int]:
@@ -97,6 +98,16 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key``, replacing any object there, as durably as ``put_file``."""
+
+    @abc.abstractmethod
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` only if no object is there, atomically (of two racing callers exactly one
+        wins); returns whether this call created it."""
+
+    @abc.abstractmethod
+    def stored(self, key: str) -> StoredObject | None:
+        """Size and, where the store keeps one cheaply, the full-object CRC32 (else ``crc32`` is None) of the
+        object under ``key``; None if there is none."""
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes:
@@ -156,6 +167,30 @@ class LocalSink(Sink):
 
         self._write_atomically(self._path(key), write)
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_path(dest)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(tmp, dest)  # fails if dest exists: a complete file appears under the name, or nothing
+            except FileExistsError:
+                return False
+            fsync_dir(dest.parent)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def stored(self, key: str) -> StoredObject | None:
+        try:
+            return StoredObject(key, self._path(key).stat().st_size, None)
+        except FileNotFoundError:
+            return None
+
     def _write_atomically(self, dest: Path, write: Callable[[BinaryIO], tuple[int, int]]) -> tuple[int, int]:
         """Write through ``write(file) -> (size, crc32)``; renamed into place only after fsync."""
         try:
@@ -210,6 +245,11 @@ def _parse_output(output: str) -> tuple[str, str] | Path:
     """``(bucket, prefix)`` for an ``s3://`` URL, else the local directory."""
     scheme, sep, rest = output.partition("://")
     if not sep:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", output):
+            raise HsextractError(
+                f"the output '{output}' looks like a URL with a missing slash: write "
+                f"{output.split(':', 1)[0]}://BUCKET/prefix (or ./{output} for a local directory)"
+            )
         return Path(output)
     if scheme.lower() == "s3":
         bucket, _, prefix = rest.partition("/")

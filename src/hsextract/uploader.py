@@ -6,7 +6,9 @@ and boto3's Python code never hold the worker's GIL while it feeds the GPU; ``su
 
 Per file, in this order (the invariants are what make a crash at any point safe to rerun):
 
-1. upload through the ``Sink`` (``put_file`` retries transient failures and verifies size and checksum);
+1. check that the output is still claimed by this run's job (output.check_claim), then upload through the
+   ``Sink`` (``put_file`` retries transient failures and verifies size and checksum), then write the batch's
+   completion record into the output (output.write_done);
 2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32:
    a marker exists only for a key that is durable in the output;
 3. delete the staged file: the staged file is removed only after its marker;
@@ -43,8 +45,9 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsextract.errors import HsextractError, UploaderDied
-from hsextract.procs import die_with_parent
+from hsextract.errors import HsextractError, UploaderDied, redact
+from hsextract.output import check_claim, write_done
+from hsextract.procs import die_with_parent, log_to_file
 from hsextract.rundir import atomic_write, marker_path
 from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, StoredObject, open_sink
 
@@ -63,6 +66,9 @@ class UploaderConfig:
     """S3 endpoint; None falls back to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` / AWS."""
     marker_dir: Path
     """Markers go to ``marker_dir/<key>.done``."""
+    plan_hash: str = ""
+    """The job this run writes: each upload first checks that the output's claim still names it, and each
+    verified upload leaves a completion record for it in the output. Empty: neither (tests of the transfer alone)."""
     log_file: Path
     """The child logs here (appending): one line per upload, one per retry, and the error that stopped it."""
     concurrency: int = 4
@@ -89,6 +95,7 @@ class Uploader:
         endpoint_url: str | None,
         marker_dir: Path,
         log_file: Path,
+        plan_hash: str = "",
         concurrency: int = 4,
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
     ) -> None:
@@ -96,6 +103,7 @@ class Uploader:
             output=output,
             endpoint_url=endpoint_url,
             marker_dir=Path(marker_dir),
+            plan_hash=plan_hash,
             log_file=Path(log_file),
             concurrency=concurrency,
             retry_deadline_s=retry_deadline_s,
@@ -234,7 +242,7 @@ def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: mu
             log.error("stopping: %s", e)
         else:
             log.exception("stopping on an unexpected error")
-        results.put(("error", str(e) or type(e).__name__))
+        results.put(("error", redact(str(e)) or type(e).__name__))
         _exit_now(results, 1)
     log.info("uploader finished")
     logging.shutdown()
@@ -262,7 +270,7 @@ def _serve(
         if job is None:
             break
         path, key = job
-        in_flight.add(pool.submit(_upload_one, sink, config.marker_dir, Path(path), key, results))
+        in_flight.add(pool.submit(_upload_one, sink, config, Path(path), key, results))
     while in_flight:
         finished, in_flight = wait(in_flight, timeout=_POLL_S, return_when=FIRST_EXCEPTION)
         for future in finished:
@@ -270,15 +278,21 @@ def _serve(
         _exit_if_orphaned(config, results)
 
 
-def _upload_one(sink: Sink, marker_dir: Path, path: Path, key: str, results: multiprocessing.Queue) -> None:
-    marker = marker_path(marker_dir, key)
+def _upload_one(
+    sink: Sink, config: UploaderConfig, path: Path, key: str, results: multiprocessing.Queue
+) -> None:
+    marker = marker_path(config.marker_dir, key)
     if marker.exists():
         path.unlink(missing_ok=True)
         log.info("%s: already uploaded (marker present), removed the staged copy", key)
     else:
+        if config.plan_hash:
+            check_claim(sink, config.plan_hash)
         start = time.monotonic()
         stored = sink.put_file(path, key)
         seconds = time.monotonic() - start
+        if config.plan_hash:
+            write_done(sink, stored, config.plan_hash)
         _write_marker(marker, stored, sink.url)
         path.unlink()
         log.info(
@@ -316,11 +330,7 @@ def _exit_now(results: multiprocessing.Queue, status: int) -> None:
 
 
 def _log_to_file(log_file: Path) -> None:
-    handler = logging.FileHandler(log_file)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    log_to_file(log_file, "%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
     # botocore and urllib3 are chatty at INFO; their warnings (e.g. a full connection pool) still show.
     for name in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from . import kernels
     from .capture import base_model, layer_types
     from .config import RunConfig
     from .plan import Plan
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     with torch.device("cuda"):
         lm = AutoModelForCausalLM.from_config(text, dtype=getattr(torch, cfg.dtype))
     lm.eval()
+    kernels.apply(lm, cfg.kernel_mode)  # compile the kernels the shards will run
     decoder = base_model(lm)
     shapes = warm_shapes(plan)
     with torch.inference_mode():

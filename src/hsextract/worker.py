@@ -12,7 +12,9 @@ stop coming back and the GPU waits too, without failing, until the uploader drai
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import logging
 import os
 import socket
@@ -25,15 +27,16 @@ import torch
 from .capture import load_model_for, torch_device
 from .config import RunConfig
 from .data import TokenizedSamples
-from .errors import HsextractError
-from .output import batch_metadata
+from .errors import HsextractError, redact
+from .output import batch_metadata, check_batches, done_in_output
 from .pipeline import Extractor
 from .plan import BatchSpec, Plan
+from .procs import log_to_file
 from .progress import ShardProgress
-from .rundir import RunDir, RunInfo, shard_name
+from .rundir import RunDir, RunInfo, atomic_write, shard_name
 from .storage import open_sink
 from .uploader import Uploader
-from .writer import write_safetensors
+from .writer import read_metadata, write_safetensors
 
 log = logging.getLogger("hsextract.worker")
 
@@ -47,15 +50,6 @@ def staged_bytes(staging: Path) -> int:
             except FileNotFoundError:  # uploaded and removed meanwhile
                 pass
     return total
-
-
-def _setup_logging(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
 
 
 class ShardRun:
@@ -116,8 +110,23 @@ class ShardRun:
         self._mark_done(self.uploader.poll_done())
 
     # -- staging ----------------------------------------------------------------------------------------------
+    def _adopt_output_records(self, sink) -> None:
+        """Batches the output records as done for this plan count as done even without a local marker (a run dir
+        lost or recreated, a rerun on another node): their markers are written back, nothing is recomputed."""
+        missing = [k for k in done_in_output(sink, f"{shard_name(self.shard)}/") if k in self.by_key]
+        missing = [k for k in missing if k not in self.done]
+        if not missing:
+            return
+        problems = check_batches(sink, missing, self.plan.plan_hash)
+        for key in missing:
+            if key not in problems:
+                atomic_write(self.run_dir.marker(key), json.dumps({"key": key, "from": "output record"}))
+        self._mark_done(k for k in missing if k not in problems)
+        log.info("adopted %d batch(es) recorded done in the output", len(missing) - len(problems))
+
     def _recover_staging(self) -> list[str]:
-        """Drop cut-short writes; return keys of complete staged files that still need uploading."""
+        """Drop cut-short writes and files that are not this plan's; return keys of complete staged files that
+        still need uploading. A staged file is trusted only if its own header names this plan and its key."""
         self.staging.mkdir(parents=True, exist_ok=True)
         pending = []
         for entry in sorted(os.scandir(self.staging), key=lambda e: e.name):
@@ -127,9 +136,24 @@ class ShardRun:
                 log.info("discarded partial staged file %s", entry.name)
             elif key in self.done or key not in self.by_key:
                 os.unlink(entry.path)
+            elif (why := self._foreign(Path(entry.path), self.by_key[key])) is not None:
+                os.unlink(entry.path)
+                log.warning("discarded staged file %s: %s; it will be recomputed", entry.name, why)
             else:
                 pending.append(key)
         return pending
+
+    def _foreign(self, path: Path, batch: BatchSpec) -> str | None:
+        """Why a staged file does not belong to this plan's ``batch``, or None if its header proves it does."""
+        try:
+            meta = read_metadata(path)
+        except (OSError, ValueError) as e:
+            return f"unreadable header ({e})"
+        if meta.get("plan_hash") != self.plan.plan_hash:
+            return f"written for another plan ({meta.get('plan_hash')})"
+        if (meta.get("shard"), meta.get("batch_id")) != (str(batch.shard), str(batch.batch_id)):
+            return f"holds shard {meta.get('shard')} batch {meta.get('batch_id')}"
+        return None
 
     def _wait_for_budget(self, need: int) -> None:
         waited = False
@@ -164,7 +188,15 @@ class ShardRun:
         )
         path = self.staging / Path(batch.key).name
         t0 = time.perf_counter()
-        size = write_safetensors(path, tensors, meta)
+        try:
+            size = write_safetensors(path, tensors, meta)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise HsextractError(
+                f"staging directory {self.staging} is full (no space left on device) while writing {path.name}: "
+                "free space there or lower --staging-max-gb, then rerun the same command to resume"
+            ) from None
         log.info(
             "batch %d written: %d rows, %d tokens, %.1f MB in %.3f s",
             batch.batch_id,
@@ -206,15 +238,15 @@ class ShardRun:
             self.progress.tokens_total,
             self.staging,
         )
+        sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
         all_done = self.run_dir.done_keys()
         self._mark_done(k for k in self.by_key if k in all_done)
+        self._adopt_output_records(sink)
         self.session_tokens = 0
         staged = self._recover_staging()
         if len(self.done) < len(self.batches):
             # A killed uploader can leave a half-copied file (local) or an open multipart upload (S3) in the output.
-            partials = open_sink(self.cfg.output, self.cfg.s3_endpoint_url).discard_partials(
-                f"{shard_name(self.shard)}/"
-            )
+            partials = sink.discard_partials(f"{shard_name(self.shard)}/")
             if partials:
                 log.info(
                     "discarded %d unfinished upload(s) left in the output by an earlier attempt", partials
@@ -233,6 +265,7 @@ class ShardRun:
             endpoint_url=self.cfg.s3_endpoint_url,
             marker_dir=self.run_dir.markers_dir,
             log_file=self.run_dir.log_file(self.shard, "uploader"),
+            plan_hash=self.plan.plan_hash,
         )
         # From here on a failure leaves the uploader to die with this process (parent-death signal); staged files
         # stay for the rerun.
@@ -289,7 +322,7 @@ class ShardRun:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir, shard = Path(argv[0]), int(argv[1])
-    _setup_logging(RunDir(run_dir).log_file(shard))
+    log_to_file(RunDir(run_dir).log_file(shard))
     shard_run = None
     try:
         shard_run = ShardRun(run_dir, shard)
@@ -301,8 +334,8 @@ def main(argv=None) -> int:
         code, message = 2, str(e)
     except BaseException as e:
         log.exception("shard %d failed", shard)
-        print(f"shard {shard} failed: {e!r}", file=sys.stderr)
-        code, message = 1, repr(e)
+        code, message = 1, redact(repr(e))
+        print(f"shard {shard} failed: {message}", file=sys.stderr)
     # Only the process holding the shard's lock may write its progress (another may be running it right now).
     if shard_run is not None and shard_run.locked:
         shard_run.progress.error = message

@@ -18,12 +18,16 @@ after a crash is byte-identical to the first attempt.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import torch
 
 from .rundir import atomic_write
+
+MAX_HEADER_BYTES = 100_000_000
+"""safetensors' own cap on a header; a larger declared length is damage, not data."""
 
 SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
@@ -67,3 +71,15 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
     atomic_write(path, write)
     return path.stat().st_size
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a local safetensors file, read from its header alone."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or n > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"declares a {n}-byte header")
+        return json.loads(f.read(n)).get("__metadata__", {})

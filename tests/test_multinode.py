@@ -1,0 +1,183 @@
+"""Several nodes, one job: separate launcher processes, each with its own run dir, staging and two CPU shards,
+writing one S3 output on a loopback moto server, as SLURM would start them (one ``srun`` task per node)."""
+
+# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_LIMITS, cli_run_args, launched, marker_count, wait_for, write_mixed_dataset
+from s3server import aws_test_env, cli_env, s3, s3_bucket  # noqa: F401
+
+from hsextract.cluster import node_place
+from hsextract.errors import HsextractError
+from hsextract.output import JOB, MANIFEST
+from hsextract.reader import open_output
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env"), pytest.mark.timeout(600)]
+
+SHARDS_PER_NODE = 2
+
+
+def node_args(root: Path, model, data, output: str, endpoint: str, **options) -> list[str]:
+    opts = {
+        **TINY_LIMITS,
+        "max_tokens_per_batch": 300,
+        "max_rows": 8,
+        "layers": "0,3,7",
+        "shards": SHARDS_PER_NODE,
+        "num_proc": 1,
+        "no_progress": True,
+        "output": output,
+        "s3_endpoint_url": endpoint,
+        **options,
+    }
+    return list(map(str, cli_run_args(root, model, data, **opts)))
+
+
+def hsextract(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(),
+    )
+
+
+def objects(s3, bucket: str, prefix: str) -> dict[str, bytes]:
+    client = s3.client()
+    return {
+        key[len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        for key in s3.object_keys(bucket)
+        if key.startswith(prefix + "/")
+    }
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tiny_tokenizer):
+    return write_mixed_dataset(
+        tmp_path_factory.mktemp("multinode-data") / "data.jsonl", tiny_tokenizer, n_chat=60
+    )
+
+
+def test_two_nodes_one_killed_and_rerun_alone_give_the_one_node_output(
+    tmp_path, tiny_model, dataset, s3, s3_bucket
+):
+    endpoint = s3.url
+    # The reference: the same plan (4 shards) on one node.
+    ref = hsextract(
+        *node_args(tmp_path / "one", tiny_model, dataset, f"s3://{s3_bucket}/one", endpoint, shards=4)
+    )
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+
+    output = f"s3://{s3_bucket}/two"
+    n0 = node_args(tmp_path / "node0", tiny_model, dataset, output, endpoint, nodes=2, node_rank=0)
+    n1 = node_args(tmp_path / "node1", tiny_model, dataset, output, endpoint)  # rank and count from SLURM
+    slurm = cli_env(SLURM_NNODES="2", SLURM_NODEID="1")
+    for root in (tmp_path / "node0", tmp_path / "node1"):
+        root.mkdir()
+    with (
+        launched(n1, tmp_path / "node1", env=slurm) as p1,
+        launched(n0, tmp_path / "node0", env=cli_env()) as p0,
+    ):
+        wait_for(
+            lambda: marker_count(tmp_path / "node1" / "run") >= 1,
+            "node 1's first batch",
+            proc=p1,
+            root=tmp_path / "node1",
+        )
+        p1.send_signal(signal.SIGKILL)  # the node dies; its workers die with its launcher
+        p1.wait(timeout=30)
+        assert p0.wait(timeout=300) == 0, (tmp_path / "node0" / "launcher.out").read_text()
+    node0_out = (tmp_path / "node0" / "launcher.out").read_text()
+    assert "node 0 of 2 (--nodes/--node-rank): shards 0..1 of 4" in node0_out
+    assert "still to do (shards [2, 3])" in node0_out
+
+    # Progress from the output alone, in a directory that holds nothing of the run.
+    fresh = tmp_path / "elsewhere"
+    fresh.mkdir()
+    st = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "status", output, "--s3-endpoint-url", endpoint, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=fresh,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert st.returncode == 0, st.stderr
+    doc = json.loads(st.stdout)
+    assert not doc["complete"] and doc["nodes"] == 2
+    assert [r["node"] for r in doc["shards"]] == [0, 0, 1, 1]
+    assert all(r["state"] == "done" for r in doc["shards"][:2])
+    assert any(r["batches_done"] < r["batches_total"] for r in doc["shards"][2:])
+
+    # Node 1 rerun alone, with the same command and rank: only its unfinished batches are computed.
+    again = hsextract(*n1, env=slurm)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "node 1 of 2 (SLURM_NNODES/SLURM_NODEID)" in again.stdout and "done:" in again.stdout
+    log = (tmp_path / "node1" / "run" / "logs" / "shard-00002.log").read_text()
+    assert "resume:" in log
+
+    one, two = objects(s3, s3_bucket, "one"), objects(s3, s3_bucket, "two")
+    batches = sorted(k for k in one if k.startswith("shard-"))
+    assert batches == sorted(k for k in two if k.startswith("shard-")) and len(batches) > 4
+    assert [k for k in batches if one[k] != two[k]] == [], "batch files differ from the one-node run"
+    assert json.loads(one[MANIFEST]) == json.loads(two[MANIFEST])
+    out = open_output(output, endpoint)
+    assert sorted(out.sample_ids()) == sorted(open_output(f"s3://{s3_bucket}/one", endpoint).sample_ids())
+    assert json.loads(hsextract("status", output, "--s3-endpoint-url", endpoint, "--json").stdout)["complete"]
+
+    # A node started with other layers, or another node count, is refused, naming the job that holds the output.
+    other = hsextract(
+        *node_args(
+            tmp_path / "node2", tiny_model, dataset, output, endpoint, nodes=2, node_rank=1, layers="1,3,7"
+        )
+    )
+    assert other.returncode == 2 and "is held by another job" in other.stderr and "layer_ids" in other.stderr
+    wider = hsextract(
+        *node_args(tmp_path / "node3", tiny_model, dataset, output, endpoint, nodes=3, node_rank=2)
+    )
+    assert wider.returncode == 2 and "held by another job" in wider.stderr and "shards" in wider.stderr
+
+    # `hsextract finalize OUTPUT` rebuilds the manifest from the output alone.
+    s3.client().delete_object(Bucket=s3_bucket, Key=f"two/{MANIFEST}")
+    fin = hsextract("finalize", output, "--s3-endpoint-url", endpoint)
+    assert fin.returncode == 0 and "done:" in fin.stdout, fin.stdout + fin.stderr
+    assert json.loads(objects(s3, s3_bucket, "two")[MANIFEST]) == json.loads(one[MANIFEST])
+    assert json.loads(objects(s3, s3_bucket, "two")[JOB])["nodes"] == 2
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, (1, 0, "single node")),
+        ({"SLURM_NNODES": "8", "SLURM_NODEID": "3"}, (8, 3, "SLURM_NNODES/SLURM_NODEID")),
+        (
+            {"SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_ID": "0"},
+            (4, 0, "SLURM_ARRAY_TASK_COUNT/SLURM_ARRAY_TASK_ID"),
+        ),
+        ({"NNODES": "2", "NODE_RANK": "1"}, (2, 1, "NNODES/NODE_RANK")),
+        (
+            {"SLURM_NNODES": "8", "SLURM_NODEID": "3", "NNODES": "2", "NODE_RANK": "1"},
+            (8, 3, "SLURM_NNODES/SLURM_NODEID"),
+        ),
+    ],
+)
+def test_node_rank_and_count_come_from_the_scheduler_environment(env, expected):
+    place = node_place(environ=env)
+    assert (place.nodes, place.rank, place.source) == expected
+
+
+def test_command_line_wins_and_bad_ranks_are_refused():
+    assert (
+        node_place(2, 1, environ={"SLURM_NNODES": "8", "SLURM_NODEID": "3"}).source == "--nodes/--node-rank"
+    )
+    for nodes, rank in ((2, 2), (0, 0), (2, -1)):
+        with pytest.raises(HsextractError, match="rank must be in"):
+            node_place(nodes, rank, environ={})
+    with pytest.raises(HsextractError, match="not integers"):
+        node_place(environ={"NNODES": "two", "NODE_RANK": "0"})
