@@ -17,7 +17,7 @@ from hsextract.errors import HsextractError
 from hsextract.output import JOB, MANIFEST
 from hsextract.reader import open_output
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env"), pytest.mark.timeout(900)]
 
 SHARDS_PER_NODE = 2
 
