@@ -21,7 +21,7 @@ import time
 from .config import RunConfig
 from .data import TokenizedSamples
 from .errors import HsextractError
-from .output import build_manifest, write_manifest
+from .output import STORED_FIELDS, build_manifest, write_manifest
 from .plan import Plan
 from .procs import die_with_parent
 from .progress import ShardProgress
@@ -178,6 +178,7 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
         dtype=cfg.dtype,
         sample_ids=TokenizedSamples.load(run_dir.tokens_file).sample_ids,
         data_report=json.loads(run_dir.data_report_file.read_text()),
+        stored=_stored_records(run_dir, plan),
     )
     write_manifest(open_sink(cfg.output, cfg.s3_endpoint_url), manifest)
     atomic_write(run_dir.complete_file, plan.plan_hash)
@@ -185,6 +186,27 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> int:
         f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(plan.batches)} batch files at {cfg.output}"
     )
     return 0
+
+
+def _stored_records(run_dir: RunDir, plan: Plan) -> dict[str, dict]:
+    """What the uploaders' markers recorded of each batch file (size, CRC32, header checksum), for the manifest."""
+    stored, unusable = {}, []
+    for b in plan.batches:
+        try:
+            record = json.loads(run_dir.marker(b.key).read_text())
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict) and all(isinstance(record.get(f), t) for f, t in STORED_FIELDS.items()):
+            stored[b.key] = record
+        else:
+            unusable.append(str(run_dir.marker(b.key)))
+    if unusable:
+        raise HsextractError(
+            f"{len(unusable)} marker(s) are unreadable or lack the file's checksums (written by an older "
+            f"hsextract?): {', '.join(unusable[:3])}{' ...' if len(unusable) > 3 else ''}. Delete them and rerun "
+            "to recompute those batches"
+        )
+    return stored
 
 
 class _Bars:

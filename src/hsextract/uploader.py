@@ -7,7 +7,8 @@ and boto3's Python code never hold the worker's GIL while it feeds the GPU; ``su
 Per file, in this order (the invariants are what make a crash at any point safe to rerun):
 
 1. upload through the ``Sink`` (``put_file`` retries transient failures and verifies size and checksum);
-2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32:
+2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32 of the
+   file and the size and checksum of its header (output.py; the manifest copies them):
    a marker exists only for a key that is durable in the output;
 3. delete the staged file: the staged file is removed only after its marker;
 4. report the key back (``poll_done``), so that the worker can stage more bytes.
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError, UploaderDied
+from hsextract.output import header_checksum, read_file_head
 from hsextract.procs import die_with_parent
 from hsextract.rundir import atomic_write, marker_path
 from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, StoredObject, open_sink
@@ -277,9 +279,10 @@ def _upload_one(sink: Sink, marker_dir: Path, path: Path, key: str, results: mul
         log.info("%s: already uploaded (marker present), removed the staged copy", key)
     else:
         start = time.monotonic()
+        head = read_file_head(path)
         stored = sink.put_file(path, key)
         seconds = time.monotonic() - start
-        _write_marker(marker, stored, sink.url)
+        _write_marker(marker, stored, sink.url, head)
         path.unlink()
         log.info(
             "uploaded %s: %d bytes in %.2f s (%.1f MB/s)",
@@ -291,8 +294,15 @@ def _upload_one(sink: Sink, marker_dir: Path, path: Path, key: str, results: mul
     results.put(("done", key))
 
 
-def _write_marker(marker: Path, stored: StoredObject, output_url: str) -> None:
-    record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
+def _write_marker(marker: Path, stored: StoredObject, output_url: str, head: bytes) -> None:
+    record = {
+        "key": stored.key,
+        "size": stored.size,
+        "crc32": f"{stored.crc32:08x}",
+        "header_size": len(head),
+        "header_xxh3": header_checksum(head),
+        "output": output_url,
+    }
     atomic_write(marker, json.dumps(record))
 
 

@@ -33,7 +33,7 @@ from .progress import ShardProgress
 from .rundir import RunDir, RunInfo, shard_name
 from .storage import open_sink
 from .uploader import Uploader
-from .writer import write_safetensors
+from .writer import write_batch_file
 
 log = logging.getLogger("hsextract.worker")
 
@@ -164,7 +164,7 @@ class ShardRun:
         )
         path = self.staging / Path(batch.key).name
         t0 = time.perf_counter()
-        size = write_safetensors(path, tensors, meta)
+        size = write_batch_file(path, tensors, meta)
         log.info(
             "batch %d written: %d rows, %d tokens, %.1f MB in %.3f s",
             batch.batch_id,
