@@ -32,6 +32,7 @@ def row_offset(path: Path, tensor: str, row: int) -> int:
     with open(path, "rb") as f:
         f.seek(base + start)
         cu = struct.unpack(f"<{(stop - start) // 8}q", f.read(stop - start))
+    assert row + 1 < len(cu), f"{path} has {len(cu) - 1} samples, no row {row}"
     entry = header[tensor]
     begin, end = entry["data_offsets"]
     row_bytes = (end - begin) // cu[-1]
