@@ -279,7 +279,13 @@ def _upload_one(sink: Sink, marker_dir: Path, path: Path, key: str, results: mul
         log.info("%s: already uploaded (marker present), removed the staged copy", key)
     else:
         start = time.monotonic()
-        head = read_file_head(path)
+        try:
+            head = read_file_head(path)
+        except HsextractError as e:
+            # Recorded without a header checksum: the launcher then refuses to write the manifest until the batch
+            # is recomputed (it names the marker to delete).
+            head = None
+            log.warning("%s: %s; its marker records no header checksum", key, e)
         stored = sink.put_file(path, key)
         seconds = time.monotonic() - start
         _write_marker(marker, stored, sink.url, head)
@@ -294,15 +300,10 @@ def _upload_one(sink: Sink, marker_dir: Path, path: Path, key: str, results: mul
     results.put(("done", key))
 
 
-def _write_marker(marker: Path, stored: StoredObject, output_url: str, head: bytes) -> None:
-    record = {
-        "key": stored.key,
-        "size": stored.size,
-        "crc32": f"{stored.crc32:08x}",
-        "header_size": len(head),
-        "header_xxh3": header_checksum(head),
-        "output": output_url,
-    }
+def _write_marker(marker: Path, stored: StoredObject, output_url: str, head: bytes | None) -> None:
+    record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
+    if head is not None:
+        record.update(header_size=len(head), header_xxh3=header_checksum(head))
     atomic_write(marker, json.dumps(record))
 
 
