@@ -150,3 +150,11 @@ def manifest_without_batches(out: Path) -> None:
     manifest = json.loads(path.read_text())
     del manifest["batches"]
     path.write_text(json.dumps(manifest))
+
+
+def manifest_key_outside_output(out: Path) -> None:
+    """A batch key that climbs out of the output (a garbled or hostile manifest)."""
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["batches"][0]["key"] = "../../etc/passwd"
+    path.write_text(json.dumps(manifest))

@@ -15,6 +15,7 @@ from damage import (
     flip_in_ids,
     flip_in_states,
     manifest_batches,
+    manifest_key_outside_output,
     manifest_without_batches,
     truncate_manifest,
 )
@@ -94,8 +95,12 @@ def test_a_flipped_sample_is_refused_while_the_rest_of_its_file_reads(output, fl
 
 @pytest.mark.parametrize(
     "damage, says",
-    [(truncate_manifest, "is not valid JSON"), (manifest_without_batches, "has no batch list")],
-    ids=["truncated", "no-batches"],
+    [
+        (truncate_manifest, "is not valid JSON"),
+        (manifest_without_batches, "has no batch list"),
+        (manifest_key_outside_output, "not a path inside the output"),
+    ],
+    ids=["truncated", "no-batches", "key-outside"],
 )
 def test_damaged_manifest_raises_the_same_error_naming_it(output, damage, says):
     damage(output)

@@ -13,7 +13,7 @@ per-token tensor, and one over the index tensors (``checksums``, built by writer
 tensors it is about to write). The uploader records each file's size, CRC32 and header checksum in its marker, and
 the manifest copies them per batch. So a reader checks a file's header against the manifest when it opens the
 file and a sample against its own checksum when it reads it (one ranged read still fetches one sample), and
-``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at ~10 GB/s on one core, several times zlib's
+``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11 GB/s on one core, 3-4 times zlib's
 CRC32; docs/PERFORMANCE.md has the measured costs.
 """
 
@@ -28,6 +28,7 @@ import xxhash
 
 from . import __version__
 from .errors import CorruptOutputError, HsextractError
+from .storage import check_key
 
 MANIFEST = "manifest.json"
 BATCH_FORMAT = "hsextract-batch"
@@ -165,6 +166,10 @@ def estimate_file_bytes(
     )
 
 
+STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
+"""What the manifest records of each batch file, copied from the uploader's marker."""
+
+
 def build_manifest(
     *, info, plan, dtype: str, sample_ids: list[str], data_report: dict, stored: dict[str, dict]
 ) -> dict:
@@ -198,10 +203,6 @@ def build_manifest(
             for b in plan.batches
         ],
     }
-
-
-STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
-"""What the manifest records of each batch file, copied from the uploader's marker."""
 
 
 def write_manifest(sink, manifest: dict) -> None:
@@ -257,6 +258,12 @@ def read_manifest(sink) -> dict:
             and all(isinstance(sid, str) for sid in batch["sample_ids"])
         ):
             raise damaged(f"batch entry {i} has no key or no sample ids")
+        try:
+            check_key(batch["key"])
+        except ValueError:
+            raise damaged(
+                f"batch entry {i} has the key {batch['key']!r}, not a path inside the output"
+            ) from None
         if version >= 2 and not all(isinstance(batch.get(f), t) for f, t in STORED_FIELDS.items()):
             raise damaged(f"batch entry {i} ({batch['key']}) lacks its size or checksums")
     return manifest
