@@ -140,7 +140,7 @@ class BatchHeader:
         if missing:
             raise damaged(f"lacks the tensor(s) {', '.join(missing)}")
         self.data_end = max(t.stop for t in self.tensors.values())
-        self.num_tokens = self.tensors["hidden_states"].shape[0]
+        self.num_tokens = (self.tensors["hidden_states"].shape or (-1,))[0]
         self.per_token = sorted(name for name in self.tensors if name not in INDEX_TENSORS)
         for name in self.per_token:
             shape = self.tensors[name].shape
