@@ -43,7 +43,7 @@ from hsextract.capture import LayerCapture, _StopForward, decoder_layers, load_m
 from hsextract.data import TokenizedSamples  # noqa: E402
 from hsextract.pipeline import Extractor, build_batch  # noqa: E402
 from hsextract.plan import make_plan  # noqa: E402
-from hsextract.writer import write_safetensors  # noqa: E402
+from hsextract.writer import write_batch_file  # noqa: E402
 
 
 def realistic_samples(total_tokens: int, vocab: int, max_length: int, seed: int = 0) -> TokenizedSamples:
@@ -108,7 +108,7 @@ def bench_hsextract(lm, layer_ids, batches, samples, device, pad, staging: Path,
 
     def on_batch(b, tensors):
         path = staging / f"batch-{b.batch_id:06d}.safetensors"
-        written.append(write_safetensors(path, tensors, {"batch_id": str(b.batch_id)}))
+        written.append(write_batch_file(path, tensors, {"batch_id": str(b.batch_id)}))
         path.unlink()
 
     sync()

@@ -73,6 +73,30 @@ def cli_run_args(root, model, data, **options) -> list:
     return args
 
 
+E2E_LAYERS = (0, 3, 7)
+"""Layers of the shared finished run: first, middle (a full-attention layer), last of the 8-layer tiny model."""
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
+    """One finished ``hsextract run`` (2 shards, 16 batches of the mixed dataset) shared by every test that only
+    reads it: (root, data, result, args), the output in ``root / "out"``. Copy the output before damaging it."""
+    root = tmp_path_factory.mktemp("e2e")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
+    args = cli_run_args(
+        root,
+        tiny_model,
+        data,
+        layers=",".join(map(str, E2E_LAYERS)),
+        shards=2,
+        **TINY_LIMITS,
+        num_proc=2,
+        no_progress=True,
+    )
+    result = run_cli(*args)
+    return root, data, result, args
+
+
 def write_mixed_dataset(path, tokenizer, n_chat=40, seed=0):
     """Chat rows from the demo generator plus pre-tokenized rows from 1 token up, with explicit ids."""
     import json

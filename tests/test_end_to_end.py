@@ -3,32 +3,13 @@ unbatched HF forward with output_hidden_states (the independent reference)."""
 
 import json
 
-import pytest
 import torch
-from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from conftest import E2E_LAYERS, run_cli
 from safetensors import safe_open
 
 from hsextract.reader import open_output
 
-LAYERS = (0, 3, 7)  # first, middle (a full-attention layer), last of the 8-layer tiny model
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
-    root = tmp_path_factory.mktemp("e2e")
-    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
-    args = cli_run_args(
-        root,
-        tiny_model,
-        data,
-        layers=",".join(map(str, LAYERS)),
-        shards=2,
-        **TINY_LIMITS,
-        num_proc=2,
-        no_progress=True,
-    )
-    result = run_cli(*args)
-    return root, data, result, args
+LAYERS = E2E_LAYERS  # conftest.finished_run, shared with the tests that read or damage its output
 
 
 def test_reader_states_equal_unbatched_hf_forward(finished_run, tiny_lm, tiny_tokenizer):

@@ -34,8 +34,10 @@ from conftest import (
     wait_for,
     write_mixed_dataset,
 )
+from damage import DAMAGED_ROW, flip_in_states
 from s3server import S3Endpoint, aws_test_env, cli_env, free_port, s3, s3_bucket  # noqa: F401
 
+from hsextract.errors import CorruptOutputError
 from hsextract.output import JOB
 from hsextract.plan import Plan
 from hsextract.progress import ShardProgress
@@ -205,6 +207,38 @@ def test_reader_on_s3_gives_the_states_of_the_local_output(s3: S3Endpoint, s3_ru
         assert all(torch.equal(a["layers"][k], b["layers"][k]) for k in a["layers"])
     some = local.sample_ids()[len(local) // 2]
     assert torch.equal(remote[some]["hidden_states"], local[some]["hidden_states"])
+
+
+def test_verify_on_s3_passes_the_run_and_names_exactly_a_damaged_object(
+    s3: S3Endpoint, s3_run, tmp_path: Path
+):
+    _, bucket = s3_run
+    clean = hsextract(["verify", f"s3://{bucket}/{PREFIX}", "--s3-endpoint-url", s3.url])
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "all good" in clean.stdout
+    # A copy of the output under another prefix, one object with a byte flipped inside one sample's states.
+    client, copy = s3.client(), "runs/damaged"
+    for key in s3.object_keys(bucket):
+        if key.startswith(f"{PREFIX}/"):
+            client.copy_object(
+                Bucket=bucket,
+                Key=f"{copy}/{key[len(PREFIX) + 1 :]}",
+                CopySource={"Bucket": bucket, "Key": key},
+            )
+    batches = json.loads(s3.get_object(bucket, f"{copy}/manifest.json"))["batches"]
+    entry = next(b for b in batches if len(b["sample_ids"]) > DAMAGED_ROW)
+    local = tmp_path / "batch.safetensors"
+    local.write_bytes(s3.get_object(bucket, f"{copy}/{entry['key']}"))
+    flip_in_states(local)
+    client.put_object(Bucket=bucket, Key=f"{copy}/{entry['key']}", Body=local.read_bytes())
+
+    r = hsextract(["verify", f"s3://{bucket}/{copy}", "--s3-endpoint-url", s3.url, "--json"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    bad = json.loads(r.stdout)["bad"]
+    assert [b["url"] for b in bad] == [f"s3://{bucket}/{copy}/{entry['key']}"]
+    assert "1 sample(s) do not match their checksums" in bad[0]["problem"]
+    with pytest.raises(CorruptOutputError, match="does not match its checksum"):
+        open_output(f"s3://{bucket}/{copy}", endpoint_url=s3.url)[entry["sample_ids"][DAMAGED_ROW]]
 
 
 # -- 2. the endpoint goes away mid-run and comes back -------------------------------------------------------------

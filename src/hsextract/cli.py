@@ -1,4 +1,4 @@
-"""The command line: ``hsextract run | dry-run | status | demo``. The only module that imports click.
+"""The command line: ``hsextract run | dry-run | status | verify | demo``. The only module that imports click.
 
 Options mirror RunConfig's fields; ``--config FILE.yaml`` fills them from a file (configs/), and options given on
 the command line override it. User errors print one message and exit with status 2.
@@ -236,6 +236,32 @@ def finalize(output, s3_endpoint_url):
 
     code, _damaged = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
     sys.exit(code)
+
+
+@main.command()
+@click.argument("output")
+@click.option("--s3-endpoint-url", help="S3-compatible endpoint (AWS_ENDPOINT_URL_S3 works too).")
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=8, show_default=True, help="Files checked at once."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@_user_errors
+def verify(output, s3_endpoint_url, workers, as_json):
+    """Check every file of a finished output against its manifest: size, CRC32, header and sample checksums.
+
+    Prints each bad file with its problem and exits 1 if there is any."""
+    from .verify import verify_output
+
+    report = verify_output(output, s3_endpoint_url, workers=workers)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        for e in report.bad:
+            click.echo(f"BAD {e}")
+        size = f"{report.bytes / 1e9:.2f} GB" if report.bytes >= 1e8 else f"{report.bytes / 1e6:.1f} MB"
+        verdict = "all good" if report.ok else f"{len(report.bad)} bad"
+        click.echo(f"verified {report.files} files ({size}) of {report.url}: {verdict}")
+    sys.exit(0 if report.ok else 1)
 
 
 @main.command()

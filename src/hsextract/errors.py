@@ -18,6 +18,18 @@ class HsextractError(Exception):
         super().__init__(redact(str(message)))
 
 
+class CorruptOutputError(HsextractError):
+    """A file of an output is missing, damaged, or differs from what the manifest recorded of it.
+
+    ``url`` is the output (a directory or ``s3://bucket/prefix``), ``key`` the file in it (a batch file or
+    ``manifest.json``), ``problem`` what is wrong, in words.
+    """
+
+    def __init__(self, url: str, key: str, problem: str):
+        self.url, self.key, self.problem = url, key, problem
+        super().__init__(f"{url.rstrip('/')}/{key}: {problem}")
+
+
 class UploaderDied(HsextractError):
     """The uploader process of a shard exited while batches were still to be uploaded."""
 

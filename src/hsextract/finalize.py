@@ -65,7 +65,7 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
         shards = sorted({b.shard for b in plan.batches if b.key in set(todo)})
         echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
         return 0, set()
-    problems = check_batches(sink, keys, plan.plan_hash)
+    problems, records = check_batches(sink, keys, plan.plan_hash)
     if problems:
         for key, why in sorted(problems.items())[:10]:
             echo(f"output check: {key}: {why}")
@@ -80,6 +80,7 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
             dtype=plan.fingerprint.get("dtype", ""),
             sample_ids=sample_ids,
             data_report=data_report,
+            stored=records,
         )
         write_manifest(sink, manifest)
     echo(

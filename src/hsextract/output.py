@@ -16,16 +16,30 @@ An output (a local directory or ``s3://bucket/prefix``) holds:
 Each batch file carries run-wide metadata (layer ids and their convention, model, dtype, tokenizer and plan
 hashes) and its own identity (batch id, shard, sample ids), so a file read alone still says what it holds. The
 manifest lists every batch with its sample ids in plan order; the reader maps sample ids to files through it.
+
+Integrity (format 2): every batch file's metadata holds one checksum per sample, over that sample's rows of every
+per-token tensor, and one over the index tensors (``checksums``, built by writer.py in the writer thread from the
+tensors it is about to write). The uploader records each file's size, CRC32 and header checksum in its marker, and
+the manifest copies them per batch. So a reader checks a file's header against the manifest when it opens the
+file and a sample against its own checksum when it reads it (one ranged read still fetches one sample), and
+``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11 GB/s on one core, 3-4 times zlib's
+CRC32; docs/PERFORMANCE.md has the measured costs.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import xxhash
 
 from . import __version__
-from .errors import HsextractError
+from .errors import CorruptOutputError, HsextractError
+from .storage import check_key
 
 MANIFEST = "manifest.json"
 JOB = "hsextract/job.json"
@@ -38,9 +52,23 @@ JOB_FILES = {
 """What any node, or ``hsextract finalize``, needs to finish the output without a run dir (finalize.py)."""
 DONE_PREFIX = "hsextract/done/"
 BATCH_FORMAT = "hsextract-batch"
-BATCH_FORMAT_VERSION = "1"
+BATCH_FORMAT_VERSION = "2"
+"""2: per-sample and index checksums in the metadata (``checksums``)."""
 OUTPUT_FORMAT = "hsextract-output"
-OUTPUT_FORMAT_VERSION = 1
+OUTPUT_FORMAT_VERSION = 2
+"""2: each batch's size, CRC32 and header checksum in the manifest."""
+
+INDEX_TENSORS = ("cu_seqlens", "sample_index")
+"""A batch file's per-batch tensors; every other tensor is per-token (its first dimension is the token count)."""
+CHECKSUMS = "checksums"
+"""The metadata key of a batch file's checksums (a JSON object, see ``checksums_metadata``)."""
+CHECKSUM_ALGORITHM = "xxh3_64"
+CHECKSUM_CHUNK = 8 << 20
+"""Bytes hashed per call: xxhash holds the GIL while it hashes, and the writer thread must not starve the
+thread that launches the GPU's kernels (8 MiB is about a millisecond)."""
+HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header a batch file may declare (the safetensors library's own limit)."""
 CONVENTION = "output_of_decoder_layer"
 """Layer id k is the OUTPUT of decoder layer k (0-based), before the final norm: HF output_hidden_states[k + 1]."""
 
@@ -90,6 +118,62 @@ def batch_metadata(*, run_meta: dict, batch_id: int, shard: int, sample_ids: lis
     return meta
 
 
+def new_checksum() -> xxhash.xxh3_64:
+    """A running checksum of the kind every hsextract checksum is (``update``, then ``hexdigest``: 16 hex)."""
+    return xxhash.xxh3_64()
+
+
+def update_checksum(checksum: xxhash.xxh3_64, data) -> None:
+    """Feed ``data`` (any contiguous buffer) in ``CHECKSUM_CHUNK`` pieces, letting other threads run between."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), CHECKSUM_CHUNK):
+        checksum.update(view[start : start + CHECKSUM_CHUNK])
+
+
+def checksum_order(names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """A batch file's tensor names as (per-token, index), each in name order: the order of the tensors in the file
+    and the order in which a sample's checksum covers its rows of the per-token tensors."""
+    names = sorted(names)
+    return [n for n in names if n not in INDEX_TENSORS], [n for n in names if n in INDEX_TENSORS]
+
+
+def checksums_metadata(
+    *, per_token: list[str], samples: list[str], index_tensors: list[str], index: str
+) -> dict[str, str]:
+    """The ``checksums`` metadata entry: per sample, a checksum of its rows of the ``per_token`` tensors (in that
+    order); one checksum of the ``index_tensors`` (whole, in that order)."""
+    value = {
+        "algorithm": CHECKSUM_ALGORITHM,
+        "per_token_tensors": per_token,
+        "samples": samples,
+        "index_tensors": index_tensors,
+        "index": index,
+    }
+    return {CHECKSUMS: json.dumps(value, separators=(",", ":"))}
+
+
+def header_checksum(head: bytes) -> str:
+    """The checksum of a batch file's header bytes (the 8-byte length and the JSON), as the manifest records it."""
+    checksum = new_checksum()
+    checksum.update(head)
+    return checksum.hexdigest()
+
+
+def read_file_head(path: str | Path) -> bytes:
+    """The header bytes (8-byte length + JSON) of a local batch file; ``HsextractError`` if it has none."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_LENGTH_BYTES)
+        if len(raw) < HEADER_LENGTH_BYTES:
+            raise HsextractError(f"{path} has no safetensors header ({len(raw)} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES:
+            raise HsextractError(f"{path} declares a header of {n} bytes, over the {MAX_HEADER_BYTES} cap")
+        raw += f.read(n)
+    if len(raw) < HEADER_LENGTH_BYTES + n:
+        raise HsextractError(f"{path} ends inside its header ({len(raw)} of {HEADER_LENGTH_BYTES + n} bytes)")
+    return raw
+
+
 def bytes_per_token(num_layers: int, hidden: int, itemsize: int) -> int:
     """States of every captured layer, plus the token id (int32) and its loss-mask byte."""
     return num_layers * hidden * itemsize + 4 + 1
@@ -104,8 +188,17 @@ def estimate_file_bytes(
     )
 
 
-def build_manifest(*, info, plan, dtype: str, sample_ids: list[str], data_report: dict) -> dict:
-    """The manifest of a finished run: run-wide facts and every batch with its sample ids, in plan order."""
+STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
+"""What the manifest records of each batch file, copied from the uploader's marker."""
+
+
+def build_manifest(
+    *, info, plan, dtype: str, sample_ids: list[str], data_report: dict, stored: dict[str, dict]
+) -> dict:
+    """The manifest of a finished run: run-wide facts and every batch with its sample ids, in plan order.
+
+    ``stored`` maps each batch key to what the uploader recorded of the file in its marker: ``size``, ``crc32``
+    (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes)."""
     return {
         "format": OUTPUT_FORMAT,
         "format_version": OUTPUT_FORMAT_VERSION,
@@ -127,6 +220,7 @@ def build_manifest(*, info, plan, dtype: str, sample_ids: list[str], data_report
                 "shard": b.shard,
                 "num_tokens": b.num_tokens,
                 "sample_ids": [sample_ids[i] for i in b.sample_indices],
+                **{field: stored[b.key][field] for field in STORED_FIELDS},
             }
             for b in plan.batches
         ],
@@ -146,20 +240,54 @@ def delete_manifest(sink) -> None:
 
 
 def read_manifest(sink) -> dict:
-    """The manifest of the output behind ``sink``; a clear error if there is none or it is unreadable."""
+    """The manifest of the output behind ``sink``, its structure checked: ``HsextractError`` if there is none,
+    ``CorruptOutputError`` naming it if it is unreadable or lacks what a reader relies on."""
     if not sink.exists(MANIFEST):
         raise HsextractError(
             f"{sink.url} has no {MANIFEST}: the run has not finished (see `hsextract status RUN_DIR`) "
             "or this is not an hsextract output"
         )
+
+    def damaged(problem: str) -> CorruptOutputError:
+        return CorruptOutputError(sink.url, MANIFEST, f"{problem}; the output is damaged")
+
     try:
         manifest = json.loads(sink.get_bytes(MANIFEST))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HsextractError(
-            f"{sink.url}/{MANIFEST} is not valid JSON ({e}); the output is damaged"
-        ) from None
+        raise damaged(f"is not valid JSON ({e})") from None
+    except FileNotFoundError:
+        raise damaged("disappeared while being read") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("batches"), list):
-        raise HsextractError(f"{sink.url}/{MANIFEST} has no batch list; the output is damaged")
+        raise damaged("has no batch list")
+    version = manifest.get("format_version")
+    if manifest.get("format") != OUTPUT_FORMAT or not isinstance(version, int):
+        raise damaged(
+            f"is not an {OUTPUT_FORMAT} manifest (format {manifest.get('format')!r}, version {version!r})"
+        )
+    if version > OUTPUT_FORMAT_VERSION:
+        raise HsextractError(
+            f"{sink.url}/{MANIFEST} has format version {version}; this hsextract ({__version__}) reads up to "
+            f"{OUTPUT_FORMAT_VERSION}: upgrade hsextract"
+        )
+    layer_ids = manifest.get("layer_ids")
+    if not isinstance(layer_ids, list) or not all(isinstance(k, int) for k in layer_ids):
+        raise damaged("has no list of layer ids")
+    for i, batch in enumerate(manifest["batches"]):
+        if not (
+            isinstance(batch, dict)
+            and isinstance(batch.get("key"), str)
+            and isinstance(batch.get("sample_ids"), list)
+            and all(isinstance(sid, str) for sid in batch["sample_ids"])
+        ):
+            raise damaged(f"batch entry {i} has no key or no sample ids")
+        try:
+            check_key(batch["key"])
+        except ValueError:
+            raise damaged(
+                f"batch entry {i} has the key {batch['key']!r}, not a path inside the output"
+            ) from None
+        if version >= 2 and not all(isinstance(batch.get(f), t) for f, t in STORED_FIELDS.items()):
+            raise damaged(f"batch entry {i} ({batch['key']}) lacks its size or checksums")
     return manifest
 
 
@@ -226,10 +354,30 @@ def done_key(key: str) -> str:
     return f"{DONE_PREFIX}{key}.json"
 
 
-def write_done(sink, stored, plan_hash: str) -> None:
-    """Record a verified batch in the output. Deterministic content: a recomputed batch writes the same bytes."""
-    record = {"key": stored.key, "size": stored.size, "crc32": stored.crc32, "plan_hash": plan_hash}
-    sink.put_bytes(done_key(stored.key), json.dumps(record, sort_keys=True).encode())
+def stored_record(stored, output_url: str, head: bytes | None) -> dict:
+    """What the uploader records of a batch file it made durable (its marker; its completion record adds the plan
+    hash): size and CRC32 of the file, size and checksum of its header (``STORED_FIELDS``, copied into the
+    manifest). ``head`` is None for a staged file without a readable header: the manifest is then refused."""
+    record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
+    if head is not None:
+        record.update(header_size=len(head), header_xxh3=header_checksum(head))
+    return record
+
+
+def write_done(sink, record: dict, plan_hash: str) -> None:
+    """Record a verified batch in the output. Deterministic content (no output URL, no time): a recomputed batch
+    writes the same bytes."""
+    done = {**{k: v for k, v in record.items() if k != "output"}, "plan_hash": plan_hash}
+    sink.put_bytes(done_key(record["key"]), json.dumps(done, sort_keys=True).encode())
+
+
+def read_done(sink, key: str) -> dict | None:
+    """The completion record of batch ``key``; None if there is none or it is unreadable."""
+    try:
+        record = json.loads(sink.get_bytes(done_key(key)))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def done_in_output(sink, prefix: str = "") -> set[str]:
@@ -241,17 +389,21 @@ def done_in_output(sink, prefix: str = "") -> set[str]:
     }
 
 
-def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> dict[str, str]:
-    """For each batch key: its completion record exists, matches this plan, and the object is there with the
-    recorded size and (where the store keeps one) CRC32. Returns ``{key: what is wrong}`` for the bad ones."""
+def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> tuple[dict[str, str], dict[str, dict]]:
+    """For each batch key: its completion record exists, matches this plan, records the file's checksums, and the
+    object is there with the recorded size and (where the store keeps one) CRC32. Returns ``{key: what is
+    wrong}`` for the bad ones and the records of the good ones."""
+    records: dict[str, dict] = {}
 
     def check(key: str) -> str | None:
-        try:
-            record = json.loads(sink.get_bytes(done_key(key)))
-        except FileNotFoundError:
+        record = read_done(sink, key)
+        if record is None:
             return "no completion record"
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return "damaged completion record"
+        if not all(isinstance(record.get(f), t) for f, t in STORED_FIELDS.items()):
+            return (
+                "its completion record lacks the file's checksums (a staged file without a readable header?)"
+            )
+        records[key] = record
         if record.get("plan_hash") != plan_hash:
             return f"completion record of another plan ({record.get('plan_hash')})"
         stored = sink.stored(key)
@@ -259,11 +411,12 @@ def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> dict[str, st
             return "batch file missing"
         if stored.size != record["size"]:
             return f"batch file has {stored.size} bytes, {record['size']} were uploaded"
-        if stored.crc32 is not None and record.get("crc32") is not None and stored.crc32 != record["crc32"]:
-            return f"batch file CRC32 {stored.crc32:08x}, {record['crc32']:08x} was uploaded"
+        if stored.crc32 is not None and f"{stored.crc32:08x}" != record["crc32"]:
+            return f"batch file CRC32 {stored.crc32:08x}, {record['crc32']} was uploaded"
         return None
 
     keys = list(keys)
     with ThreadPoolExecutor(max(1, min(workers, len(keys)))) as pool:
         problems = dict(zip(keys, pool.map(check, keys), strict=True))
-    return {k: v for k, v in problems.items() if v}
+    bad = {k: v for k, v in problems.items() if v}
+    return bad, {k: r for k, r in records.items() if k not in bad}

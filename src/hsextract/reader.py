@@ -11,7 +11,14 @@
 
 A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
 Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major) plus two small
-ones, never a whole batch file; each file's header is read once and cached.
+ones, never a whole batch file; each file's header and index tensors are read once (two reads) and cached.
+
+Verification is on by default and costs no extra read: when a file is opened its header must match the checksum
+the manifest recorded, its index tensors their checksum, and its sample ids the manifest's; when a sample is read,
+its rows must match the sample's checksum (output.py defines the checksums). ``open_output(..., verify=False)``
+skips the checksums for speed (docs/PERFORMANCE.md has the cost); the structure is checked either way. Whatever is
+wrong with a file (missing, empty, truncated, a garbled or oversized header, a missing tensor, a checksum
+mismatch) raises ``CorruptOutputError`` naming the file and the problem; ``hsextract verify`` checks every file.
 """
 
 from __future__ import annotations
@@ -20,64 +27,299 @@ import json
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
-from .output import read_manifest
+from .errors import CorruptOutputError, HsextractError
+from .output import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUMS,
+    HEADER_LENGTH_BYTES,
+    INDEX_TENSORS,
+    MANIFEST,
+    MAX_HEADER_BYTES,
+    header_checksum,
+    new_checksum,
+    read_manifest,
+    update_checksum,
+)
 from .storage import open_sink
 from .writer import SAFETENSORS_DTYPES
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+REQUIRED_TENSORS = ("hidden_states", "input_ids", "loss_mask", "cu_seqlens")
+"""Tensors every batch file has (docs/FORMAT.md); ``sample_index`` is optional for the reader."""
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
+    start: int  # absolute byte offsets in the file
+    stop: int
 
     @property
     def row_bytes(self) -> int:
-        n = 1
-        for d in self.shape[1:]:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return (self.stop - self.start) // self.shape[0] if self.shape and self.shape[0] else 0
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """A batch file's checksums (output.checksums_metadata)."""
+
+    per_token: tuple[str, ...]
+    samples: tuple[str, ...]
+    index_tensors: tuple[str, ...]
+    index: str
+
+
+def _read(sink, key: str, offset: int, length: int, damaged) -> bytes:
+    """Exactly ``length`` bytes at ``offset``, or ``damaged`` saying where the file ends."""
+    try:
+        raw = sink.read_range(key, offset, length) if length else b""
+    except FileNotFoundError:
+        raise damaged("does not exist (listed in the manifest)") from None
+    except IsADirectoryError:
+        raise damaged("is a directory, not a batch file") from None
+    if len(raw) != length:
+        end = offset + len(raw)
+        raise damaged(
+            "is empty"
+            if end == 0
+            else f"is truncated: it ends at byte {end}, bytes up to {offset + length} expected"
+        )
+    return raw
+
+
+def read_head(sink, key: str, damaged, header_size: int | None = None) -> bytes:
+    """A batch file's header bytes (8-byte length + JSON); ``header_size`` (from the manifest) saves a read."""
+    if (
+        header_size is not None
+        and HEADER_LENGTH_BYTES <= header_size <= HEADER_LENGTH_BYTES + MAX_HEADER_BYTES
+    ):
+        head = _read(sink, key, 0, header_size, damaged)
+    else:
+        head = _read(sink, key, 0, HEADER_LENGTH_BYTES, damaged)
+    (n,) = struct.unpack("<Q", head[:HEADER_LENGTH_BYTES])
+    if n > MAX_HEADER_BYTES:
+        raise damaged(
+            f"declares a header of {n} bytes, over the {MAX_HEADER_BYTES}-byte cap: the file is garbled"
+        )
+    if header_size is not None and header_size != HEADER_LENGTH_BYTES + n:
+        raise damaged(
+            f"declares a header of {n} bytes; the manifest recorded {header_size - HEADER_LENGTH_BYTES}"
+        )
+    if len(head) < HEADER_LENGTH_BYTES + n:
+        head += _read(sink, key, HEADER_LENGTH_BYTES, n, damaged)
+    return head
+
+
+class BatchHeader:
+    """A batch file's header, parsed and checked: every tensor has a known dtype, a shape whose size matches its
+    byte range, and lies after the header; the required tensors, the sample ids and (format 2) the checksums are
+    there. Anything else raises ``damaged``."""
+
+    def __init__(self, head: bytes, damaged):
+        try:
+            header = json.loads(head[HEADER_LENGTH_BYTES:])
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise damaged(f"has a garbled header (not JSON: {e})") from None
+        if not isinstance(header, dict):
+            raise damaged("has a garbled header (not a JSON object)")
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict):
+            raise damaged("has a garbled header (its metadata is not an object)")
+        self.size = len(head)
+        self.metadata: dict[str, str] = metadata
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            self.tensors[name] = _tensor_info(name, entry, self.size, damaged)
+        missing = [name for name in REQUIRED_TENSORS if name not in self.tensors]
+        if missing:
+            raise damaged(f"lacks the tensor(s) {', '.join(missing)}")
+        self.data_end = max(t.stop for t in self.tensors.values())
+        self.num_tokens = (self.tensors["hidden_states"].shape or (-1,))[0]
+        self.per_token = sorted(name for name in self.tensors if name not in INDEX_TENSORS)
+        for name in self.per_token:
+            shape = self.tensors[name].shape
+            if not shape or shape[0] != self.num_tokens:
+                raise damaged(f"tensor {name} has shape {list(shape)}, expected {self.num_tokens} rows")
+        self.sample_ids = _json_list(metadata, "sample_ids", damaged)
+        if not all(isinstance(sid, str) for sid in self.sample_ids):
+            raise damaged("has a garbled header (sample_ids is not a list of strings)")
+        self.checksums: Checksums | None = None
+        if CHECKSUMS in metadata:
+            self.checksums = _checksums(metadata, self, damaged)
+
+
+def _tensor_info(name: str, entry, header_size: int, damaged) -> TensorInfo:
+    try:
+        dtype_name, shape, (start, stop) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        ok = (
+            dtype_name in _DTYPES
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(start, int)
+            and isinstance(stop, int)
+        )
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise damaged(f"has a garbled header (the entry of tensor {name} is {json.dumps(entry)[:200]})")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not 0 <= start <= stop or stop - start != numel * _ITEMSIZE[dtype_name]:
+        raise damaged(
+            f"has a garbled header (tensor {name}: {list(shape)} {dtype_name} in bytes {start}..{stop})"
+        )
+    return TensorInfo(_DTYPES[dtype_name], tuple(shape), header_size + start, header_size + stop)
+
+
+def _json_list(metadata: dict, field: str, damaged) -> list:
+    try:
+        value = json.loads(metadata[field])
+    except KeyError:
+        raise damaged(f"has no {field} in its metadata") from None
+    except (TypeError, json.JSONDecodeError):
+        value = None
+    if not isinstance(value, list):
+        raise damaged(f"has a garbled header ({field} is not a JSON list)")
+    return value
+
+
+def _checksums(metadata: dict, header: BatchHeader, damaged) -> Checksums:
+    try:
+        c = json.loads(metadata[CHECKSUMS])
+        checksums = Checksums(
+            tuple(c["per_token_tensors"]), tuple(c["samples"]), tuple(c["index_tensors"]), c["index"]
+        )
+        algorithm = c["algorithm"]
+    except (TypeError, KeyError, json.JSONDecodeError):
+        raise damaged("has a garbled header (its checksums entry is unreadable)") from None
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise damaged(f"uses checksum algorithm {algorithm!r}, this hsextract knows {CHECKSUM_ALGORITHM!r}")
+    if list(checksums.per_token) != header.per_token or len(checksums.samples) != len(header.sample_ids):
+        raise damaged(
+            f"has checksums of {len(checksums.samples)} samples over {list(checksums.per_token)}, but holds "
+            f"{len(header.sample_ids)} samples in {header.per_token}"
+        )
+    missing = [name for name in checksums.index_tensors if name not in header.tensors]
+    if missing:
+        raise damaged(f"lacks the tensor(s) {', '.join(missing)}")
+    return checksums
+
+
+def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
 
 
 class BatchFile:
-    """One batch file read through ranged reads; only its header is held in memory."""
+    """One batch file read through ranged reads; only its header and index tensors are held in memory.
 
-    def __init__(self, sink, key: str):
-        self.sink, self.key = sink, key
-        head = sink.read_range(key, 0, 8)
-        (n,) = struct.unpack("<Q", head)
-        header = json.loads(sink.read_range(key, 8, n))
-        self.metadata: dict[str, str] = header.pop("__metadata__", {})
-        base = 8 + n
-        self.tensors = {
-            name: TensorInfo(_DTYPES[h["dtype"]], tuple(h["shape"]), base + h["data_offsets"][0])
-            for name, h in header.items()
-        }
-        self.sample_ids: list[str] = json.loads(self.metadata["sample_ids"])
-        self.cu_seqlens = self.read_all("cu_seqlens").tolist()
+    ``entry`` is the file's batch entry in the manifest (its sample ids, size and header checksum); with ``verify``
+    the header, the index tensors and every sample read are checked against their checksums."""
+
+    def __init__(self, sink, key: str, entry: dict | None = None, *, verify: bool = True):
+        self.sink, self.key, self.verify = sink, key, verify
+        entry = entry or {}
+        head = read_head(sink, key, self.damaged, entry.get("header_size"))
+        if verify and "header_xxh3" in entry and header_checksum(head) != entry["header_xxh3"]:
+            raise self.damaged(
+                f"its header ({len(head)} bytes) differs from the one the manifest recorded (checksum "
+                f"{header_checksum(head)}, recorded {entry['header_xxh3']})"
+            )
+        self.header = BatchHeader(head, self.damaged)
+        h = self.header
+        if verify:
+            if h.checksums is None:
+                raise self.damaged(
+                    "has no checksums (written by an hsextract before batch format 2); "
+                    "open_output(..., verify=False) reads it unchecked"
+                )
+            if "size" in entry and h.data_end != entry["size"]:
+                raise self.damaged(
+                    f"its header describes {h.data_end} bytes; the manifest recorded {entry['size']}"
+                )
+        if "sample_ids" in entry and entry["sample_ids"] != h.sample_ids:
+            raise self.damaged("holds other samples than the manifest lists for it")
+        self.metadata, self.tensors, self.sample_ids = h.metadata, h.tensors, h.sample_ids
+        self.cu_seqlens = self._read_index()
+
+    def damaged(self, problem: str) -> CorruptOutputError:
+        return CorruptOutputError(self.sink.url, self.key, problem)
+
+    def _read_index(self) -> list[int]:
+        """The index tensors in one read (they are adjacent, after the per-token ones), checked; cu_seqlens."""
+        h = self.header
+        names = (
+            list(h.checksums.index_tensors) if h.checksums else [n for n in INDEX_TENSORS if n in h.tensors]
+        )
+        names = names or ["cu_seqlens"]
+        start = min(h.tensors[n].start for n in names)
+        stop = max(h.tensors[n].stop for n in names)
+        raw = _read(self.sink, self.key, start, stop - start, self.damaged)
+        if self.verify:
+            checksum = new_checksum()
+            for name in names:
+                update_checksum(checksum, raw[h.tensors[name].start - start : h.tensors[name].stop - start])
+            if checksum.hexdigest() != h.checksums.index:
+                raise self.damaged(f"its index tensors ({', '.join(names)}) do not match their checksum")
+        info = h.tensors["cu_seqlens"]
+        cu = _tensor(raw[info.start - start : info.stop - start], info.dtype, info.shape).tolist()
+        if (
+            info.dtype != torch.int64
+            or len(info.shape) != 1
+            or len(cu) != len(h.sample_ids) + 1
+            or cu[0] != 0
+            or cu[-1] != h.num_tokens
+            or any(a > b for a, b in pairwise(cu))
+        ):
+            raise self.damaged(
+                f"has inconsistent cu_seqlens (starts {cu[:3]}, ends {cu[-2:]}) for {len(h.sample_ids)} samples "
+                f"and {h.num_tokens} tokens"
+            )
+        return cu
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         info = self.tensors[name]
-        raw = self.sink.read_range(
-            self.key, info.start + start * info.row_bytes, (stop - start) * info.row_bytes
-        )
-        return torch.frombuffer(bytearray(raw), dtype=info.dtype).view(stop - start, *info.shape[1:])
+        return _tensor(self._rows(name, start, stop), info.dtype, (stop - start, *info.shape[1:]))
+
+    def _rows(self, name: str, start: int, stop: int) -> bytes:
+        info = self.tensors[name]
+        offset = info.start + start * info.row_bytes
+        return _read(self.sink, self.key, offset, (stop - start) * info.row_bytes, self.damaged)
 
     def read_all(self, name: str) -> torch.Tensor:
         return self.read_rows(name, 0, self.tensors[name].shape[0])
 
     def sample(self, row: int, layer_ids: tuple[int, ...]) -> dict:
         a, b = self.cu_seqlens[row], self.cu_seqlens[row + 1]
-        states = self.read_rows("hidden_states", a, b)  # [T, L, H]
+        raw = {name: self._rows(name, a, b) for name in self.header.per_token}
+        if self.verify:
+            checksum = new_checksum()
+            for name in self.header.per_token:
+                update_checksum(checksum, raw[name])
+            if checksum.hexdigest() != self.header.checksums.samples[row]:
+                raise self.damaged(
+                    f"sample {self.sample_ids[row]!r} (row {row}, tokens {a}..{b}) does not match its checksum: "
+                    "its bytes were altered"
+                )
+        tensors = {
+            name: _tensor(raw[name], self.tensors[name].dtype, (b - a, *self.tensors[name].shape[1:]))
+            for name in self.header.per_token
+        }
+        states = tensors.pop("hidden_states")  # [T, L, H]
+        if states.dim() != 3 or states.shape[1] != len(layer_ids):
+            raise self.damaged(f"holds states of shape {list(states.shape)} for layers {list(layer_ids)}")
         return {
+            **tensors,
             "sample_id": self.sample_ids[row],
-            "input_ids": self.read_rows("input_ids", a, b).long(),
-            "loss_mask": self.read_rows("loss_mask", a, b).bool(),
+            "input_ids": tensors["input_ids"].long(),
+            "loss_mask": tensors["loss_mask"].bool(),
             "layers": {k: states[:, j] for j, k in enumerate(layer_ids)},
             "hidden_states": states.reshape(b - a, -1),
         }
@@ -87,13 +329,25 @@ class Output:
     """A finished hsextract output. Indexing by sample id and iteration read lazily."""
 
     def __init__(
-        self, path: str, endpoint_url: str | None = None, cache_files: int = 8, retry_deadline_s: float = 120
+        self,
+        path: str,
+        endpoint_url: str | None = None,
+        cache_files: int = 8,
+        retry_deadline_s: float = 120,
+        verify: bool = True,
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
         self.manifest = read_manifest(self.sink)
+        self.verify = verify
+        if verify and self.manifest["format_version"] < 2:
+            raise HsextractError(
+                f"{self.sink.url}/{MANIFEST} was written by an hsextract before checksums (format "
+                f"{self.manifest['format_version']}): it cannot be verified; open_output(..., verify=False) reads it"
+            )
         self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest
+        self._entries = {batch["key"]: batch for batch in self.manifest["batches"]}
         self._where: dict[str, tuple[str, int]] = {}
         self._order: list[str] = []
         for batch in self.manifest["batches"]:
@@ -113,7 +367,7 @@ class Output:
         return list(self._order)
 
     def _file(self, key: str) -> BatchFile:
-        f = self._files.pop(key, None) or BatchFile(self.sink, key)
+        f = self._files.pop(key, None) or BatchFile(self.sink, key, self._entries[key], verify=self.verify)
         self._files[key] = f
         while len(self._files) > self._cache_files:
             self._files.popitem(last=False)
@@ -133,7 +387,10 @@ class Output:
                 yield f.sample(row, self.layer_ids)
 
 
-def open_output(path: str, endpoint_url: str | None = None, *, retry_deadline_s: float = 120) -> Output:
+def open_output(
+    path: str, endpoint_url: str | None = None, *, retry_deadline_s: float = 120, verify: bool = True
+) -> Output:
     """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading. Transient S3 errors are
-    retried for ``retry_deadline_s`` seconds before a read fails."""
-    return Output(str(path), endpoint_url, retry_deadline_s=retry_deadline_s)
+    retried for ``retry_deadline_s`` seconds before a read fails. With ``verify`` (the default) every header and
+    sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``."""
+    return Output(str(path), endpoint_url, retry_deadline_s=retry_deadline_s, verify=verify)

@@ -8,8 +8,9 @@ Per file, in this order (the invariants are what make a crash at any point safe 
 
 1. check that the output is still claimed by this run's job (output.check_claim), then upload through the
    ``Sink`` (``put_file`` retries transient failures and verifies size and checksum), then write the batch's
-   completion record into the output (output.write_done);
-2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32:
+   completion record into the output (output.write_done: the same record as the marker, with the plan hash);
+2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32 of the
+   file and the size and checksum of its header (output.py; the manifest copies them):
    a marker exists only for a key that is durable in the output;
 3. delete the staged file: the staged file is removed only after its marker;
 4. report the key back (``poll_done``), so that the worker can stage more bytes.
@@ -46,10 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError, UploaderDied, redact
-from hsextract.output import check_claim, write_done
+from hsextract.output import check_claim, read_file_head, stored_record, write_done
 from hsextract.procs import die_with_parent, log_to_file
 from hsextract.rundir import atomic_write, marker_path
-from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, StoredObject, open_sink
+from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, open_sink
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +290,19 @@ def _upload_one(
         if config.plan_hash:
             check_claim(sink, config.plan_hash)
         start = time.monotonic()
+        try:
+            head = read_file_head(path)
+        except HsextractError as e:
+            # Recorded without a header checksum: the launcher then refuses to write the manifest until the batch
+            # is recomputed (it names the marker to delete).
+            head = None
+            log.warning("%s: %s; its marker records no header checksum", key, e)
         stored = sink.put_file(path, key)
         seconds = time.monotonic() - start
+        record = stored_record(stored, sink.url, head)
         if config.plan_hash:
-            write_done(sink, stored, config.plan_hash)
-        _write_marker(marker, stored, sink.url)
+            write_done(sink, record, config.plan_hash)
+        atomic_write(marker, json.dumps(record))
         path.unlink()
         log.info(
             "uploaded %s: %d bytes in %.2f s (%.1f MB/s)",
@@ -303,11 +312,6 @@ def _upload_one(
             stored.size / 1e6 / max(seconds, 1e-9),
         )
     results.put(("done", key))
-
-
-def _write_marker(marker: Path, stored: StoredObject, output_url: str) -> None:
-    record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
-    atomic_write(marker, json.dumps(record))
 
 
 def _exit_if_orphaned(config: UploaderConfig, results: multiprocessing.Queue) -> None:

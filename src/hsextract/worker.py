@@ -36,7 +36,7 @@ from .progress import ShardProgress
 from .rundir import RunDir, RunInfo, atomic_write, shard_name
 from .storage import open_sink
 from .uploader import Uploader
-from .writer import read_metadata, write_safetensors
+from .writer import read_metadata, write_batch_file
 
 log = logging.getLogger("hsextract.worker")
 
@@ -117,10 +117,10 @@ class ShardRun:
         missing = [k for k in missing if k not in self.done]
         if not missing:
             return
-        problems = check_batches(sink, missing, self.plan.plan_hash)
+        problems, records = check_batches(sink, missing, self.plan.plan_hash)
         for key in missing:
             if key not in problems:
-                atomic_write(self.run_dir.marker(key), json.dumps({"key": key, "from": "output record"}))
+                atomic_write(self.run_dir.marker(key), json.dumps(records[key]))
         self._mark_done(k for k in missing if k not in problems)
         log.info("adopted %d batch(es) recorded done in the output", len(missing) - len(problems))
 
@@ -147,7 +147,7 @@ class ShardRun:
         """Why a staged file does not belong to this plan's ``batch``, or None if its header proves it does."""
         try:
             meta = read_metadata(path)
-        except (OSError, ValueError) as e:
+        except (OSError, HsextractError) as e:
             return f"unreadable header ({e})"
         if meta.get("plan_hash") != self.plan.plan_hash:
             return f"written for another plan ({meta.get('plan_hash')})"
@@ -189,7 +189,7 @@ class ShardRun:
         path = self.staging / Path(batch.key).name
         t0 = time.perf_counter()
         try:
-            size = write_safetensors(path, tensors, meta)
+            size = write_batch_file(path, tensors, meta)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise

@@ -7,7 +7,11 @@ A batch file holds, for the B samples of one batch and their N valid tokens in t
 - ``input_ids`` [N] int32, ``loss_mask`` [N] uint8, ``cu_seqlens`` [B+1] int64 (sample i is rows
   cu_seqlens[i]:cu_seqlens[i+1]), ``sample_index`` [B] int64 (row in the tokenized dataset).
 - metadata (strings): layer ids and their convention, pre/post norm, model, dtype, tokenizer and chat-template
-  hashes, plan hash, batch id, shard, sample ids (JSON), hsextract version.
+  hashes, plan hash, batch id, shard, sample ids (JSON), hsextract version, and the checksums (``write_batch_file``:
+  one per sample over its rows of every per-token tensor, one over the index tensors; output.py defines them).
+
+The checksums are computed here, in the writer thread, from the host tensors about to be written: that is the last
+moment the bytes are known good, and the thread overlaps with the GPU's next forward anyway.
 
 The serializer is ours rather than ``safetensors.torch.save_file`` because that one first copies every tensor into
 a bytes object; here the pinned host buffer is written to the file as it is. The files are standard safetensors
@@ -18,16 +22,22 @@ after a crash is byte-identical to the first attempt.
 from __future__ import annotations
 
 import json
-import os
 import struct
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 
+from .errors import HsextractError
+from .output import (
+    HEADER_LENGTH_BYTES,
+    checksum_order,
+    checksums_metadata,
+    new_checksum,
+    read_file_head,
+    update_checksum,
+)
 from .rundir import atomic_write
-
-MAX_HEADER_BYTES = 100_000_000
-"""safetensors' own cap on a header; a larger declared length is damage, not data."""
 
 SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
@@ -37,6 +47,40 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64",
     torch.uint8: "U8",
 }
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The ``checksums`` metadata of a batch: per sample (rows ``cu_seqlens[i]:cu_seqlens[i+1]``), one checksum
+    of its rows of every per-token tensor in name order; one of the index tensors. Generic: a per-token tensor
+    added to the batch later (scales, a final-state slot) is covered without a change here."""
+    per_token, index = checksum_order(tensors)
+    bounds = tensors["cu_seqlens"].tolist()
+    num_tokens = bounds[-1]
+    rows = {}
+    for name in per_token:
+        t = tensors[name]
+        if t.dim() == 0 or t.shape[0] != num_tokens:
+            raise ValueError(
+                f"per-token tensor {name!r} has shape {tuple(t.shape)}, expected {num_tokens} rows (cu_seqlens)"
+            )
+        rows[name] = (_bytes(t), t.numel() // num_tokens * t.element_size() if num_tokens else 0)
+    samples = []
+    for start, stop in pairwise(bounds):
+        checksum = new_checksum()
+        for data, row_bytes in rows.values():
+            update_checksum(checksum, data[start * row_bytes : stop * row_bytes])
+        samples.append(checksum.hexdigest())
+    checksum = new_checksum()
+    for name in index:
+        update_checksum(checksum, _bytes(tensors[name]))
+    return checksums_metadata(
+        per_token=per_token, samples=samples, index_tensors=index, index=checksum.hexdigest()
+    )
 
 
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -67,19 +111,24 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         f.write(header)
         for t in tensors.values():
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(_bytes(t))
 
     atomic_write(path, write)
     return path.stat().st_size
 
 
+def write_batch_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write a batch file: per-token tensors then index tensors, each group in name order, and ``metadata``
+    plus the checksums of the tensors. Returns the file size."""
+    per_token, index = checksum_order(tensors)
+    ordered = {name: tensors[name] for name in per_token + index}
+    return write_safetensors(path, ordered, {**metadata, **batch_checksums(ordered)})
+
+
 def read_metadata(path: Path) -> dict[str, str]:
-    """The ``__metadata__`` of a local safetensors file, read from its header alone."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or n > os.fstat(f.fileno()).st_size - 8:
-            raise ValueError(f"declares a {n}-byte header")
-        return json.loads(f.read(n)).get("__metadata__", {})
+    """The ``__metadata__`` of a local batch file, read from its header alone (``HsextractError`` if damaged)."""
+    head = read_file_head(path)
+    try:
+        return json.loads(head[HEADER_LENGTH_BYTES:]).get("__metadata__", {})
+    except (ValueError, AttributeError) as e:
+        raise HsextractError(f"{path} has a garbled header ({e})") from None
