@@ -34,7 +34,7 @@ from conftest import (
 from safetensors import safe_open
 
 from hsextract.config import run_staging_dir
-from hsextract.output import JOB, done_key
+from hsextract.output import JOB, JOB_FILES, done_key
 from hsextract.plan import Plan
 from hsextract.progress import ShardProgress
 from hsextract.reader import open_output
@@ -152,7 +152,7 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     manifest = json.loads((out / "manifest.json").read_text())
     keys = [b["key"] for b in manifest["batches"]]
     assert len(keys) == len(set(keys)), "a batch is listed twice in the manifest"
-    bookkeeping = sorted([JOB, *(done_key(k) for k in keys)])
+    bookkeeping = sorted([JOB, *JOB_FILES.values(), *(done_key(k) for k in keys)])
     assert files == sorted([*keys, "manifest.json", *bookkeeping]), (
         "the output holds files the manifest does not list, or lacks some"
     )
@@ -161,7 +161,7 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     assert sorted(open_output(out).sample_ids()) == sorted(sample_ids)
 
     assert files == output_files(ref)
-    same_bytes = [*keys, *(done_key(k) for k in keys)]
+    same_bytes = [*keys, *JOB_FILES.values(), *(done_key(k) for k in keys)]
     differing = [k for k in same_bytes if (out / k).read_bytes() != (ref / k).read_bytes()]
     assert not differing, f"batch files differ from the uninterrupted run's: {differing}"
     assert manifest == json.loads((ref / "manifest.json").read_text())
