@@ -16,6 +16,7 @@ import click
 
 from .config import RunConfig, load_yaml
 from .errors import HsextractError
+from .procs import Terminated, stop_on_signals
 
 
 def _user_errors(fn):
@@ -29,6 +30,11 @@ def _user_errors(fn):
         except KeyboardInterrupt:
             click.echo("\ninterrupted: finished batches are kept; rerun the same command to resume", err=True)
             sys.exit(130)
+        except Terminated as e:  # only where stop_on_signals was called: commands that run shards
+            click.echo(
+                f"\nterminated by {e.signal_name}: finished batches are kept; rerun the same command to resume"
+            )
+            sys.exit(e.exit_code)
 
     return wrapper
 
@@ -113,6 +119,12 @@ def main():
 @click.option("--s3-endpoint-url", help="S3-compatible endpoint (AWS_ENDPOINT_URL_S3 works too).")
 @click.option("--nodes", type=int, help="Nodes running this job (default: from SLURM / NNODES, else 1).")
 @click.option("--node-rank", type=int, help="This node's rank, 0..nodes-1 (default: from SLURM / NODE_RANK).")
+@click.option(
+    "--stall-timeout",
+    "stall_timeout_s",
+    type=float,
+    help="Seconds without a heartbeat or a finished batch before a shard is reported stalled (default 180).",
+)
 @click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
 @click.option(
     "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."
@@ -122,6 +134,8 @@ def main():
 def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
     """Extract hidden states; rerun the same command to resume after a crash."""
     from .cluster import node_place
+
+    stop_on_signals()  # SIGTERM / SIGINT: workers stopped cleanly, and a word on how to resume
     from .launcher import launch
     from .prepare import prepare_run
     from .rundir import RunDir
@@ -183,15 +197,32 @@ def status(run_dir, as_json, s3_endpoint_url):
     if as_json:
         click.echo(json.dumps({"complete": complete, "shards": rows}, indent=2))
         return
-    click.echo(f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}")
+    click.echo(
+        f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}  {'last progress':>13}"
+    )
     for r in rows:
         eta = "" if r["eta_s"] is None else format_duration(r["eta_s"])
+        age = (
+            ""
+            if r["progress_age_s"] is None or r["state"] == "done"
+            else format_duration(r["progress_age_s"])
+        )
         click.echo(
             f"{r['shard']:>5}  {r['state']:<22}{r['batches_done']:>6}/{r['batches_total']:<6}  "
-            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {r['tokens_per_s']:>9,.0f}  {eta:>8}"
+            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {r['tokens_per_s']:>9,.0f}  {eta:>8}  "
+            f"{age + (' ago' if age else ''):>13}"
         )
-        if r["state"] in ("crashed", "failed"):
+        if r["state"] == "stalled":
+            click.echo(
+                f"       {r['stalled_process']} pid {r['stalled_pid']} stalled for "
+                f"{format_duration(r['stalled_for_s'])}: {r['stall_reason']}; log: {r['log']}"
+            )
+        elif r["state"] == "stopped":
+            click.echo(f"       {r['error'] or 'stopped'}; rerun the same command to resume; log: {r['log']}")
+        elif r["state"] in ("crashed", "failed"):
             click.echo(f"       {r['error'] or 'no error recorded'}; log: {r['log']}")
+        if r["damaged"]:
+            click.echo(f"       progress file damaged: {r['damaged']} (the worker rewrites it while it runs)")
     total = sum(r["tokens_done"] for r in rows), sum(r["tokens_total"] for r in rows)
     click.echo(
         f"total {total[0]}/{total[1]} tokens; "
@@ -271,6 +302,7 @@ def verify(output, s3_endpoint_url, workers, as_json):
 @_user_errors
 def demo(root, shards, conversations):
     """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
+    stop_on_signals()
     from .demo import build_demo
     from .launcher import launch
     from .prepare import prepare_run

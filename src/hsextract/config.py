@@ -23,6 +23,7 @@ ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
 TOO_LONG_POLICIES = ("truncate", "skip")
+DEFAULT_STALL_TIMEOUT_S = 180.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,6 +96,11 @@ class RunConfig:
     """Host buffers per worker that device-to-host copies land in; bounds host memory and how far the GPU runs
     ahead of the writer."""
 
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    """Seconds without a heartbeat (worker or uploader) or without a finished batch after which a shard counts as
+    stalled: its worker logs it, the launcher prints it naming the process, ``status`` shows it. Nothing is
+    stopped; a stall that ends is reported as recovered."""
+
     prewarm: bool = True
     """On GPUs with flash-linear-attention: compile its kernels once into a shared Triton cache before the shards
     start, instead of every shard compiling them at once."""
@@ -135,6 +141,10 @@ class RunConfig:
             raise HsextractError(f"--device must be cuda or cpu, got {self.device!r}")
         if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):
             raise HsextractError(f"--staging-max-gb must be a positive number, got {self.staging_max_gb}")
+        if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
+            raise HsextractError(
+                f"--stall-timeout must be a positive number of seconds, got {self.stall_timeout_s}"
+            )
 
     @property
     def kernel_mode(self) -> str:

@@ -5,7 +5,16 @@
 its workers with it. On GPUs it first pre-warms flash-linear-attention's kernels into the run's shared Triton
 cache (warmup.py). It draws a progress bar per shard from the progress files, waits for every worker, and exits
 non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
-manifest to the output, last: an output with a manifest is complete.
+manifest to the output, last: an output with a manifest is complete, and removes the run's emptied staging
+directories.
+
+While the workers run, ``_StallWatch`` prints one line when a shard stalls, naming the process (the worker, when
+its progress file is not refreshed for the stall timeout while it is alive; the uploader, when the worker reports
+it silent or not uploading) with its pid and for how long, and one line when it recovers.
+
+SIGTERM or SIGINT to the launcher stop the run cleanly: each worker gets SIGTERM (and SIGCONT, so that a stopped
+one handles it), stops its uploader and records that it was stopped; the launcher says so and how to resume, and
+exits with 128 + the signal number. Workers that do not exit within ``STOP_GRACE_S`` are killed.
 """
 
 from __future__ import annotations
@@ -21,10 +30,16 @@ from .config import RunConfig
 from .errors import HsextractError
 from .finalize import finalize_output, is_complete
 from .plan import Plan
-from .procs import die_with_parent
-from .progress import ShardProgress
-from .rundir import RunDir, atomic_write
+from .procs import Terminated, die_with_parent
+from .progress import ShardProgress, Stall, find_stall, stall_note
+from .rundir import RunDir, atomic_write, shard_name
 from .storage import open_sink
+
+STARTUP_GRACE_S = 120.0
+"""A worker writes its first progress file after importing torch and reading the tokens; until then it counts as
+stalled only after this long (or the stall timeout, if longer)."""
+STOP_GRACE_S = 30.0
+"""How long stopped workers get to kill their uploaders and record their state before they are killed."""
 
 
 def _die_with_launcher():
@@ -129,6 +144,7 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
         prewarm(cfg, echo=echo)
     procs = {s: start_worker(cfg, s) for s in todo}
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
+    stalls = _StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
     failed: dict[int, int] = {}
     try:
         while procs:
@@ -136,10 +152,24 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
                 rc = p.poll()
                 if rc is not None:
                     del procs[s]
+                    stalls.forget(s)
                     if rc != 0:
                         failed[s] = rc
+                else:
+                    stalls.check(s, p)
             bars.update()
             time.sleep(0.25)
+    except Terminated as e:
+        _stop_workers(procs)
+        bars.close()
+        stopped = sorted(procs)
+        n_done = len(run_dir.done_keys() & {b.key for b in plan.batches})
+        echo(
+            f"terminated by {e.signal_name}: stopped shard(s) {stopped}; {n_done} of {len(plan.batches)} batches "
+            f"are finished and kept.\nRerun the same command to resume (hsextract status {run_dir.root} shows "
+            "each shard)."
+        )
+        return e.exit_code
     finally:
         bars.close()
     for s, rc in sorted(failed.items()):
@@ -157,6 +187,23 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
         echo("Rerun the same command to resume: finished batches are kept.")
         return 1
     return 0
+
+
+def _stop_workers(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, for a worker stopped with SIGSTOP) to every worker; SIGKILL after ``STOP_GRACE_S``."""
+    for p in procs.values():
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _last_line(path) -> str:
@@ -195,7 +242,61 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
         )
     if code == 0 and damaged == set() and is_complete(open_sink(cfg.output, cfg.s3_endpoint_url)):
         atomic_write(run_dir.complete_file, plan.plan_hash)
+        remove_empty_staging(cfg, plan.shards)
     return code, mine
+
+
+def remove_empty_staging(cfg: RunConfig, shards: int) -> None:
+    """Remove the run's staging directories once they are empty (a finished run leaves nothing in /dev/shm); the
+    default staging root too, if no other run uses it. A directory that still holds anything is left alone."""
+    staging = cfg.staging_dir
+    dirs = [staging / shard_name(s) for s in range(shards)] + [staging]
+    if cfg.staging is None:
+        dirs.append(staging.parent)
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # absent, or not empty
+            pass
+
+
+class _StallWatch:
+    """Prints a line when a shard's worker or uploader stalls and one when it recovers, once per stall."""
+
+    def __init__(self, run_dir: RunDir, timeout: float, echo):
+        self.run_dir, self.timeout, self.echo = run_dir, timeout, echo
+        self.started = {}
+        self.current: dict[int, Stall] = {}
+
+    def check(self, shard: int, proc: subprocess.Popen) -> None:
+        now = time.time()
+        started = self.started.setdefault(shard, now)
+        p = ShardProgress.load(self.run_dir, shard)
+        if (
+            p is None or p.pid != proc.pid
+        ):  # this worker has not written its progress yet (it imports torch first)
+            late = now - started > max(self.timeout, STARTUP_GRACE_S)
+            stall = Stall("worker", proc.pid, started, "no progress file yet") if late else None
+        else:
+            stall = find_stall(p, now)
+        old = self.current.get(shard)
+        if (stall and (stall.process, stall.pid)) == (old and (old.process, old.pid)):
+            return
+        if old is not None:
+            self.echo(f"shard {shard}: {old.process} pid {old.pid} recovered after {now - old.since:.0f} s")
+        if stall is not None:
+            log = self.run_dir.log_file(shard, "uploader" if stall.process == "uploader" else "")
+            self.echo(
+                f"shard {shard}: {stall.process} pid {stall.pid} stalled: {stall.reason} for "
+                f"{now - stall.since:.0f} s{stall_note(stall.pid)}; log: {log}"
+            )
+            self.current[shard] = stall
+        else:
+            self.current.pop(shard, None)
+
+    def forget(self, shard: int) -> None:
+        """The shard's worker exited: its stall, if any, ends with it (the exit is reported instead)."""
+        self.current.pop(shard, None)
 
 
 class _Bars:
@@ -203,6 +304,7 @@ class _Bars:
 
     def __init__(self, run_dir: RunDir, plan: Plan, shards, enabled: bool):
         self.run_dir, self.shards, self.bars = run_dir, shards, {}
+        self.closed = False
         if not enabled:
             return
         from tqdm import tqdm
@@ -232,7 +334,23 @@ class _Bars:
             bar.set_postfix_str(f"{p.state} {p.tokens_per_s:,.0f} tok/s", refresh=False)
             bar.update(p.tokens_done - bar.n)
 
+    def write_with(self, echo):
+        """``echo`` that first clears the bars from a terminal, so that a line printed between redraws stays."""
+        if not self.bars:
+            return echo
+
+        def write(message: str) -> None:
+            from tqdm import tqdm
+
+            with tqdm.external_write_mode():
+                echo(message)
+
+        return write
+
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.update()
         for bar in self.bars.values():
             bar.close()

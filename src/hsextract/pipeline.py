@@ -177,6 +177,9 @@ class Extractor:
                     work.put((slot, batch, inputs))
                     if on_forward is not None:
                         on_forward(batch, time.perf_counter() - t0)
+        except BaseException as e:
+            failure.append(e)  # the writer skips the batches still queued instead of writing them
+            raise
         finally:
             work.put(None)
             thread.join()

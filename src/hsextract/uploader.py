@@ -26,6 +26,12 @@ not yet marked in the staging directory for the next run; the parent sees it as 
 SIGKILL when its parent dies (``PR_SET_PDEATHSIG``; note that this fires when the *thread* that started it exits,
 so call ``start`` from a long-lived thread) and it also watches ``os.getppid()``.
 
+Heartbeats: a thread in the child sends ``("heartbeat", time)`` on the results queue every ``HEARTBEAT_S`` seconds
+for as long as the process runs, also while an upload is stuck in retries; ``heartbeat_at`` is when the parent last
+heard one. A child that stops sending them (stopped with SIGSTOP, frozen) is what the worker reports as a stalled
+uploader. The child ignores SIGINT: Ctrl-C reaches the whole process group, and the worker decides when its
+uploader stops (``kill``), so that a stop is never mistaken for an uploader failure.
+
 ``spawn`` re-imports the parent's ``__main__`` module in the child: keep torch imports of the entry point lazy,
 or the light uploader process imports torch too (it logs a warning when it finds torch loaded). This module must
 not import torch itself.
@@ -55,6 +61,8 @@ from hsextract.storage import DEFAULT_RETRY_DEADLINE_S, Sink, open_sink
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+HEARTBEAT_S = 1.0
+"""How often the child tells the worker that it is alive."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,10 +124,18 @@ class Uploader:
         self._error: str | None = None
         self._unreported: list[str] = []
         self._closed = False
+        self._heartbeat_at: float | None = None
+        self._started_at: float | None = None
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    @property
+    def heartbeat_at(self) -> float | None:
+        """When the child's last heartbeat was sent (read by ``poll_done``), or when it was started if none has
+        arrived yet; None before ``start``."""
+        return self._heartbeat_at if self._heartbeat_at is not None else self._started_at
 
     def start(self) -> None:
         """Start the child process; it runs until ``close`` (or until its parent dies)."""
@@ -137,6 +153,7 @@ class Uploader:
             name="hsextract-uploader",
             daemon=True,
         )
+        self._started_at = time.time()
         self._process.start()
 
     def submit(self, path: Path, key: str) -> None:
@@ -163,6 +180,8 @@ class Uploader:
                 return
             if kind == "done":
                 self._unreported.append(value)
+            elif kind == "heartbeat":
+                self._heartbeat_at = value
             else:
                 self._error = value
 
@@ -206,6 +225,18 @@ class Uploader:
         self._jobs.join_thread()
         return self.poll_done()
 
+    def kill(self) -> None:
+        """Stop the child at once (its worker was told to stop). What it has not marked stays staged, and a file
+        it was copying is discarded by the next run, as after any crash. SIGKILL because a stopped (SIGSTOP)
+        process handles no other signal."""
+        if self._process is None or self._closed:
+            return
+        self._closed = True
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join(10)
+        self._jobs.cancel_join_thread()
+
     def _raise_died(self) -> None:
         self._drain_results()  # picks up the child's last message, if it sent one
         # Queued jobs can no longer be delivered; do not let them block this process's exit.
@@ -223,6 +254,9 @@ class Uploader:
 
 def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
     die_with_parent(config.parent_pid)  # also exits at once if the parent died before the request took effect
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker stops its uploader (see the module docstring)
+    beating = threading.Event()
+    threading.Thread(target=_send_heartbeats, args=(results, beating), name="heartbeat", daemon=True).start()
     _log_to_file(config.log_file)
     log.info(
         "uploader started: pid %d, output %s, concurrency %d", os.getpid(), config.output, config.concurrency
@@ -245,8 +279,18 @@ def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: mu
             log.exception("stopping on an unexpected error")
         results.put(("error", redact(str(e)) or type(e).__name__))
         _exit_now(results, 1)
+    beating.set()
     log.info("uploader finished")
     logging.shutdown()
+
+
+def _send_heartbeats(results: multiprocessing.Queue, stop: threading.Event) -> None:
+    results.put(("heartbeat", time.time()))
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            results.put(("heartbeat", time.time()))
+        except (ValueError, OSError):  # the queue was closed: the process is exiting
+            return
 
 
 def _serve(

@@ -8,6 +8,16 @@ the staging directory and hands it to the uploader process (uploader.py), which 
 
 Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; the pipeline's slots then
 stop coming back and the GPU waits too, without failing, until the uploader drains the staging directory.
+
+Heartbeats and stalls: the main thread ``_tick``s at least every second, also while it waits (for a free slot,
+for staging space, for the last uploads; a helper thread ticks for it through blocking calls such as the model
+load): it reads the uploader's messages, looks for a stall and rewrites the progress file, which is therefore the
+worker's own heartbeat (progress.py). A stall (the uploader silent for ``stall_timeout_s``, or no batch written or
+uploaded for that long) is logged once when it starts and once when it ends, and recorded in the progress file
+for the launcher and ``status``. Nothing is stopped: a stall may end (a slow endpoint, a process continued).
+
+SIGTERM or SIGINT stop the shard: the uploader is killed (what it has not marked stays staged), the progress file
+says ``stopped`` by that signal, and the process exits with 128 + the signal number. A rerun resumes.
 """
 
 from __future__ import annotations
@@ -17,9 +27,12 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,14 +44,18 @@ from .errors import HsextractError, redact
 from .output import batch_metadata, check_batches, done_in_output
 from .pipeline import Extractor
 from .plan import BatchSpec, Plan
-from .procs import log_to_file
-from .progress import ShardProgress
+from .procs import Terminated, log_to_file, stop_on_signals
+from .progress import ShardProgress, stall_note
 from .rundir import RunDir, RunInfo, atomic_write, shard_name
 from .storage import open_sink
 from .uploader import Uploader
 from .writer import read_metadata, write_batch_file
 
 log = logging.getLogger("hsextract.worker")
+
+REFRESH_S = 0.5
+"""The progress file is rewritten when it is this old at a tick; ticks come at least every 0.5 s (the pipeline's
+wait for a slot, the drain loop, the helper thread), so it is never more than about a second old."""
 
 
 def staged_bytes(staging: Path) -> int:
@@ -72,12 +89,22 @@ class ShardRun:
             batches_total=len(self.batches),
             samples_total=sum(b.rows for b in self.batches),
             tokens_total=sum(b.num_tokens for b in self.batches),
+            stall_timeout_s=self.cfg.stall_timeout_s,
         )
         self.done: set[str] = set()
+        self.submitted: set[str] = set()
         self.session_tokens = 0
         self.t_start = time.time()
         self.uploader: Uploader | None = None
         self.locked = False
+        self.stopping = threading.Event()
+        """Set by a stop signal: the writer thread gives up waiting for staging space."""
+        self.stop_signum = signal.SIGTERM
+        self._saved_at = 0.0
+        self._idle_from = time.time()
+        """Start of the current stretch in which a batch is expected (running, draining)."""
+        self._stall: tuple[str, int, str] | None = None
+        self._stall_since = 0.0
 
     # -- progress -------------------------------------------------------------------------------------------
     def _mark_done(self, keys) -> None:
@@ -88,6 +115,7 @@ class ShardRun:
                 self.progress.batches_done += 1
                 self.progress.samples_done += b.rows
                 self.progress.tokens_done += b.num_tokens
+                self.progress.progress_at = time.time()
                 self.session_tokens += b.num_tokens
 
     def _save_progress(self, state: str | None = None) -> None:
@@ -108,6 +136,86 @@ class ShardRun:
     def _poll_uploader(self) -> None:
         self.uploader.check_alive()
         self._mark_done(self.uploader.poll_done())
+        self.progress.uploader_heartbeat_at = self.uploader.heartbeat_at
+
+    def _tick(self, *_) -> None:
+        """Hear from the uploader, look for a stall, refresh the progress file if it is due. At least every
+        second, from the main thread (or the helper thread of ``_ticking``, while the main thread is blocked)."""
+        if self.uploader is not None:
+            self._poll_uploader()
+        now = time.time()
+        if now - self._saved_at >= REFRESH_S:
+            self._check_stall(now)
+            self._save_progress()
+            self._saved_at = now
+
+    @contextmanager
+    def _ticking(self, state: str):
+        """Tick from a helper thread while the main thread is in a long blocking call (loading the model)."""
+        self._save_progress(state)
+        done = threading.Event()
+
+        def tick():
+            while not done.wait(REFRESH_S / 2):
+                try:
+                    self._tick()
+                except Exception:  # the main thread meets the same failure at its next tick
+                    return
+
+        thread = threading.Thread(target=tick, name="progress-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def _check_stall(self, now: float) -> None:
+        """Name the stalled process, if any: the uploader when it sends no heartbeat, or when batches wait for it
+        and none was uploaded for the timeout; the worker when none was computed for the timeout."""
+        timeout = self.cfg.stall_timeout_s
+        stall, since = None, now
+        up = self.uploader
+        if up is not None and up.heartbeat_at is not None and now - up.heartbeat_at > timeout:
+            stall, since = ("uploader", up.pid, "no heartbeat"), up.heartbeat_at
+        elif self.progress.state in ("running", "waiting-for-uploader", "draining") and len(self.done) < len(
+            self.batches
+        ):
+            last = max(self.progress.progress_at or 0.0, self._idle_from)
+            if now - last > timeout:
+                waiting = len(self.submitted - self.done)
+                if waiting and up is not None:
+                    stall = ("uploader", up.pid, f"no batch uploaded ({waiting} waiting)")
+                else:
+                    stall = ("worker", os.getpid(), "no batch computed")
+                since = last
+        if stall == self._stall:
+            return
+        if self._stall is not None:
+            process, pid, _ = self._stall
+            log.info(
+                "shard %d: %s pid %d recovered after %.0f s",
+                self.shard,
+                process,
+                pid,
+                now - self._stall_since,
+            )
+        if stall is not None:
+            process, pid, reason = stall
+            log.warning(
+                "shard %d: %s pid %d stalled: %s for %.0f s (stall timeout %g s)%s",
+                self.shard,
+                process,
+                pid,
+                reason,
+                now - since,
+                timeout,
+                stall_note(pid) if pid != os.getpid() else "",
+            )
+        self._stall, self._stall_since = stall, since
+        p = self.progress
+        p.stalled_process, p.stalled_pid, p.stall_reason = stall if stall else ("", 0, "")
+        p.stalled_since = since if stall else None
 
     # -- staging ----------------------------------------------------------------------------------------------
     def _adopt_output_records(self, sink) -> None:
@@ -170,6 +278,8 @@ class ShardRun:
                 self.progress.state = "waiting-for-uploader"
                 waited = True
             self.uploader.check_alive()
+            if self.stopping.is_set():
+                raise Terminated(self.stop_signum)
             time.sleep(0.05)
         if waited:
             self.progress.state = "running"
@@ -197,6 +307,7 @@ class ShardRun:
                 f"staging directory {self.staging} is full (no space left on device) while writing {path.name}: "
                 "free space there or lower --staging-max-gb, then rerun the same command to resume"
             ) from None
+        self.progress.progress_at = time.time()
         log.info(
             "batch %d written: %d rows, %d tokens, %.1f MB in %.3f s",
             batch.batch_id,
@@ -205,7 +316,11 @@ class ShardRun:
             size / 1e6,
             time.perf_counter() - t0,
         )
-        self.uploader.submit(path, batch.key)
+        self._submit(path, batch.key)
+
+    def _submit(self, path: Path, key: str) -> None:
+        self.submitted.add(key)
+        self.uploader.submit(path, key)
 
     # -- main -------------------------------------------------------------------------------------------------
     def _lock_shard(self) -> None:
@@ -270,18 +385,24 @@ class ShardRun:
         # From here on a failure leaves the uploader to die with this process (parent-death signal); staged files
         # stay for the rerun.
         self.uploader.start()
+        self.progress.uploader_pid = self.uploader.pid
         for key in staged:
-            self.uploader.submit(self.staging / Path(key).name, key)
+            self._submit(self.staging / Path(key).name, key)
         if todo:
             self._compute(todo)
         self._save_progress("draining")
+        self._idle_from = time.time()
         while len(self.done) < len(self.batches):
-            self._poll_uploader()
-            self._save_progress()
+            self._tick()
             time.sleep(0.1)
         self._mark_done(self.uploader.close())
         self.uploader = None
+        self.progress.uploader_pid, self.progress.uploader_heartbeat_at = 0, None
         self._save_progress("done")
+        try:
+            self.staging.rmdir()  # empty now: every staged file was uploaded and removed
+        except OSError:
+            pass
         log.info("shard %d done", self.shard)
 
     def _compute(self, todo: list[BatchSpec]) -> None:
@@ -291,9 +412,9 @@ class ShardRun:
         device = torch_device(cfg)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self._save_progress("loading")
         t0 = time.time()
-        lm = load_model_for(cfg, device)
+        with self._ticking("loading"):
+            lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
         extractor = Extractor(
             lm,
@@ -303,20 +424,10 @@ class ShardRun:
             num_slots=cfg.pinned_buffers,
             pad_token_id=self.info.pad_token_id,
         )
-        self.t_start = time.time()
+        self.t_start = self._idle_from = time.time()
         self._save_progress("running")
-        last_save = [0.0]
-
-        def on_forward(batch, seconds):
-            self._poll_uploader()
-            now = time.time()
-            if now - last_save[0] > 1.0:
-                self._save_progress()
-                last_save[0] = now
-
-        extractor.run(
-            todo, samples, self._write_batch, on_forward=on_forward, should_stop=self._poll_uploader
-        )
+        # Both callbacks run in this thread: after each forward, and every 0.5 s while it waits for a free slot.
+        extractor.run(todo, samples, self._write_batch, on_forward=self._tick, should_stop=self._tick)
 
 
 def main(argv=None) -> int:
@@ -324,23 +435,50 @@ def main(argv=None) -> int:
     run_dir, shard = Path(argv[0]), int(argv[1])
     log_to_file(RunDir(run_dir).log_file(shard))
     shard_run = None
+    stop_signal: list[int] = []
+    stop_on_signals(on_stop=lambda signum: _note_stop(signum, stop_signal, shard_run))
+    state = "failed"
     try:
         shard_run = ShardRun(run_dir, shard)
         shard_run.run()
         return 0
-    except HsextractError as e:
-        log.error("%s", e)
-        print(f"shard {shard}: {e}", file=sys.stderr)
-        code, message = 2, str(e)
+    except Terminated as e:
+        code, message, state = e.exit_code, str(e), "stopped"
     except BaseException as e:
-        log.exception("shard %d failed", shard)
-        code, message = 1, redact(repr(e))
-        print(f"shard {shard} failed: {message}", file=sys.stderr)
+        if not stop_signal:
+            code, message = _failure(shard, e)
+        else:  # a failure caused by the stop itself (the uploader got the group's SIGTERM first)
+            e = Terminated(stop_signal[0])
+            code, message, state = e.exit_code, str(e), "stopped"
+    if state == "stopped":
+        log.warning("shard %d %s; finished batches are kept, unfinished ones stay staged", shard, message)
+        print(f"shard {shard}: {message}", file=sys.stderr)
+    if shard_run is not None and shard_run.uploader is not None:
+        shard_run.uploader.kill()
     # Only the process holding the shard's lock may write its progress (another may be running it right now).
     if shard_run is not None and shard_run.locked:
         shard_run.progress.error = message
-        shard_run._save_progress("failed")
+        shard_run._save_progress(state)
     return code
+
+
+def _note_stop(signum: int, stop_signal: list[int], shard_run: ShardRun | None) -> None:
+    stop_signal.append(signum)
+    if shard_run is not None:
+        shard_run.stop_signum = signum
+        shard_run.stopping.set()
+
+
+def _failure(shard: int, e: BaseException) -> tuple[int, str]:
+    """Log and print why the shard failed; the exit code and the message its progress file records."""
+    if isinstance(e, HsextractError):
+        log.error("%s", e)
+        print(f"shard {shard}: {e}", file=sys.stderr)
+        return 2, str(e)
+    log.error("shard %d failed", shard, exc_info=e)
+    message = redact(repr(e))
+    print(f"shard {shard} failed: {message}", file=sys.stderr)
+    return 1, message
 
 
 if __name__ == "__main__":
