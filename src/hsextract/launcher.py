@@ -152,12 +152,12 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
                 rc = p.poll()
                 if rc is not None:
                     del procs[s]
-                    stalls.forget(s)
                     if rc != 0:
                         failed[s] = rc
-                else:
-                    stalls.check(s, p)
-            bars.update()
+            progress = {s: ShardProgress.load(run_dir, s) for s in todo}
+            for s, p in procs.items():
+                stalls.check(s, p, progress[s])
+            bars.update(progress)
             time.sleep(0.25)
     except Terminated as e:
         _stop_workers(procs)
@@ -268,10 +268,10 @@ class _StallWatch:
         self.started = {}
         self.current: dict[int, Stall] = {}
 
-    def check(self, shard: int, proc: subprocess.Popen) -> None:
+    def check(self, shard: int, proc: subprocess.Popen, p: ShardProgress | None) -> None:
+        """Compare the shard's stall (none, or which process) with the last one printed; print a change."""
         now = time.time()
         started = self.started.setdefault(shard, now)
-        p = ShardProgress.load(self.run_dir, shard)
         if (
             p is None or p.pid != proc.pid
         ):  # this worker has not written its progress yet (it imports torch first)
@@ -293,10 +293,6 @@ class _StallWatch:
             self.current[shard] = stall
         else:
             self.current.pop(shard, None)
-
-    def forget(self, shard: int) -> None:
-        """The shard's worker exited: its stall, if any, ends with it (the exit is reported instead)."""
-        self.current.pop(shard, None)
 
 
 class _Bars:
@@ -325,9 +321,10 @@ class _Bars:
             )
         self.seen = {s: (0, "") for s in shards}
 
-    def update(self) -> None:
+    def update(self, progress: dict[int, ShardProgress | None] | None = None) -> None:
+        """Redraw from ``progress`` (each shard's, as the launcher's loop read it), or from the files."""
         for s, bar in self.bars.items():
-            p = ShardProgress.load(self.run_dir, s)
+            p = progress[s] if progress is not None else ShardProgress.load(self.run_dir, s)
             if p is None or (p.tokens_done, p.state) == self.seen[s]:
                 continue
             self.seen[s] = (p.tokens_done, p.state)
@@ -335,8 +332,9 @@ class _Bars:
             bar.update(p.tokens_done - bar.n)
 
     def write_with(self, echo):
-        """``echo`` that first clears the bars from a terminal, so that a line printed between redraws stays."""
-        if not self.bars:
+        """``echo`` that first clears the bars from a terminal, so that a line printed between redraws stays. Not
+        in a log file: there the bars are plain lines, and clearing them would write escape codes."""
+        if not self.bars or not sys.stderr.isatty():
             return echo
 
         def write(message: str) -> None:

@@ -220,7 +220,7 @@ def find_stall(p: ShardProgress, now: float | None = None, worker_alive: bool = 
         return None
     silent = now - p.updated_at
     if silent > p.stall_timeout_s:
-        return Stall("worker", p.pid, p.updated_at, f"progress not refreshed for {silent:.0f} s")
+        return Stall("worker", p.pid, p.updated_at, "progress file not refreshed")
     if p.stalled_process:
         since = p.stalled_since if p.stalled_since is not None else p.updated_at
         return Stall(p.stalled_process, p.stalled_pid, since, p.stall_reason)
