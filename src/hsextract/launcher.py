@@ -265,16 +265,17 @@ class _StallWatch:
 
     def __init__(self, run_dir: RunDir, timeout: float, echo):
         self.run_dir, self.timeout, self.echo = run_dir, timeout, echo
-        self.started = {}
+        self.started: dict[int, float] = {}
+        """When each shard was first checked, about when its worker started."""
         self.current: dict[int, Stall] = {}
+        """The stall printed last for each shard, until it recovers."""
 
     def check(self, shard: int, proc: subprocess.Popen, p: ShardProgress | None) -> None:
         """Compare the shard's stall (none, or which process) with the last one printed; print a change."""
         now = time.time()
         started = self.started.setdefault(shard, now)
-        if (
-            p is None or p.pid != proc.pid
-        ):  # this worker has not written its progress yet (it imports torch first)
+        if p is None or p.pid != proc.pid:
+            # This worker has not written its progress yet: it imports torch and reads the tokens first.
             late = now - started > max(self.timeout, STARTUP_GRACE_S)
             stall = Stall("worker", proc.pid, started, "no progress file yet") if late else None
         else:
