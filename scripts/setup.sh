@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff).
+# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff) and,
+# as root on Debian, Chromium for the status page's browser test.
 # torch is pinned to the release this project is tested with on CPU; on a GPU node install your CUDA build of
 # torch first (and `pip install -e .[gpu]` for flash-linear-attention), then run this.
 set -euo pipefail
@@ -12,3 +13,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".${extras}"
+# The status page's test opens it in a real browser: Debian's Chromium, installed here when it is missing.
+if [[ -n "$extras" ]] && ! command -v chromium >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+  else
+    echo "note: no chromium; tests/test_serve.py skips its browser checks (sudo apt-get install chromium)" >&2
+  fi
+fi

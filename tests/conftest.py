@@ -34,7 +34,7 @@ RUN_TIMEOUT_S = 180
 POLL_S = 0.02
 
 
-def run_cli(*args, timeout=300, env=None, check=True):
+def run_cli(*args, timeout=300, env=None, check=True, cwd=None):
     """``hsextract ARGS`` in a real subprocess; returns the CompletedProcess."""
     full_env = dict(os.environ, **(env or {}))
     r = subprocess.run(
@@ -43,6 +43,7 @@ def run_cli(*args, timeout=300, env=None, check=True):
         text=True,
         timeout=timeout,
         env=full_env,
+        cwd=cwd,
     )
     if check and r.returncode != 0:
         raise AssertionError(
@@ -131,7 +132,7 @@ def tiny_tokenizer(tiny_model):
 
 # -- a CLI started in the background and killed for real -------------------------------------------------------------
 @contextmanager
-def launched(args, root: Path, env=None):
+def launched(args, root: Path, env=None, cwd=None):
     """``hsextract ARGS`` in the background, its output in ``root/launcher.out``; killed (its workers die with it)
     if it is still running when the block ends."""
     with open(root / "launcher.out", "w") as out:
@@ -141,6 +142,7 @@ def launched(args, root: Path, env=None):
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=cwd,
         )
         try:
             yield proc

@@ -17,6 +17,7 @@ import click
 from .config import RunConfig, load_yaml
 from .errors import HsextractError
 from .procs import Terminated, stop_on_signals
+from .rundir import default_run_dir
 
 
 def _user_errors(fn):
@@ -75,7 +76,11 @@ def job_options(fn):
             type=click.Choice(["fused", "stock"]),
             help="Fused CUDA kernels for qwen3_5 (default on CUDA) or transformers' stock forward (default on CPU).",
         ),
-        click.option("--num-proc", type=int, help="Processes that tokenize the dataset."),
+        click.option(
+            "--num-proc",
+            type=int,
+            help="Processes that tokenize the dataset (default: 1 below 16 MB of data or 4 cores, else up to 16).",
+        ),
     ]
     for opt in reversed(options):
         fn = opt(fn)
@@ -91,6 +96,9 @@ def _build_config(**opts) -> RunConfig:
     for key in ("gpus",):
         if key in values:
             values[key] = _int_list(values[key])
+    if not values.get("run_dir") and values.get("output"):
+        values["run_dir"] = str(default_run_dir(values["output"]))
+        click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
     missing = [k for k in ("model", "data", "output", "run_dir") if not values.get(k)]
     if missing:
         raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
@@ -109,7 +117,11 @@ def main():
 @main.command()
 @job_options
 @click.option("--output", help="Local directory or s3://bucket/prefix for the batch files.")
-@click.option("--run-dir", help="Local directory for plan, token cache, logs and progress (resume from it).")
+@click.option(
+    "--run-dir",
+    help="Local directory for plan, token cache, logs and progress (resume from it); default "
+    "./runs/<output name>-<hash of --output>.",
+)
 @click.option("--shards", type=int, help="Worker processes on this node, one per GPU.")
 @click.option("--gpus", help="GPU indices for the shards, e.g. 0,1,2,3.")
 @click.option("--staging", help="Staging directory (default /dev/shm/hsextract/<run>).")
@@ -184,18 +196,34 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 @click.argument("run_dir", metavar="RUN_DIR|OUTPUT")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--s3-endpoint-url", help="S3-compatible endpoint, for an s3:// OUTPUT.")
+@click.option(
+    "--serve", is_flag=True, help="Serve a self-refreshing page, /metrics and /api/status over HTTP (RUN_DIR)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="With --serve: port (0 picks a free one).")
 @_user_errors
-def status(run_dir, as_json, s3_endpoint_url):
+def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.
     Given an output (s3://bucket/prefix or a directory): every node's and shard's progress, from the output alone."""
-    from .progress import format_duration, shard_status
+    from .progress import format_duration
     from .rundir import RunDir
+    from .status import status_document
 
     if not RunDir(run_dir).is_run_dir() and _is_output(run_dir, s3_endpoint_url):
+        if serve:
+            raise HsextractError(
+                f"--serve reads a run dir and {run_dir} is an output: give this node's run dir (runs/...)"
+            )
         return _output_status(run_dir, s3_endpoint_url, as_json)
-    rows, complete = shard_status(Path(run_dir))
+    if serve:
+        from .serve import serve as serve_status
+
+        serve_status(Path(run_dir), host=host, port=port, echo=click.echo)
+        return
+    doc = status_document(Path(run_dir))
+    rows, complete = doc["shards"], doc["complete"]
     if as_json:
-        click.echo(json.dumps({"complete": complete, "shards": rows}, indent=2))
+        click.echo(json.dumps(doc, indent=2))
         return
     click.echo(
         f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}  {'last progress':>13}"
@@ -323,7 +351,6 @@ def demo(root, shards, conversations):
         max_length=1024,
         max_tokens_per_batch=4096,
         max_rows=64,
-        num_proc=2,
         staging=str(root / "staging"),
     )
     plan = prepare_run(cfg, echo=click.echo)

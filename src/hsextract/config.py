@@ -89,8 +89,9 @@ class RunConfig:
     s3_endpoint_url: str | None = None
     """For S3-compatible stores; ``AWS_ENDPOINT_URL_S3`` is honoured too."""
 
-    num_proc: int = 4
-    """Processes that tokenize the dataset."""
+    num_proc: int | None = None
+    """Processes that tokenize the dataset; None chooses from the cores and the data's size: 1 below 16 MB or 4
+    cores (starting a pool costs more than it saves there), else up to 16 (``data.auto_num_proc``)."""
 
     pinned_buffers: int = 3
     """Host buffers per worker that device-to-host copies land in; bounds host memory and how far the GPU runs
@@ -122,7 +123,7 @@ class RunConfig:
             "num_proc",
             "pinned_buffers",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HsextractError(
                     f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
                 )

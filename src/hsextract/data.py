@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -443,13 +444,41 @@ def _tokenize(data_path: Path, tokenizer, max_length: int, too_long: str, num_pr
     return samples, report
 
 
+AUTO_PARALLEL_MIN_BYTES = 16_000_000
+"""Data below this size is tokenized in the calling process. A pool starts ~6.5 s later (each spawned process
+unpickles the tokenizer, importing transformers) and one process tokenizes ~1.3 MB of JSONL chat rows a second:
+on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 cores they never did, up to 36 MB
+(docs/PERFORMANCE.md, scripts/bench_tokenize.py)."""
+AUTO_MAX_PROC = 16
+"""Past 8-16 processes the parent, which reads the rows and gathers the results, is the bottleneck."""
+
+
+def auto_num_proc(data_path: str | Path, cores: int | None = None) -> int:
+    """Tokenizing processes for ``data_path`` on this machine: 1 for small data or few cores, else up to 16."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    path = Path(data_path)
+    try:
+        if path.is_dir():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        else:
+            size = path.stat().st_size * (
+                3 if path.suffix.lower() == ".parquet" else 1
+            )  # text compresses ~3x
+    except OSError:
+        return 1
+    if cores < 4 or size < AUTO_PARALLEL_MIN_BYTES:
+        return 1
+    return min(cores, AUTO_MAX_PROC)
+
+
 def load_samples(
     data_path: str | Path,
     tokenizer,
     *,
     max_length: int,
     too_long: str = "truncate",
-    num_proc: int = 1,
+    num_proc: int | None = 1,
     cache_dir: Path | None = None,
     progress: bool = True,
 ) -> tuple[TokenizedSamples, DataReport]:
@@ -457,16 +486,20 @@ def load_samples(
 
     ``too_long`` says what happens to a row over ``max_length`` tokens: ``"truncate"`` keeps its first
     ``max_length`` tokens, ``"skip"`` drops it. With ``cache_dir``, an earlier result for the same data bytes,
-    tokenizer, template and length policy is loaded instead of tokenizing again.
+    tokenizer, template and length policy is loaded instead of tokenizing again. ``num_proc=None`` chooses the
+    process count from the cores and the data's size (``auto_num_proc``).
     """
     if too_long not in TOO_LONG_POLICIES:
         raise HsextractError(f"too_long must be one of {', '.join(TOO_LONG_POLICIES)}, got {too_long!r}")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise HsextractError(f"max_length must be a positive integer, got {max_length!r}")
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
         raise HsextractError(f"num_proc must be a positive integer, got {num_proc!r}")
     data_path = Path(data_path)
     _data_format(data_path)
+    if num_proc is None:
+        num_proc = auto_num_proc(data_path)
+        logger.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
 
     cache_path = None
     if cache_dir is not None:

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from .config import RunConfig
 from .errors import HsextractError
@@ -173,16 +174,7 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     finally:
         bars.close()
     for s, rc in sorted(failed.items()):
-        prog = ShardProgress.load(run_dir, s)
-        if prog and prog.state == "failed" and prog.error:
-            why = f": {prog.error}"
-        else:  # died before it could record why (or refused to touch the progress file): its last words
-            why = _last_line(run_dir.log_file(s, "stderr"))
-            why = f": {why}" if why else ""
-        echo(
-            f"shard {s} failed ({_exit_reason(rc)}){why}\n  log: {run_dir.log_file(s)}\n"
-            f"  output: {run_dir.log_file(s, 'stderr')}"
-        )
+        echo(failure_message(run_dir, s, rc))
     if failed:
         echo("Rerun the same command to resume: finished batches are kept.")
         return 1
@@ -204,6 +196,25 @@ def _stop_workers(procs: dict[int, subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def failure_message(run_dir: RunDir | Path, shard: int, returncode: int) -> str:
+    """Why a shard's worker exited non-zero, and where its logs are."""
+    run_dir = RunDir(run_dir)
+    prog = ShardProgress.load(run_dir, shard)
+    if prog and prog.state == "failed" and prog.error:
+        why = f": {prog.error}"
+    elif returncode < 0:
+        # Killed by a signal: the worker wrote nothing about it, and the last line of its output is whatever ran
+        # last (often a warning from a dying child's resource tracker), not the reason.
+        why = ""
+    else:  # died before it could record why (or refused to touch the progress file): its last words
+        why = _last_line(run_dir.log_file(shard, "stderr"))
+        why = f": {why}" if why else ""
+    return (
+        f"shard {shard} failed ({_exit_reason(returncode)}){why}\n  log: {run_dir.log_file(shard)}\n"
+        f"  output: {run_dir.log_file(shard, 'stderr')}"
+    )
 
 
 def _last_line(path) -> str:

@@ -47,6 +47,11 @@ class DamagedProgress(ValueError):
     """A progress file that does not hold a shard's progress; the message names the file and the problem."""
 
 
+HISTORY_POINTS = 400
+"""Bound on a shard's rate history. When it is full every other point goes and the spacing doubles: a short run
+keeps a point every few seconds, a week-long one a point every half hour, and the file stays under 16 kB."""
+
+
 @dataclass
 class ShardProgress:
     shard: int
@@ -80,11 +85,26 @@ class ShardProgress:
     stalled_since: float | None = None
     stall_reason: str = ""
     """What is stalled, in words: ``no heartbeat for 12 s``, ``no batch uploaded for 200 s``."""
+    history: list = field(default_factory=list)
+    """``[time, tokens_done, staged_bytes]`` points, oldest first, ``history_step_s`` apart but for the last, which
+    is the latest save; the status page charts rates from it. A resumed shard carries it on."""
+    history_step_s: float = 2.0
 
     def save(self, run_dir: RunDir | Path) -> None:
         self.updated_at = time.time()
+        self._record_history(self.updated_at)
         # Rewritten every second and only ever reported: no fsync, but a reader still sees a whole file.
         atomic_write(RunDir(run_dir).progress_file(self.shard), json.dumps(asdict(self)), durable=False)
+
+    def _record_history(self, now: float) -> None:
+        point = [round(now, 3), self.tokens_done, self.staged_bytes]
+        if len(self.history) >= 2 and self.history[-1][0] - self.history[-2][0] < self.history_step_s:
+            self.history[-1] = point  # the latest point moves on until it is a step past the one before
+            return
+        self.history.append(point)
+        if len(self.history) > HISTORY_POINTS:  # HISTORY_POINTS + 1 points, an odd count: first and last stay
+            self.history = self.history[::2]
+            self.history_step_s *= 2
 
     @classmethod
     def load(cls, run_dir: RunDir | Path, shard: int) -> ShardProgress | None:
@@ -227,20 +247,21 @@ def find_stall(p: ShardProgress, now: float | None = None, worker_alive: bool = 
     return None
 
 
-def shard_status(run_dir: RunDir | Path) -> tuple[list[dict], bool]:
+def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list[dict], bool]:
     """Per-shard rows for ``hsextract status``: done counts from the markers, rates and state from progress.
 
     A shard whose progress says it is live but whose worker process is gone is ``crashed``; one whose worker or
     uploader has stalled (``find_stall``) is ``stalled``. Process liveness is only known for workers on this host;
     a shard on another host (``--only-shards`` there, a shared run dir) keeps its state. A damaged progress file
     is reported in ``damaged`` (and as the state, unless the markers show the shard done).
+    ``plan`` spares reading plan.json again (the status server keeps it between requests).
     """
     run_dir = RunDir(run_dir)
     if not run_dir.is_run_dir():
         raise HsextractError(
             f"{run_dir.root} is not an hsextract run directory (no {run_dir.plan_file.name})"
         )
-    plan = Plan.load(run_dir.plan_file)
+    plan = plan or Plan.load(run_dir.plan_file)
     done = run_dir.done_keys()
     complete = run_dir.complete_file.exists()
     host = socket.gethostname()

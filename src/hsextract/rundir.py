@@ -15,7 +15,8 @@ A run directory is what a rerun resumes from. Layout::
     triton-cache/        compiled kernels shared by every process of the run
     COMPLETE             written after the manifest: the run is finished
 
-Output keys are ``shard-SSSSS/batch-BBBBBB.safetensors``; staging uses the same shard directory names.
+Output keys are ``shard-SSSSS/batch-BBBBBB.safetensors``; staging uses the same shard directory names. A run given
+no ``--run-dir`` gets ``runs/<output>-<hash>`` (``default_run_dir``).
 
 ``atomic_write`` is how every file is written: a temporary name beside the target, flush, fsync, rename over the
 target, fsync of the directory. A file under its final name is therefore complete, and a crash leaves at most a
@@ -25,8 +26,10 @@ target, fsync of the directory. A file under its final name is therefore complet
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import re
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -48,6 +51,19 @@ def shard_name(shard: int) -> str:
 def batch_key(shard: int, batch_id: int) -> str:
     """The output key (and staging-relative path) of a batch file."""
     return f"{shard_name(shard)}/batch-{batch_id:06d}.safetensors"
+
+
+def default_run_dir(output: str) -> Path:
+    """The run dir of a run given none: ``runs/<output's name>-<hash of the output>`` under the current directory.
+
+    The same command rerun from the same directory finds the same run dir, so it resumes; two outputs never share
+    one. The hash covers the output in full (a local path made absolute); the name is only for people.
+    """
+    remote = "://" in output
+    full = output.rstrip("/") if remote else str(Path(output).expanduser().resolve())
+    tail = output.split("://", 1)[1] if remote else Path(full).name
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", tail).strip("-.")[-60:] or "output"
+    return Path.cwd() / "runs" / f"{name}-{hashlib.sha256(full.encode()).hexdigest()[:8]}"
 
 
 def tmp_path(path: Path) -> Path:

@@ -346,6 +346,9 @@ class ShardRun:
 
     def run(self) -> None:
         self._lock_shard()
+        previous = ShardProgress.load(self.run_dir, self.shard)
+        if previous is not None:  # the rate history goes on across restarts; the gap shows the downtime
+            self.progress.history, self.progress.history_step_s = previous.history, previous.history_step_s
         log.info(
             "shard %d: %d batches, %d tokens; staging %s",
             self.shard,

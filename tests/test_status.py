@@ -1,0 +1,88 @@
+"""The status document and the rate history, without processes: damaged progress files, the history's bound, the
+chart's rates. (The server and the page against a real run are in test_serve.py.)"""
+
+import json
+
+import pytest
+
+from hsextract.plan import make_plan
+from hsextract.progress import HISTORY_POINTS, ShardProgress
+from hsextract.rundir import RunDir
+from hsextract.serve import chart_series, render_body
+from hsextract.status import history, status_document
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    plan = make_plan(
+        [100, 90, 80, 70], max_tokens_per_batch=200, max_rows=2, shards=2, fingerprint={"model": "m"}
+    )
+    plan.save(RunDir(tmp_path).plan_file)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"shard": 1, "state": "runn', "not JSON"),
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"shard": 1, "tokens_dne": 3}', "unexpected keyword argument 'tokens_dne'"),
+    ],
+)
+def test_a_damaged_progress_file_is_named_on_its_row_and_the_rest_still_reads(run_dir, text, why):
+    ShardProgress(shard=0, state="running", pid=1).save(run_dir)
+    path = RunDir(run_dir).progress_file(1)
+    path.write_text(text)
+    doc = status_document(run_dir)
+    shard0, shard1 = doc["shards"]
+    assert shard0["progress_problem"] == ""
+    assert (
+        shard1["progress_problem"].startswith(f"progress file {path} is damaged")
+        and why in shard1["progress_problem"]
+    )
+    assert shard1["state"] == "not started" and shard1["batches_total"] == 1
+    assert history(run_dir)[1] == []
+    page = render_body(doc, history(run_dir))
+    assert 'class="state damaged"' in page and 'data-shard="0"' in page
+
+
+def test_history_stays_bounded_for_a_week_and_keeps_its_ends():
+    p = ShardProgress(shard=0)
+    week = 7 * 24 * 3600
+    for t in range(0, week, 1):  # a save a second, as a running worker does
+        p.tokens_done = 10 * t
+        p._record_history(float(t))
+    assert len(p.history) <= HISTORY_POINTS
+    assert p.history[0][0] == 0 and p.history[-1] == [week - 1, 10 * (week - 1), 0]
+    gaps = {b[0] - a[0] for a, b in zip(p.history[:-2], p.history[1:-1], strict=True)}
+    assert gaps == {p.history_step_s}
+    assert len(json.dumps(p.history)) < 16_000
+
+
+def test_history_survives_a_save_and_load(tmp_path):
+    p = ShardProgress(shard=3, tokens_done=5)
+    p.save(tmp_path)
+    p.tokens_done = 9
+    p.save(tmp_path)
+    assert [pt[1] for pt in ShardProgress.load(tmp_path, 3).history] == [5, 9]
+
+
+def test_chart_rates_are_per_bin_averages_and_a_gap_reads_as_zero():
+    doc = {
+        "generated_at": 200.0,
+        "shards": [
+            {"shard": 0, "state": "done", "tokens_done": 1000, "staged_bytes": 0},
+            {"shard": 1, "state": "crashed", "tokens_done": 500, "staged_bytes": 0},
+        ],
+    }
+    hist = {
+        0: [[0.0, 0, 0], [100.0, 1000, 10]],  # 10 tokens/s throughout
+        1: [[0.0, 0, 0], [50.0, 500, 0], [100.0, 500, 0]],  # 10 tokens/s, then nothing (crashed at 50 s)
+    }
+    s = chart_series(doc, hist)
+    assert s["times"][0] == 0.0 and s["times"][-1] == 100.0
+    assert all(r == pytest.approx(10.0) for r in s["rates"][0][1:])
+    early = [r for t, r in zip(s["times"], s["rates"][1], strict=True) if r is not None and t <= 50]
+    late = [r for t, r in zip(s["times"], s["rates"][1], strict=True) if t > 60]
+    assert early and all(r == pytest.approx(10.0) for r in early) and all(r == 0 for r in late)
+    assert s["total"][1] == pytest.approx(20.0) and s["total"][-1] == pytest.approx(10.0)
