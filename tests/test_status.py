@@ -2,6 +2,7 @@
 chart's rates. (The server and the page against a real run are in test_serve.py.)"""
 
 import json
+import socket
 
 import pytest
 
@@ -86,3 +87,14 @@ def test_chart_rates_are_per_bin_averages_and_a_gap_reads_as_zero():
     late = [r for t, r in zip(s["times"], s["rates"][1], strict=True) if t > 60]
     assert early and all(r == pytest.approx(10.0) for r in early) and all(r == 0 for r in late)
     assert s["total"][1] == pytest.approx(20.0) and s["total"][-1] == pytest.approx(10.0)
+
+
+def test_a_crashed_shard_shows_its_state_and_log_on_the_page(run_dir):
+    ShardProgress(shard=0, state="running", pid=2**22 + 1, host=socket.gethostname()).save(
+        run_dir
+    )  # no such pid
+    doc = status_document(run_dir)
+    assert doc["shards"][0]["state"] == "crashed"
+    page = render_body(doc, history(run_dir))
+    assert 'data-shard="0" data-state="crashed"' in page and 'class="state error"' in page
+    assert f"worker process gone, no error recorded; log: {RunDir(run_dir).log_file(0)}" in page

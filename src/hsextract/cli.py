@@ -96,12 +96,12 @@ def _build_config(**opts) -> RunConfig:
     for key in ("gpus",):
         if key in values:
             values[key] = _int_list(values[key])
-    if not values.get("run_dir") and values.get("output"):
+    missing = [k for k in ("model", "data", "output") if not values.get(k)]
+    if missing:
+        raise HsextractError("missing " + ", ".join("--" + m for m in missing))
+    if not values.get("run_dir"):
         values["run_dir"] = str(default_run_dir(values["output"]))
         click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
-    missing = [k for k in ("model", "data", "output", "run_dir") if not values.get(k)]
-    if missing:
-        raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
     try:
         return RunConfig(**values)
     except TypeError as e:

@@ -581,5 +581,7 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, echo=print) 
     echo(f"serving the status of {run_dir} at {server.url} (metrics: {server.url}metrics); Ctrl-C stops")
     try:
         server.serve_forever()
+    except KeyboardInterrupt:
+        echo("stopped")
     finally:
         server.server_close()
