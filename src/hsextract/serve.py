@@ -231,14 +231,14 @@ def _state_badge(state: str, extra: str = "") -> str:
     return f'<span class="state {_esc(state.replace(" ", "-"))}">{_esc(state)}</span>{extra}'
 
 
-def _shard_row(r: dict, now: float) -> str:
+def _shard_row(r: dict) -> str:
     badge = _state_badge(r["state"])
     if r.get("stalled"):
         badge += " " + _state_badge("stalled")
     notes = []
-    if r["progress_problem"]:
+    if r["progress_problem"]:  # spelled out above the table
         badge += " " + _state_badge("damaged")
-        notes.append(r["progress_problem"])
+        notes.append("progress file unreadable")
     if r["state"] in ("crashed", "failed"):
         notes.append(f"{r['error'] or 'worker process gone, no error recorded'}; log: {r['log']}")
     elif r["error"]:
@@ -316,7 +316,7 @@ def render_body(doc: dict, hist: dict) -> str:
         '<table id="shards"><thead><tr><th>shard</th><th class="l">state</th><th>batches</th><th>tokens</th>'
         f"<th>tok/s</th><th>ETA</th><th>staged</th><th>uploads waiting / lag</th><th>last progress</th>{gpu_head}"
         '<th class="l">host:pid</th><th class="l">error</th></tr></thead><tbody>'
-        + "".join(_shard_row(r, now) for r in rows)
+        + "".join(_shard_row(r) for r in rows)
         + f'</tbody><tfoot><tr><td></td><td class="l">total</td><td>{t["batches_done"]:,} / {t["batches_total"]:,}</td>'
         f"<td>{_bar(t['tokens_done'], t['tokens_total'])}{_count(t['tokens_done'])} / {_count(t['tokens_total'])}</td>"
         f"<td>{_rate(t['tokens_per_s'])}</td><td>{_duration(t['eta_s'])}</td><td>{_bytes(t['staged_bytes'])}</td>"
