@@ -372,60 +372,38 @@ def render_page(run_dir: Path, refresh_s: int = REFRESH_S) -> str:
 # -- Prometheus -----------------------------------------------------------------------------------------------------
 
 
-def _flag(condition) -> int:
-    return 1 if condition else 0
+def _failed(row: dict) -> int:
+    return int(row["state"] in ("crashed", "failed"))
+
+
+def _stalled(row: dict) -> int | None:
+    return int(bool(row["stalled"])) if "stalled" in row else None
+
+
+def _damaged(row: dict) -> int:
+    return int(bool(row["progress_problem"]))
 
 
 SHARD_METRICS = (
-    # (kind, name, help, value of a status row; None leaves the shard out)
-    ("counter", "hsextract_tokens_done", "Tokens durable in the output.", lambda r: r["tokens_done"]),
-    ("gauge", "hsextract_planned_tokens", "Tokens planned for the shard.", lambda r: r["tokens_total"]),
-    ("counter", "hsextract_batches_done", "Batches durable in the output.", lambda r: r["batches_done"]),
-    ("gauge", "hsextract_planned_batches", "Batches planned for the shard.", lambda r: r["batches_total"]),
-    (
-        "gauge",
-        "hsextract_tokens_per_second",
-        "The worker's rate since it started.",
-        lambda r: r["tokens_per_s"],
-    ),
-    ("gauge", "hsextract_eta_seconds", "Time left at the worker's rate.", lambda r: r["eta_s"]),
-    (
-        "gauge",
-        "hsextract_staged_bytes",
-        "Batch files in staging, not yet uploaded.",
-        lambda r: r["staged_bytes"],
-    ),
+    # (kind, name, help, the status row's field or a function of the row; None leaves the shard out)
+    ("counter", "hsextract_tokens_done", "Tokens durable in the output.", "tokens_done"),
+    ("gauge", "hsextract_planned_tokens", "Tokens planned for the shard.", "tokens_total"),
+    ("counter", "hsextract_batches_done", "Batches durable in the output.", "batches_done"),
+    ("gauge", "hsextract_planned_batches", "Batches planned for the shard.", "batches_total"),
+    ("gauge", "hsextract_tokens_per_second", "The worker's rate since it started.", "tokens_per_s"),
+    ("gauge", "hsextract_eta_seconds", "Time left at the worker's rate.", "eta_s"),
+    ("gauge", "hsextract_staged_bytes", "Batch files in staging, not yet uploaded.", "staged_bytes"),
     (
         "gauge",
         "hsextract_upload_queue_files",
-        "Files waiting for the uploader.",
-        lambda r: r["uploads_waiting"],
+        "Files in staging waiting for the uploader.",
+        "uploads_waiting",
     ),
-    ("gauge", "hsextract_upload_lag_seconds", "Age of the oldest file waiting.", lambda r: r["upload_lag_s"]),
-    (
-        "gauge",
-        "hsextract_last_progress_age_seconds",
-        "Seconds since a batch of the shard became durable.",
-        lambda r: r["last_progress_age_s"],
-    ),
-    (
-        "gauge",
-        "hsextract_shard_failed",
-        "1 if the shard crashed or failed.",
-        lambda r: _flag(r["state"] in ("crashed", "failed")),
-    ),
-    (
-        "gauge",
-        "hsextract_shard_stalled",
-        "1 if the shard's worker lives but makes no progress.",
-        lambda r: _flag(r["stalled"]) if "stalled" in r else None,
-    ),
-    (
-        "gauge",
-        "hsextract_progress_file_damaged",
-        "1 if the shard's progress file cannot be read.",
-        lambda r: _flag(r["progress_problem"]),
-    ),
+    ("gauge", "hsextract_upload_lag_seconds", "Age of the oldest file waiting for upload.", "upload_lag_s"),
+    ("gauge", "hsextract_last_progress_age_seconds", "Since a batch became durable.", "last_progress_age_s"),
+    ("gauge", "hsextract_shard_failed", "1 if the shard crashed or failed.", _failed),
+    ("gauge", "hsextract_shard_stalled", "1 if the worker lives but makes no progress.", _stalled),
+    ("gauge", "hsextract_progress_file_damaged", "1 if the progress file cannot be read.", _damaged),
 )
 
 
@@ -472,12 +450,12 @@ class RunCollector:
         yield complete
 
         labels = ["run", "shard"]
-        for kind, name, help_text, value in SHARD_METRICS:
+        for kind, name, help_text, field in SHARD_METRICS:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 name, help_text, labels=labels
             )
             for r in doc["shards"]:
-                v = value(r)
+                v = field(r) if callable(field) else r[field]
                 if v is not None:
                     family.add_metric([self.run, str(r["shard"])], v)
             yield family
