@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 import json
+import socket
 import string
 import time
 from http import HTTPStatus
@@ -537,6 +538,8 @@ class StatusServer(ThreadingHTTPServer):
 
     def __init__(self, run_dir: Path, host: str, port: int):
         self.run_dir = Path(run_dir)
+        if ":" in host:  # an IPv6 address such as ::1 or ::
+            self.address_family = socket.AF_INET6
         try:
             super().__init__((host, port), _Handler)
         except OSError as e:
@@ -547,7 +550,7 @@ class StatusServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
 def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, echo=print) -> None:
