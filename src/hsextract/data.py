@@ -461,10 +461,8 @@ def auto_num_proc(data_path: str | Path, cores: int | None = None) -> int:
     try:
         if path.is_dir():
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        else:
-            size = path.stat().st_size * (
-                3 if path.suffix.lower() == ".parquet" else 1
-            )  # text compresses ~3x
+        else:  # Parquet counts 3x its size: text compresses about that much
+            size = path.stat().st_size * (3 if path.suffix.lower() == ".parquet" else 1)
     except OSError:
         return 1
     if cores < 4 or size < AUTO_PARALLEL_MIN_BYTES:
