@@ -61,3 +61,10 @@ def test_shard_killed_by_a_signal_names_the_signal_and_log_not_its_last_output_l
     assert "warn" not in message
     # an exit code of its own: the last output line is the best account there is
     assert "warnings.warn" in failure_message(tmp_path, 1, 1).splitlines()[0]
+
+
+def test_num_proc_counts_every_file_of_a_dataset_directory(tmp_path):
+    (tmp_path / "ds").mkdir()
+    _sized(tmp_path / "ds" / "data-00000-of-00002.arrow", AUTO_PARALLEL_MIN_BYTES // 2)
+    _sized(tmp_path / "ds" / "data-00001-of-00002.arrow", AUTO_PARALLEL_MIN_BYTES // 2)
+    assert auto_num_proc(tmp_path / "ds", cores=8) == 8
