@@ -22,6 +22,8 @@ def test_default_run_dir_is_stable_per_output_and_distinct_across_outputs(tmp_pa
         "s3://my-bucket/qwen36 dflash"
     )
     assert s3 != default_run_dir("s3://other-bucket/qwen36 dflash")
+    # nodes of one job may share a current directory, never a run dir
+    assert default_run_dir("s3://b/p", node_rank=3).name == default_run_dir("s3://b/p").name + "-node3"
 
 
 def _sized(path, size):

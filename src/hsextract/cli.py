@@ -100,7 +100,8 @@ def _build_config(**opts) -> RunConfig:
     if missing:
         raise HsextractError("missing " + ", ".join("--" + m for m in missing))
     if not values.get("run_dir"):
-        values["run_dir"] = str(default_run_dir(values["output"]))
+        node_rank = values.get("node_rank", 0) if values.get("nodes", 1) > 1 else None
+        values["run_dir"] = str(default_run_dir(values["output"], node_rank))
         click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
     try:
         return RunConfig(**values)
@@ -197,7 +198,9 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--s3-endpoint-url", help="S3-compatible endpoint, for an s3:// OUTPUT.")
 @click.option(
-    "--serve", is_flag=True, help="Serve a self-refreshing page, /metrics and /api/status over HTTP (RUN_DIR)."
+    "--serve",
+    is_flag=True,
+    help="Serve a self-refreshing page, /metrics and /api/status over HTTP (RUN_DIR).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: address to listen on.")
 @click.option("--port", default=8000, show_default=True, help="With --serve: port (0 picks a free one).")

@@ -53,8 +53,9 @@ def batch_key(shard: int, batch_id: int) -> str:
     return f"{shard_name(shard)}/batch-{batch_id:06d}.safetensors"
 
 
-def default_run_dir(output: str) -> Path:
-    """The run dir of a run given none: ``runs/<output's name>-<hash of the output>`` under the current directory.
+def default_run_dir(output: str, node_rank: int | None = None) -> Path:
+    """The run dir of a run given none: ``runs/<output's name>-<hash of the output>`` under the current directory,
+    with ``-node<R>`` for node R of a job of several nodes (whose current directory may be shared).
 
     The same command rerun from the same directory finds the same run dir, so it resumes; two outputs never share
     one. The hash covers the output in full (a local path made absolute); the name is only for people.
@@ -63,7 +64,8 @@ def default_run_dir(output: str) -> Path:
     full = output.rstrip("/") if remote else str(Path(output).expanduser().resolve())
     tail = output.split("://", 1)[1] if remote else Path(full).name
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", tail).strip("-.")[-60:] or "output"
-    return Path.cwd() / "runs" / f"{name}-{hashlib.sha256(full.encode()).hexdigest()[:8]}"
+    node = "" if node_rank is None else f"-node{node_rank}"
+    return Path.cwd() / "runs" / f"{name}-{hashlib.sha256(full.encode()).hexdigest()[:8]}{node}"
 
 
 def tmp_path(path: Path) -> Path:
