@@ -65,13 +65,15 @@ def status_document(run_dir: RunDir | Path, *, with_gpus: bool = True) -> dict:
 
 
 def history(run_dir: RunDir | Path) -> dict[int, list[list[float]]]:
-    """Each shard's ``[time, tokens_done, staged_bytes]`` points, oldest first (empty for a damaged file)."""
+    """Each shard's ``[time, tokens_done, staged_bytes]`` points, oldest first, for the shards with a progress file
+    in this run dir (this node's); empty for a damaged file."""
     run_dir = RunDir(run_dir)
     out = {}
     for s in range(_load_plan(run_dir).shards):
-        progress, _ = _read_progress(run_dir, s)
-        points = progress.get("history") or []
-        out[s] = [p for p in points if isinstance(p, list) and len(p) >= 3]
+        if run_dir.progress_file(s).exists():
+            progress, _ = _read_progress(run_dir, s)
+            points = progress.get("history") or []
+            out[s] = [p for p in points if isinstance(p, list) and len(p) >= 3]
     return out
 
 
