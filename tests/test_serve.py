@@ -194,7 +194,7 @@ def seen(tmp_path_factory, tiny_model, tiny_tokenizer):
 def test_api_status_is_the_document_status_json_prints(seen):
     api, cli = seen["live_api"], seen["live_cli"]
     assert api.keys() == cli.keys() >= {"complete", "shards", "totals", "plan"}
-    moving = {"last_progress_age_s", "upload_lag_s", "updated_at", "gpu"}
+    moving = {"progress_age_s", "upload_lag_s", "updated_at", "gpu"}
     for a, c in zip(api["shards"], cli["shards"], strict=True):
         assert {k: v for k, v in a.items() if k not in moving} == {
             k: v for k, v in c.items() if k not in moving
@@ -206,7 +206,7 @@ def test_live_status_shows_one_shard_running_and_one_done(seen):
     shard0, shard1 = seen["live_api"]["shards"]
     assert shard0["state"] == "done" and shard0["batches_done"] == shard0["batches_total"]
     assert shard1["state"] in LIVE_STATES and 1 <= shard1["batches_done"] < shard1["batches_total"]
-    assert shard1["last_progress_age_s"] is not None and shard1["uploads_waiting"] is not None
+    assert shard1["progress_age_s"] is not None and shard1["uploads_waiting"] is not None
     assert not seen["live_api"]["complete"]
     plan = seen["live_api"]["plan"]
     assert [layer["id"] for layer in plan["layers"]] == [0, 3, 7]
@@ -264,13 +264,13 @@ def test_finished_run_reads_complete(seen):
 
 def test_damaged_progress_file_shows_on_the_page_without_breaking_it(seen):
     status, page = seen["damaged_page"]
-    assert status == 200 and "shard-00001.json is damaged" in page
+    assert status == 200 and "progress file damaged: " in page and "shard-00001.json: not JSON" in page
     assert by_shard(seen["damaged_metrics"]["hsextract_progress_file_damaged"]) == {0: 0, 1: 1}
     assert seen["damaged_cli"].returncode == 0  # the plain table still answers, from the markers
     need_browser()
     dom = seen["damaged_dom"]
     assert 'data-shard="0"' in dom and 'data-shard="1"' in dom
-    assert "shard-00001.json is damaged" in dom and 'class="state damaged"' in dom
+    assert "shard-00001.json: not JSON" in dom and 'class="state damaged"' in dom
 
 
 def test_serve_refuses_a_directory_that_is_not_a_run(tmp_path):

@@ -26,26 +26,24 @@ def run_dir(tmp_path):
     ("text", "why"),
     [
         ('{"shard": 1, "state": "runn', "not JSON"),
-        ("[1, 2]", "a JSON list, not an object"),
-        ('{"shard": 1, "tokens_dne": 3}', "unexpected keyword argument 'tokens_dne'"),
+        ("[1, 2]", "holds a list, not a progress record"),
+        ('{"shard": 1, "tokens_dne": 3}', "unknown key(s) 'tokens_dne'"),
     ],
 )
-def test_a_damaged_progress_file_is_named_on_its_row_and_the_rest_still_reads(run_dir, text, why):
+def test_a_damaged_progress_file_is_named_on_its_row_and_the_page_still_renders(run_dir, text, why):
     ShardProgress(shard=0, state="running", pid=1).save(run_dir)
     path = RunDir(run_dir).progress_file(1)
     path.write_text(text)
     doc = status_document(run_dir)
     shard0, shard1 = doc["shards"]
-    assert shard0["progress_problem"] == ""
-    assert (
-        shard1["progress_problem"].startswith(f"progress file {path} is damaged")
-        and why in shard1["progress_problem"]
-    )
-    assert shard1["state"] == "not started" and shard1["batches_total"] == 1
+    assert shard0["damaged"] == ""
+    assert shard1["damaged"].startswith(f"{path}: ") and why in shard1["damaged"]
+    assert shard1["state"] == "damaged" and shard1["batches_total"] == 1
     hist = history(run_dir)
     assert set(hist) == {0, 1} and hist[1] == []
-    page = render_body(doc, history(run_dir))
-    assert 'class="state damaged"' in page and 'data-shard="0"' in page
+    page = render_body(doc, hist)
+    assert 'data-shard="1" data-state="damaged"' in page and 'data-shard="0"' in page
+    assert f"shard 1: progress file damaged: {path}: " in page
 
 
 def test_history_stays_bounded_for_a_week_and_keeps_its_ends():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .errors import HsextractError
 from .progress import format_duration
-from .status import LIVE_STATES, history, status_document
+from .status import ACTIVE_STATES, history, status_document
 
 REFRESH_S = 5
 CHART_POINTS = 120
@@ -98,7 +98,7 @@ def chart_series(doc: dict, hist: dict[int, list[list[float]]]) -> dict:
     series = {}
     for row in doc["shards"]:
         points = sorted(hist.get(row["shard"], []))
-        if row["state"] in LIVE_STATES and points:
+        if row["state"] in ACTIVE_STATES and points:
             points.append([now, row["tokens_done"], row["staged_bytes"]])
         if points:
             series[row["shard"]] = points
@@ -234,12 +234,13 @@ def _state_badge(state: str, extra: str = "") -> str:
 
 def _shard_row(r: dict) -> str:
     badge = _state_badge(r["state"])
-    if r.get("stalled"):
-        badge += " " + _state_badge("stalled")
     notes = []
-    if r["progress_problem"]:  # spelled out above the table
-        badge += " " + _state_badge("damaged")
+    if r["damaged"]:  # spelled out above the table
+        if r["state"] != "damaged":
+            badge += " " + _state_badge("damaged")
         notes.append("progress file unreadable")
+    if r["state"] == "stalled":
+        notes.append(f"{r['stalled_process']} pid {r['stalled_pid']}: {r['stall_reason']}; log: {r['log']}")
     if r["state"] in ("crashed", "failed"):
         notes.append(f"{r['error'] or 'worker process gone, no error recorded'}; log: {r['log']}")
     elif r["error"]:
@@ -259,8 +260,8 @@ def _shard_row(r: dict) -> str:
         f"<td>{r['batches_done']:,} / {r['batches_total']:,}</td>"
         f"<td>{_bar(r['tokens_done'], r['tokens_total'])}{_count(r['tokens_done'])} / {_count(r['tokens_total'])}</td>"
         f"<td>{_rate(r['tokens_per_s'])}</td><td>{_duration(r['eta_s'])}</td>"
-        f"<td>{_bytes(r['staged_bytes']) if r['state'] in LIVE_STATES else ''}</td><td>{uploads}</td>"
-        f"<td>{_duration(r['last_progress_age_s'])}</td>{gpu_cells}"
+        f"<td>{_bytes(r['staged_bytes']) if r['state'] in ACTIVE_STATES else ''}</td><td>{uploads}</td>"
+        f"<td>{'' if r['state'] == 'done' else _duration(r['progress_age_s'])}</td>{gpu_cells}"
         f'<td class="l mono">{_esc(r.get("host", ""))}{":" + str(r["pid"]) if r["pid"] else ""}</td>'
         f'<td class="err">{"<br>".join(_esc(n) for n in notes)}</td></tr>'
     )
@@ -300,7 +301,7 @@ def render_body(doc: dict, hist: dict) -> str:
         overall = _state_badge("complete")
     elif bad:
         overall = _state_badge("error", f" {len(bad)} shard(s) {'/'.join(sorted({r['state'] for r in bad}))}")
-    elif t["states"].keys() & set(LIVE_STATES):
+    elif t["states"].keys() & set(ACTIVE_STATES):
         overall = _state_badge("running")
     else:
         overall = _state_badge("not running")
@@ -323,11 +324,11 @@ def render_body(doc: dict, hist: dict) -> str:
         f"<td>{_rate(t['tokens_per_s'])}</td><td>{_duration(t['eta_s'])}</td><td>{_bytes(t['staged_bytes'])}</td>"
         '<td></td><td></td><td></td><td></td><td></td><td class="l"></td></tr></tfoot></table>'
     )
-    problems = [r for r in rows if r["progress_problem"]]
+    problems = [r for r in rows if r["damaged"]]
     problem_box = (
         '<p class="problem">'
         + "<br>".join(
-            f"shard {r['shard']}: {_esc(r['progress_problem'])} (done counts come from the markers)"
+            f"shard {r['shard']}: progress file damaged: {_esc(r['damaged'])} (done counts come from the markers)"
             for r in problems
         )
         + "</p>"
@@ -377,12 +378,12 @@ def _failed(row: dict) -> int:
     return int(row["state"] in ("crashed", "failed"))
 
 
-def _stalled(row: dict) -> int | None:
-    return int(bool(row["stalled"])) if "stalled" in row else None
+def _stalled(row: dict) -> int:
+    return int(row["state"] == "stalled")
 
 
 def _damaged(row: dict) -> int:
-    return int(bool(row["progress_problem"]))
+    return int(bool(row["damaged"]))
 
 
 SHARD_METRICS = (
@@ -401,7 +402,12 @@ SHARD_METRICS = (
         "uploads_waiting",
     ),
     ("gauge", "hsextract_upload_lag_seconds", "Age of the oldest file waiting for upload.", "upload_lag_s"),
-    ("gauge", "hsextract_last_progress_age_seconds", "Since a batch became durable.", "last_progress_age_s"),
+    (
+        "gauge",
+        "hsextract_last_progress_age_seconds",
+        "Since the shard's tokens last advanced.",
+        "progress_age_s",
+    ),
     ("gauge", "hsextract_shard_failed", "1 if the shard crashed or failed.", _failed),
     ("gauge", "hsextract_shard_stalled", "1 if the worker lives but makes no progress.", _stalled),
     ("gauge", "hsextract_progress_file_damaged", "1 if the progress file cannot be read.", _damaged),
@@ -461,7 +467,7 @@ class RunCollector:
                     family.add_metric([self.run, str(r["shard"])], v)
             yield family
         states = StateSetMetricFamily("hsextract_shard_state", "the shard's state", labels=labels)
-        all_states = ("not started", *LIVE_STATES, "done", "crashed", "failed")
+        all_states = ("not started", *ACTIVE_STATES, "done", "stopped", "crashed", "failed", "damaged")
         for r in doc["shards"]:
             states.add_metric([self.run, str(r["shard"])], {s: r["state"] == s for s in all_states})
         yield states

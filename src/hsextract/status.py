@@ -3,12 +3,10 @@ all read ``status_document``, so they never disagree.
 
 Built from the run directory alone on each call, without torch, in well under a second:
 
-- one row per shard: the rows of ``progress.shard_status`` (done counts from the markers, state, rate, ETA), plus
-  what uploads look like: the bytes the worker last saw in staging, the files waiting there and the age of the
-  oldest (the upload lag; only where staging is on this host), and when the shard's last batch became durable
-  (the newest marker, read as the mtime of the shard's marker directory: one stat however long the run);
-- a progress file that cannot be read is named on its shard's row (``progress_problem``), never a failed
-  document: the markers still say what is done;
+- one row per shard: the rows of ``progress.shard_status`` (done counts from the markers, state, stalls, rate,
+  ETA, how long ago it last progressed, a damaged progress file), plus what uploads look like: the bytes the worker
+  last saw in staging, the files waiting there and the age of the oldest (the upload lag; only where staging is on
+  this host);
 - totals, the plan summary (model, layer ids and what each means, the data report's counts);
 - on a node with NVML (``pip install nvidia-ml-py``; optional) each GPU's utilization and memory, matched to the
   shard whose worker process it runs, else to the shard's configured GPU.
@@ -29,10 +27,11 @@ from .config import RunConfig
 from .errors import HsextractError
 from .output import CONVENTION
 from .plan import Plan
-from .progress import ShardProgress, shard_status
+from .progress import LIVE_STATES, ShardProgress, shard_status
 from .rundir import RunDir, shard_name
 
-LIVE_STATES = ("starting", "loading", "running", "waiting-for-uploader", "draining")
+ACTIVE_STATES = (*LIVE_STATES, "stalled")
+"""States in which a worker process is there: its staging directory and rate mean something."""
 
 
 def status_document(run_dir: RunDir | Path, *, with_gpus: bool = True) -> dict:
@@ -41,16 +40,11 @@ def status_document(run_dir: RunDir | Path, *, with_gpus: bool = True) -> dict:
     rows, complete = shard_status(run_dir, _load_plan(run_dir))
     now = time.time()
     cfg = _load_config(run_dir)
-    raw = {r["shard"]: _read_progress(run_dir, r["shard"]) for r in rows}
     for row in rows:
-        progress, problem = raw[row["shard"]]
-        row["progress_problem"] = problem
-        row["staged_bytes"] = int(progress.get("staged_bytes") or 0) if row["state"] in LIVE_STATES else 0
-        row["pid"] = int(progress.get("pid") or 0)
-        row.update(_uploads(cfg, row["shard"], now) if row["state"] in LIVE_STATES else _NO_UPLOADS)
-        if "last_progress_age_s" not in row:
-            last = _last_marker_time(run_dir, row["shard"])
-            row["last_progress_age_s"] = None if last is None else max(0.0, now - last)
+        active = row["state"] in ACTIVE_STATES
+        progress = ShardProgress.load(run_dir, row["shard"]) if active else None
+        row["staged_bytes"] = progress.staged_bytes if progress else 0
+        row.update(_uploads(cfg, row["shard"], now) if active else _NO_UPLOADS)
     gpus = gpu_status() if with_gpus else []
     _match_gpus(rows, gpus, cfg)
     return {
@@ -71,35 +65,12 @@ def history(run_dir: RunDir | Path) -> dict[int, list[list[float]]]:
     out = {}
     for s in range(_load_plan(run_dir).shards):
         if run_dir.progress_file(s).exists():
-            progress, _ = _read_progress(run_dir, s)
-            points = progress.get("history") or []
-            out[s] = [p for p in points if isinstance(p, list) and len(p) >= 3]
+            progress = ShardProgress.load(run_dir, s)
+            out[s] = [p for p in progress.history if isinstance(p, list) and len(p) >= 3] if progress else []
     return out
 
 
 # -- rows -----------------------------------------------------------------------------------------------------------
-def _read_progress(run_dir: RunDir, shard: int) -> tuple[dict, str]:
-    """The progress file's fields, and what is wrong with it if it cannot be used (``""`` when fine or absent)."""
-    path = run_dir.progress_file(shard)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}, ""
-    except OSError as e:
-        return {}, f"progress file {path} cannot be read ({e.strerror})"
-    try:
-        fields = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return {}, f"progress file {path} is damaged (not JSON: {e})"
-    if not isinstance(fields, dict):
-        return {}, f"progress file {path} is damaged (a JSON {type(fields).__name__}, not an object)"
-    try:
-        ShardProgress(**fields)
-    except TypeError as e:
-        return {}, f"progress file {path} is damaged ({e})"
-    return fields, ""
-
-
 _NO_UPLOADS = {"uploads_waiting": None, "upload_lag_s": None}
 
 
@@ -124,16 +95,8 @@ def _uploads(cfg: RunConfig | None, shard: int, now: float) -> dict:
     return {"uploads_waiting": waiting, "upload_lag_s": 0.0 if oldest is None else max(0.0, now - oldest)}
 
 
-def _last_marker_time(run_dir: RunDir, shard: int) -> float | None:
-    # A directory's mtime changes whenever an entry is added: the newest marker's time, in one stat.
-    try:
-        return (run_dir.markers_dir / shard_name(shard)).stat().st_mtime
-    except OSError:
-        return None
-
-
 def _totals(rows: list[dict]) -> dict:
-    live = [r for r in rows if r["state"] in LIVE_STATES]
+    live = [r for r in rows if r["state"] in ACTIVE_STATES]
     rate = sum(r["tokens_per_s"] for r in live)
     tokens_done = sum(r["tokens_done"] for r in rows)
     tokens_total = sum(r["tokens_total"] for r in rows)
@@ -293,5 +256,5 @@ def _match_gpus(rows: list[dict], gpus: list[dict], cfg: RunConfig | None) -> No
         gpu = by_pid.get(row["pid"]) if row["pid"] else None
         if gpu is None and cfg is not None and cfg.device == "cuda" and row.get("host") in ("", host):
             index = (cfg.gpus or tuple(range(cfg.shards)))[row["shard"]]
-            gpu = by_index.get(index) if row["state"] in LIVE_STATES else None
+            gpu = by_index.get(index) if row["state"] in ACTIVE_STATES else None
         row["gpu"] = None if gpu is None else {k: v for k, v in gpu.items() if k != "pids"}
