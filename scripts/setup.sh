@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff).
+# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff) and the
+# drafter trainers whose loaders the export tests use (SpecForge, speculators, ModelOpt).
 # torch is pinned to the release this project is tested with on CPU; on a GPU node install your CUDA build of
 # torch first (and `pip install -e .[gpu]` for flash-linear-attention), then run this.
 set -euo pipefail
@@ -12,3 +13,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".${extras}"
+if [[ -n "$extras" ]]; then
+  # Trainers whose offline loaders tests/test_export.py runs. Without their declared dependencies: speculators' pull
+  # torchvision/torchaudio built for another torch (which replace the CPU torch), specforge's pin torch 2.11 and
+  # sglang. What their data loaders import is in the test extra.
+  .venv/bin/python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"
+fi

@@ -144,12 +144,16 @@ class Extractor:
                         slot.copied.synchronize()
                     n, slots = inputs.num_tokens, len(self.layer_ids)
                     states = slot.host_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
-                    scales = {"hidden_states_scale": slot.host_scale[: n * slots].view(n, slots)}
+                    scales = (
+                        {"hidden_states_scale": slot.host_scale[: n * slots].view(n, slots)}
+                        if self.scaled
+                        else {}
+                    )
                     on_batch(
                         batch,
                         {
                             "hidden_states": states,
-                            **(scales if self.scaled else {}),
+                            **scales,
                             "input_ids": inputs.tokens_ids,
                             "loss_mask": inputs.tokens_mask,
                             "cu_seqlens": inputs.cu_seqlens,
