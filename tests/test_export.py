@@ -63,7 +63,8 @@ def manifest_order(output: Path) -> list[str]:
 
 
 def rows_by_id(dataset: Path) -> dict:
-    return {row["id"]: row for row in map(json.loads, open(dataset)) if "id" in row}
+    """The pre-tokenized rows of the dataset, by id."""
+    return {row["id"]: row for row in map(json.loads, open(dataset)) if "input_ids" in row}
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +331,7 @@ def test_export_refuses_to_mix_with_another_export_or_foreign_files(eagle3_run, 
         export(str(eagle3_run), str(foreign), "modelopt", show_progress=False)
 
 
+@pytest.mark.usefixtures("aws_test_env")
 def test_export_from_s3_to_s3_equals_the_local_export(eagle3_run, s3: S3Endpoint, s3_bucket, tmp_path):
     local = exported(eagle3_run, tmp_path / "local", "speculators", draft_vocab=DRAFT_VOCAB)
     client = s3.client()

@@ -329,10 +329,13 @@ def _export_unit(args) -> dict:
     source, dest_url, endpoint_url, fmt_name, unit = args
     from .reader import open_output
 
-    if "out" not in _proc:
-        torch.set_num_threads(1)
-        _proc["out"] = open_output(source, endpoint_url)
-        _proc["dest"] = open_sink(dest_url, endpoint_url)
+    where = (source, dest_url, endpoint_url)
+    if (
+        _proc.get("where") != where
+    ):  # once per process and export: the manifest and the final norm are read once
+        _proc.update(
+            where=where, out=open_output(source, endpoint_url), dest=open_sink(dest_url, endpoint_url)
+        )
     out, dest, fmt = _proc["out"], _proc["dest"], FORMATS[fmt_name]
     written, skipped = 0, {}
     for i, s in enumerate(out.batch_samples(unit.key)):
@@ -453,7 +456,9 @@ def export(
         import multiprocessing as mp
 
         # spawn, not fork: the parent holds torch and tqdm threads; a forked child could inherit a held lock.
-        with mp.get_context("spawn").Pool(min(num_proc, len(jobs))) as pool:
+        with mp.get_context("spawn").Pool(
+            min(num_proc, len(jobs)), initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
             for summary in pool.imap_unordered(_export_unit, jobs):
                 bar.update(summary["samples"])
     bar.close()
