@@ -60,3 +60,31 @@ def test_final_norm_rule_is_read_from_qwen3_5_and_llama_norms():
 def test_final_norm_refuses_a_layernorm_with_bias():
     with pytest.raises(HsextractError, match="not an RMSNorm"):
         FinalNorm.from_module(torch.nn.LayerNorm(16))
+
+
+def test_final_state_and_storage_dtype_come_from_yaml_and_the_eagle3_preset(tmp_path):
+    from hsextract.config import RunConfig, load_yaml
+
+    paths = {"model": "m", "data": "d", "output": "o", "run_dir": "r"}
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("layers: 1,16,31\nfinal-state: true\nstorage_dtype: float8_e4m3fn\n")
+    cfg = RunConfig(**paths, **load_yaml(yaml_file))
+    assert cfg.wants_final_state and cfg.storage_dtype == "float8_e4m3fn"
+    assert RunConfig(**paths, layers="eagle3").wants_final_state
+    assert not RunConfig(**paths, layers="dflash").wants_final_state
+    with pytest.raises(HsextractError, match="--storage-dtype 'int4' is not one of float8_e4m3fn"):
+        RunConfig(**paths, storage_dtype="int4")
+
+
+def test_state_layout_slots_and_bytes():
+    from hsextract.output import StateLayout
+
+    dflash = StateLayout((1, 16, 31, 46, 61), 64, final_state=True)
+    assert dflash.slot_layers == (1, 16, 31, 46, 61, 63) and dflash.final_slot == 5
+    shared = StateLayout((0, 3, 7), 8, final_state=True)
+    assert shared.slot_layers == (0, 3, 7) and shared.final_slot == 2
+    assert StateLayout((1, 2), 8).final_slot is None
+    # 5 layers of 5120: 51.2 KB a token in bfloat16, ~25.7 KB in fp8 with a float32 scale per layer.
+    assert StateLayout((1, 16, 31, 46, 61), 64).bytes_per_token(5120, 2) == 5 * 5120 * 2 + 5
+    fp8 = StateLayout((1, 16, 31, 46, 61), 64, storage_dtype="float8_e4m3fn")
+    assert fp8.bytes_per_token(5120, 2) == 5 * (5120 + 4) + 5
