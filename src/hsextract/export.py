@@ -19,7 +19,8 @@ Every format also gets ``token_freq.pt`` (speculators' layout: ``{token_id: coun
 the exported samples) and, with ``--draft-vocab N``, the draft-vocabulary mapping each trainer reads: SpecForge's
 ``vocab_mapping.pt`` (``d2t`` int64 [N], ``t2d`` bool [V]), speculators' ``d2t-N.npy``/``t2d-N.npy``, ModelOpt's
 ``d2t.pt``. The N most frequent loss-masked tokens are kept, ties to the lower id, padded with the lowest unused
-ids when fewer than N occur: the rule of both SpecForge and speculators.
+ids when fewer than N occur: the rule of both SpecForge and speculators. States are written in the output's dtype;
+fp8 outputs are dequantized to bfloat16 (no trainer reads hsextract's per-layer scales).
 
 How it runs. One unit of work is one batch file of the output: its samples are read one ranged read each (never a
 whole batch file), turned into the format's files, and each file is written under its final name atomically (a
@@ -330,9 +331,8 @@ def _export_unit(args) -> dict:
     from .reader import open_output
 
     where = (source, dest_url, endpoint_url)
-    if (
-        _proc.get("where") != where
-    ):  # once per process and export: the manifest and the final norm are read once
+    # Opened once per process and export: the manifest and the final norm are read once, not per batch file.
+    if _proc.get("where") != where:
         _proc.update(
             where=where, out=open_output(source, endpoint_url), dest=open_sink(dest_url, endpoint_url)
         )
