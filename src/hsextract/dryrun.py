@@ -241,7 +241,7 @@ def layer_health(proof: Proof, layout: StateLayout, types, tol: float, dtype: st
             "zero_tokens": zero_rows,
         }
         if entry["final_state"]:
-            entry["captures"] = f"final state: output of layer {k}, pre-norm; normed = HF [-1]"
+            entry["captures"] = f"final state: layer {k} output, pre-norm"
         entry["ok"] = bool(match <= tol and match < nearest / 4)
         if proof.fp8 is not None:
             ref = proof.states[:, j].double()
