@@ -143,7 +143,7 @@ class SpecForgeDFlash(ExportFormat):
         return {
             "layer_ids": ids,
             "where": f'draft model config: "dflash_config": {{"target_layer_ids": {_ids(ids)}}}',
-            "command": "specforge train --config YOUR.yaml data.hidden_states_path=DEST training.strategy=dflash",
+            "command": "specforge train --config YOUR-dflash-offline.yaml data.hidden_states_path=DEST",
         }
 
 
@@ -176,10 +176,9 @@ class SpecForgeEagle3(SpecForgeDFlash):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
-            "where": f"model.aux_hidden_state_layer_ids={_ids(ids)} (or eagle_config."
-            "eagle_aux_hidden_state_layer_ids in the draft config)",
-            "command": "specforge train --config YOUR.yaml data.hidden_states_path=DEST training.strategy=eagle3 "
-            f"model.aux_hidden_state_layer_ids={_ids(ids)}",
+            "where": f"aux_hidden_state_layer_ids: {_ids(ids)} under model: in the recipe YAML (or eagle_config."
+            "eagle_aux_hidden_state_layer_ids in the draft config; a dotted override does not parse a list here)",
+            "command": "specforge train --config YOUR-eagle3-offline.yaml data.hidden_states_path=DEST",
         }
 
 
