@@ -356,3 +356,17 @@ def test_export_from_s3_to_s3_equals_the_local_export(eagle3_run, s3: S3Endpoint
     for name in ("state.json", "dataset_info.json"):
         remote.pop(name), local_files.pop(name)
     assert remote == local_files
+
+
+def test_reader_final_state_is_hf_last_entry_and_the_last_layers_raw_output(eagle3_run, hf):
+    """The EAGLE-3 run stores the last layer (7) as a 4th slot; the reader derives the normed state from it."""
+    from hsextract.reader import open_output
+
+    out = open_output(eagle3_run, dtype=torch.float32)
+    assert out.layout.slot_layers == (1, 3, 4, 7) and out.layout.final_slot == 3
+    assert out.manifest["final_state"]["norm"]["rule"] == "one_plus_weight"  # Qwen3.5's RMSNorm: 1 + weight
+    for sample in out:
+        ref = hf(sample["input_ids"])
+        torch.testing.assert_close(sample["final_hidden_state"], ref["hs"][-1], **TOL)
+        torch.testing.assert_close(sample["final_hidden_state_prenorm"], ref["prenorm"], **TOL)
+        assert sample["hidden_states"].shape[1] == 3 * 64  # the captured layers only
