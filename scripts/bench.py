@@ -10,7 +10,12 @@ realistic length mix (median 221, mean ~330, p99 ~1800 tokens), and times on the
       writer thread saving safetensors files to /dev/shm (each file removed after it is written, as the uploader
       would);
   (c) a naive loop: hooks, GPU concat, one blocking ``.cpu()`` per layer, synchronous ``safetensors.save_file``;
-  (a') and (b'): (a) and (b) with hsextract.kernels' fused kernels swapped in (modes ``af`` and ``bf``).
+  (a') and (b'): (a) and (b) with hsextract.kernels' fused kernels swapped in (modes ``af`` and ``bf``);
+  (b8) and (b8'): (b) and (b') storing fp8 (``--storage-dtype float8_e4m3fn``): the capture hooks quantize each
+      token's vector on the GPU (scale per token per layer) before the copy to the host.
+
+``--final-state`` adds the last layer's output as one more slot, as ``run --final-state`` does: every mode then
+runs the forward to the last layer (the floor (a) too, so the ratios compare like with like).
 
 Prints tokens/s on real and on padded (computed) tokens, the ratios, and model TFLOP/s (2 x parameters of layers
 0..deepest per computed token). ``--startup`` also measures time to the first batch in fresh processes with an
@@ -41,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from hsextract import kernels  # noqa: E402
 from hsextract.capture import LayerCapture, _StopForward, decoder_layers, load_model, resolve_layer_ids  # noqa: E402
 from hsextract.data import TokenizedSamples  # noqa: E402
+from hsextract.output import StateLayout  # noqa: E402
 from hsextract.pipeline import Extractor, build_batch  # noqa: E402
 from hsextract.plan import make_plan  # noqa: E402
 from hsextract.writer import write_batch_file  # noqa: E402
@@ -95,7 +101,9 @@ def bench_forward_only(lm, layer_ids, batches, samples, device, pad):
         h.remove()
 
 
-def bench_hsextract(lm, layer_ids, batches, samples, device, pad, staging: Path, slots: int):
+def bench_hsextract(
+    lm, layer_ids, batches, samples, device, pad, staging: Path, slots: int, storage_dtype=None
+):
     ext = Extractor(
         lm,
         layer_ids,
@@ -103,6 +111,7 @@ def bench_hsextract(lm, layer_ids, batches, samples, device, pad, staging: Path,
         max_tokens=max(b.num_tokens for b in batches),
         num_slots=slots,
         pad_token_id=pad,
+        storage_dtype=storage_dtype,
     )
     written = []
 
@@ -595,7 +604,12 @@ def main():
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--staging", default="/dev/shm/hsextract-bench")
     ap.add_argument(
-        "--modes", default="a,b,c,af,bf", help="a, b, c stock; af, bf = (a'), (b') with fused kernels"
+        "--modes",
+        default="a,b,c,af,bf",
+        help="a, b, c stock; af, bf = (a'), (b') with fused kernels; b8, bf8 = (b), (b') storing fp8",
+    )
+    ap.add_argument(
+        "--final-state", action="store_true", help="store the last layer's output too (run to it)"
     )
     ap.add_argument("--startup", action="store_true")
     ap.add_argument("--startup-kernels", default="stock,fused")
@@ -638,7 +652,10 @@ def main():
     lm = load_model(args.config, dtype="bfloat16", device="cuda", random_weights=True)
     report["model_build_s"] = time.perf_counter() - t0
     num_layers = lm.config.num_hidden_layers
-    layer_ids = resolve_layer_ids(args.layers, num_layers)
+    # The slots a run stores: the captured ids and, with --final-state, the last layer.
+    layer_ids = StateLayout(
+        resolve_layer_ids(args.layers, num_layers), num_layers, args.final_state
+    ).slot_layers
     deepest = max(layer_ids)
     params = sum(p.numel() for p in decoder_layers(lm)[: deepest + 1].parameters())
     device = torch.device("cuda", 0)
@@ -670,16 +687,17 @@ def main():
     results = {}
     warmed = set()
     for mode in args.modes.split(","):
-        fused = mode.endswith("f")
+        fused = mode in ("af", "bf", "bf8")
         report.setdefault("kernels", {})[mode] = kernels.apply(lm, "fused" if fused else "stock")
         if fused not in warmed:
             warm_up("fused" if fused else "stock")
             warmed.add(fused)
         if mode in ("a", "af"):
             dt = bench_forward_only(lm, layer_ids, batches, samples, device, 0)
-        elif mode in ("b", "bf"):
-            dt, nbytes = bench_hsextract(lm, layer_ids, batches, samples, device, 0, staging, args.slots)
-            report["bytes_written"] = nbytes
+        elif mode in ("b", "bf", "b8", "bf8"):
+            fp8 = "float8_e4m3fn" if mode.endswith("8") else None
+            dt, nbytes = bench_hsextract(lm, layer_ids, batches, samples, device, 0, staging, args.slots, fp8)
+            report.setdefault("bytes_written", {})[mode] = nbytes
         elif mode == "c":
             dt = bench_naive(lm, layer_ids, batches, samples, device, 0, staging)
         results[mode] = {"s": dt, "tokens_per_s": tokens / dt, "padded_tokens_per_s": padded_tokens / dt}
@@ -696,6 +714,8 @@ def main():
         "c": "(c) blocking .cpu() per layer + sync save_file",
         "af": "(a') forward of layers 0..deepest only, fused kernels",
         "bf": "(b') hsextract worker loop, fused kernels",
+        "b8": "(b8) hsextract worker loop storing fp8 (quantized on the GPU)",
+        "bf8": "(b8') hsextract worker loop storing fp8, fused kernels",
     }
     lines = [
         "",
@@ -709,11 +729,12 @@ def main():
             f"{r['padded_tokens_per_s'] * flop_per_token / 1e12:,.0f} |"
         )
     tps = report["tokens_per_s"]
-    ratios = [("b", "a"), ("b", "c"), ("af", "a"), ("bf", "af"), ("bf", "b")]
+    ratios = [("b", "a"), ("b", "c"), ("af", "a"), ("bf", "af"), ("bf", "b"), ("b8", "a"), ("b8", "b")]
+    ratios += [("bf8", "af"), ("bf8", "bf")]
     lines.append(
         "\n" + "   ".join(f"({x})/({y}) = {tps[x] / tps[y]:.3f}" for x, y in ratios if x in tps and y in tps)
     )
-    lines[-1] = lines[-1].replace("(af)", "(a')").replace("(bf)", "(b')")
+    lines[-1] = lines[-1].replace("(af)", "(a')").replace("(bf8)", "(b8')").replace("(bf)", "(b')")
     print("\n".join(lines), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))

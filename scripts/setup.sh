@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff) and,
-# as root on Debian, Chromium for the status page's browser test.
+# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff), the
+# drafter trainers whose loaders the export tests use (SpecForge, speculators, ModelOpt) and, as root on Debian,
+# Chromium for the status page's browser test.
 # torch is pinned to the release this project is tested with on CPU; on a GPU node install your CUDA build of
 # torch first (and `pip install -e .[gpu]` for flash-linear-attention), then run this.
 set -euo pipefail
@@ -20,4 +21,10 @@ if [[ -n "$extras" ]] && ! command -v chromium >/dev/null; then
   else
     echo "note: no chromium; tests/test_serve.py skips its browser checks (sudo apt-get install chromium)" >&2
   fi
+fi
+if [[ -n "$extras" ]]; then
+  # Trainers whose offline loaders tests/test_export.py runs. Without their declared dependencies: speculators' pull
+  # torchvision/torchaudio built for another torch (which replace the CPU torch), specforge's pin torch 2.11 and
+  # sglang. What their data loaders import is in the test extra.
+  .venv/bin/python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"
 fi

@@ -158,3 +158,18 @@ def test_any_causal_lm_works_llama(tmp_path):
         torch.testing.assert_close(out[off : off + len(s), 0], ref[1][0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out[off : off + len(s), 1], ref[3][0], rtol=1e-4, atol=1e-4)
         off += len(s)
+
+
+def test_fp8_capture_quantizes_each_gathered_vector_on_the_device(tiny_lm):
+    from hsextract.states import FP8, quantize_fp8
+
+    torch.manual_seed(2)
+    seqs = [torch.randint(1, 500, (n,)) for n in (23, 4, 11)]
+    plain = _capture(tiny_lm, seqs, (1, 7))
+    ids, mask, flat = _padded_batch(seqs)
+    out = torch.empty(len(flat), 2, 64, dtype=FP8)
+    scale = torch.empty(len(flat), 2)
+    with LayerCapture(tiny_lm, (1, 7)) as cap, torch.inference_mode():
+        cap.forward(ids, mask, GatherTarget(flat, out, scale))
+    q, s = quantize_fp8(plain)
+    assert torch.equal(out.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, s)

@@ -129,3 +129,31 @@ def test_cli_json_and_exit_code(setup):
         "dry-run", "--model", cfg.model, "--data", cfg.data, "--layers", "8", "--device", "cpu", check=False
     )
     assert r.returncode == 2 and "out of range" in r.stderr
+
+
+def test_final_state_and_fp8_are_shown_proven_and_counted(setup):
+    _, cfg = setup
+    cfg = RunConfig(**{**cfg.to_json(), "layers": "eagle3", "storage_dtype": "float8_e4m3fn"})
+    result = dry_run(cfg, num_samples=4)
+    report = result.report
+    assert result.ok, format_report(report)
+    rows = report["layers"]
+    assert [e["layer_id"] for e in rows] == [
+        1,
+        3,
+        4,
+        7,
+    ]  # eagle3 implies the final state: layer 7, one more slot
+    final = rows[-1]
+    assert final["final_state"] and "final state" in final["captures"]
+    assert (
+        final["rel_err_vs_hf"] < 1e-5
+    )  # the reader's norm rule applied to the stored state = HF's last entry
+    assert report["final_state"]["rule"] == "one_plus_weight"
+    for e in rows:
+        assert 0.01 < e["fp8_rel_err"] < 0.05 and e["fp8_cos_min"] > 0.998
+    est = report["estimate"]
+    assert est["bytes_per_token"] == 4 * (64 * 1 + 4) + 5  # 4 slots of fp8 + a float32 scale each, id, mask
+    assert est["layers_run"] == 8
+    text = format_report(report)
+    assert "final state: layer 7" in text and "fp8 err" in text

@@ -3,13 +3,33 @@ unbatched HF forward with output_hidden_states (the independent reference)."""
 
 import json
 
+import pytest
 import torch
-from conftest import E2E_LAYERS, run_cli
+from conftest import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 from safetensors import safe_open
 
 from hsextract.reader import open_output
 
 LAYERS = E2E_LAYERS  # conftest.finished_run, shared with the tests that read or damage its output
+
+
+def hf_forward(lm, ids):
+    """HF ``output_hidden_states`` and the last decoder layer's raw output (a forward hook), unbatched."""
+    raw = {}
+    hook = lm.model.layers[-1].register_forward_hook(
+        lambda m, a, o: raw.__setitem__("prenorm", (o[0] if isinstance(o, tuple) else o)[0])
+    )
+    try:
+        with torch.inference_mode():
+            hs = lm(ids[None], output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return [h[0] for h in hs], raw["prenorm"]
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def test_reader_states_equal_unbatched_hf_forward(finished_run, tiny_lm, tiny_tokenizer):
@@ -48,7 +68,7 @@ def test_pretokenized_rows_keep_ids_and_mask_by_sample_id(finished_run):
 
 def test_output_has_several_batches_over_two_shards_and_clean_staging(finished_run):
     root, _, result, _ = finished_run
-    files = sorted((root / "out").rglob("*.safetensors"))
+    files = sorted((root / "out").glob("shard-*/*.safetensors"))  # not final_norm.safetensors
     assert {f.parent.name for f in files} == {"shard-00000", "shard-00001"}
     assert len(files) >= 4
     with safe_open(str(files[0]), framework="pt") as f:
@@ -68,3 +88,58 @@ def test_rerun_of_a_finished_run_recomputes_nothing(finished_run):
     assert "shards already complete: [0, 1]" in r.stdout
     after = {p: p.stat().st_mtime_ns for p in (root / "out").rglob("*.safetensors")}
     assert before == after
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory, tiny_model, tiny_tokenizer):
+    """The EAGLE-3 preset (layers 1, 3, 4 and, implied, the final state as a 4th slot) stored in fp8."""
+    root = tmp_path_factory.mktemp("e2e-fp8")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=12)
+    run_cli(
+        *cli_run_args(
+            root,
+            tiny_model,
+            data,
+            layers="eagle3",
+            storage_dtype="float8_e4m3fn",
+            shards=1,
+            **TINY_LIMITS,
+            num_proc=1,
+            no_progress=True,
+        )
+    )
+    return root / "out"
+
+
+def test_fp8_storage_is_within_fp8_error_of_hf_and_raw_values_come_on_request(fp8_run, tiny_lm):
+    files = sorted(fp8_run.rglob("batch-*.safetensors"))
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert f.get_slice("hidden_states").get_dtype() == "F8_E4M3"
+        tokens = f.get_slice("hidden_states").get_shape()[0]
+        assert f.get_slice("hidden_states").get_shape() == [tokens, 4, 64]
+        assert f.get_slice("hidden_states_scale").get_shape() == [tokens, 4]
+        assert json.loads(f.metadata()["slot_layer_ids"]) == [1, 3, 4, 7]
+    out = open_output(fp8_run, dtype=torch.float32)
+    got: dict = {k: [] for k in ("final", "prenorm", 1, 3, 4)}
+    want: dict = {k: [] for k in got}
+    for sample in out:
+        hs, prenorm = hf_forward(tiny_lm, sample["input_ids"])
+        for k in (1, 3, 4):
+            got[k].append(sample["layers"][k])
+            want[k].append(hs[k + 1])
+        got["final"].append(sample["final_hidden_state"])
+        want["final"].append(hs[-1])
+        got["prenorm"].append(sample["final_hidden_state_prenorm"])
+        want["prenorm"].append(prenorm)
+    for k in got:
+        a, b = torch.cat(got[k]), torch.cat(want[k])
+        assert rel_l2(a, b) < 0.04, k  # fp8 e4m3 with a scale per vector: ~2.6% measured
+        assert torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).min() > 0.998, k
+    # Raw fp8 and scales on request; the default is their bfloat16 dequantization.
+    raw = open_output(fp8_run, dequantize=False)
+    default = open_output(fp8_run)
+    a, b = next(iter(raw)), next(iter(default))
+    assert a["layers"][3].dtype == torch.float8_e4m3fn and a["scales"][3].dtype == torch.float32
+    assert torch.equal((a["layers"][3].float() * a["scales"][3][:, None]).bfloat16(), b["layers"][3])
+    assert b["hidden_states"].dtype == torch.bfloat16 and b["hidden_states"].shape[1] == 3 * 64
+    assert torch.equal(a["final_hidden_state"], b["final_hidden_state"])

@@ -113,3 +113,49 @@ def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tok
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("shard-*.log"))
     assert "model loaded" in logs
     json.loads((tmp_path / "out" / "manifest.json").read_text())
+
+
+def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers(real_shape_lm):
+    """The Extractor's fp8 path on CUDA (quantized in the hooks, values and scales copied on the side stream) gives
+    exactly the quantization of the unquantized capture, with the final state as the last slot."""
+    import numpy as np
+
+    from hsextract.data import TokenizedSamples
+    from hsextract.output import StateLayout
+    from hsextract.pipeline import Extractor
+    from hsextract.plan import make_plan
+    from hsextract.states import quantize_fp8
+
+    lm = real_shape_lm
+    rng = np.random.default_rng(0)
+    lengths = [700, 1, 64, 333, 5, 128, 900, 17]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = rng.integers(0, 240000, offsets[-1], dtype=np.int32)
+    samples = TokenizedSamples(
+        sample_ids=[str(i) for i in range(len(lengths))],
+        input_ids=ids,
+        loss_mask=np.ones_like(ids, dtype=np.uint8),
+        offsets=offsets,
+    )
+    plan = make_plan(lengths, max_tokens_per_batch=2048, max_rows=16, shards=1)
+    slots = StateLayout((1, 3), 8, final_state=True).slot_layers  # (1, 3, 7)
+    device = torch.device("cuda", 0)
+
+    def capture(storage):
+        got = {}
+        ext = Extractor(
+            lm, slots, device=device, max_tokens=2048, num_slots=2, pad_token_id=0, storage_dtype=storage
+        )
+        ext.run(
+            plan.batches, samples, lambda b, t: got.update({b.batch_id: {k: v.clone() for k, v in t.items()}})
+        )
+        return got
+
+    runs = {storage: capture(storage) for storage in (None, "float8_e4m3fn")}
+    assert len(runs[None]) == len(plan.batches) > 1
+    for batch_id, plain in runs[None].items():
+        fp8 = runs["float8_e4m3fn"][batch_id]
+        q, s = quantize_fp8(plain["hidden_states"].cuda())
+        assert fp8["hidden_states"].dtype == torch.float8_e4m3fn
+        assert torch.equal(fp8["hidden_states"].view(torch.uint8), q.cpu().view(torch.uint8))
+        assert torch.equal(fp8["hidden_states_scale"], s.cpu())

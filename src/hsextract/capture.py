@@ -8,8 +8,10 @@ against the model config before any weight is loaded.
 
 The forward runs on the bare decoder stack (no lm_head). A hook on each wanted layer gathers the valid (unpadded)
 tokens of its output straight into one preallocated buffer laid out as the batch file stores it,
-``[tokens, layers, hidden]``; the hook on the deepest wanted layer then raises ``_StopForward``, so later layers,
-the final norm and the lm_head never run.
+``[tokens, slots, hidden]``; the hook on the deepest wanted layer then raises ``_StopForward``, so later layers,
+the final norm and the lm_head never run. The final state (``--final-state``) is one more wanted layer, the last
+one: its slot holds the raw output, before the final norm. With fp8 storage the hooks quantize what they gather
+(states.py), so the buffer holds fp8 values and a float32 scale per token per slot.
 """
 
 from __future__ import annotations
@@ -184,6 +186,17 @@ def base_model(lm):
     return lm.get_decoder() if hasattr(lm, "get_decoder") and lm.get_decoder() is not None else lm.base_model
 
 
+def final_norm(lm):
+    """The norm the decoder applies after its last layer (what HF's last ``output_hidden_states`` entry has)."""
+    decoder = base_model(lm)
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if getattr(decoder, name, None) is not None:
+            return getattr(decoder, name)
+    raise HsextractError(
+        f"could not find the final norm of {type(lm).__name__} (looked for norm, final_layernorm, ln_f)"
+    )
+
+
 class _StopForward(Exception):
     """Raised by the deepest hook: nothing after the last wanted layer needs to run."""
 
@@ -193,7 +206,8 @@ class GatherTarget:
     """Where the hooks of one batch write: ``out[t, j, :]`` = layer ``layer_ids[j]`` at valid token ``t``."""
 
     flat_index: object  # LongTensor [tokens] into the [rows * padded_length] positions
-    out: object  # Tensor [tokens, len(layer_ids), hidden]
+    out: object  # Tensor [tokens, len(layer_ids), hidden]; float8_e4m3fn when ``scale`` is given
+    scale: object = None  # float32 Tensor [tokens, len(layer_ids)]: fp8 storage, a scale per token per slot
 
 
 class LayerCapture:
@@ -226,11 +240,17 @@ class LayerCapture:
         self._handles.clear()
 
     def _make_hook(self, j: int, k: int):
+        from .states import quantize_fp8_  # torch; this module is imported by torch-free preparation too
+
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
             target = self._target
             flat = hidden.reshape(-1, hidden.shape[-1])
-            target.out[:, j].copy_(flat.index_select(0, target.flat_index))
+            rows = flat.index_select(0, target.flat_index)
+            if target.scale is None:
+                target.out[:, j].copy_(rows)
+            else:
+                quantize_fp8_(rows, target.out[:, j], target.scale[:, j])
             if k == self.deepest:
                 raise _StopForward
 

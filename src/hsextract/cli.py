@@ -1,4 +1,5 @@
-"""The command line: ``hsextract run | dry-run | status | verify | demo``. The only module that imports click.
+"""The command line: ``hsextract run | dry-run | status | finalize | verify | export | demo``. The only module that
+imports click.
 
 Options mirror RunConfig's fields; ``--config FILE.yaml`` fills them from a file (configs/), and options given on
 the command line override it. User errors print one message and exit with status 2.
@@ -77,6 +78,16 @@ def job_options(fn):
             help="Fused CUDA kernels for qwen3_5 (default on CUDA) or transformers' stock forward (default on CPU).",
         ),
         click.option(
+            "--final-state/--no-final-state",
+            default=None,
+            help="Also store the last layer's output before the final norm (EAGLE-3 trainers need it); "
+            "implied by --layers eagle3.",
+        ),
+        click.option(
+            "--storage-dtype",
+            type=click.Choice(["float8_e4m3fn"]),
+            help="Store states in fp8 with a float32 scale per token per layer (default: --dtype).",
+        ),
             "--num-proc",
             type=int,
             help="Processes that tokenize the dataset (default: 1 below 16 MB of data or 4 cores, else up to 16).",
@@ -324,6 +335,45 @@ def verify(output, s3_endpoint_url, workers, as_json):
         verdict = "all good" if report.ok else f"{len(report.bad)} bad"
         click.echo(f"verified {report.files} files ({size}) of {report.url}: {verdict}")
     sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("output")
+@click.argument("dest")
+@click.option(
+    "--format",
+    "fmt",
+    required=True,
+    type=click.Choice(["specforge-dflash", "specforge-eagle3", "speculators", "modelopt"]),
+    help="The trainer's offline layout (docs/EXPORT.md).",
+)
+@click.option(
+    "--draft-vocab", type=int, help="Also write the trainer's draft-vocabulary mapping for N tokens."
+)
+@click.option(
+    "--target-vocab-size", type=int, help="Target vocabulary size, for outputs whose manifest lacks it."
+)
+@click.option("--num-proc", default=4, show_default=True, help="Processes writing export files.")
+@click.option(
+    "--s3-endpoint-url", help="S3-compatible endpoint for OUTPUT and DEST (AWS_ENDPOINT_URL_S3 works too)."
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@_user_errors
+def export(output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpoint_url, no_progress):
+    """Rewrite a finished OUTPUT as the files a drafter trainer reads, into DEST; rerun to resume."""
+    from .export import export as run_export
+
+    run_export(
+        output,
+        dest,
+        fmt,
+        draft_vocab=draft_vocab,
+        target_vocab_size=target_vocab_size,
+        num_proc=num_proc,
+        endpoint_url=s3_endpoint_url,
+        show_progress=not no_progress,
+        echo=click.echo,
+    )
 
 
 @main.command()

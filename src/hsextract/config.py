@@ -22,6 +22,7 @@ DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
 ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
+STORAGE_DTYPES = ("float8_e4m3fn",)
 TOO_LONG_POLICIES = ("truncate", "skip")
 DEFAULT_STALL_TIMEOUT_S = 180.0
 
@@ -78,6 +79,15 @@ class RunConfig:
     """``fused`` (the default on CUDA: kernels.py swaps in fused norms, conv, gates and grouped-head linear
     attention; closer to a float32 forward than stock, measured) or ``stock`` (transformers' own forward; the
     default on CPU)."""
+
+    final_state: bool = False
+    """Also store the final hidden state: the last decoder layer's output before the final norm for every token
+    (the forward then runs to the last layer), and the norm's weight and epsilon once per output. EAGLE-3
+    trainers, and DFlash in speculators and ModelOpt, need it; ``layers: eagle3`` implies it."""
+
+    storage_dtype: str | None = None
+    """How states are stored: the run ``dtype`` (default), or ``float8_e4m3fn`` with a float32 scale per token
+    per layer (absmax / 448), quantized on the device: about half the bytes of bfloat16."""
 
     staging: str | None = None
     """Root of the staging directories (default ``/dev/shm/hsextract``). Each run stages in its own directory
@@ -146,6 +156,16 @@ class RunConfig:
             raise HsextractError(
                 f"--stall-timeout must be a positive number of seconds, got {self.stall_timeout_s}"
             )
+        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPES:
+            raise HsextractError(
+                f"--storage-dtype {self.storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)} "
+                "(leave it out to store states in --dtype)"
+            )
+
+    @property
+    def wants_final_state(self) -> bool:
+        """``final_state``, or implied by the ``eagle3`` preset (every EAGLE-3 trainer needs the final state)."""
+        return self.final_state or (isinstance(self.layers, str) and self.layers.strip().lower() == "eagle3")
 
     @property
     def kernel_mode(self) -> str:

@@ -7,6 +7,13 @@ neighbours k and k+2: the capture must match k+1 within the dtype's tolerance AN
 neighbours, so an off-by-one cannot pass. HF's last entry has the final norm applied; for the model's last layer
 the reference is that entry with the norm undone by comparing against the norm of the capture.
 
+With ``--final-state`` the last layer is one more row of the map: its stored slot is the raw output, and the
+proof applies the norm the reader will apply (states.FinalNorm, read from the model's own norm module) and compares
+with HF's last entry, so both the stored state and the derived ``final_hidden_state`` are proven. With fp8 storage
+the same batch also runs through the fp8 pipeline, and each row reports the fp8 states' relative L2 error and
+lowest cosine similarity against the unquantized capture (the proof of identity itself runs unquantized: fp8's
+~2.6% error is of the order of the distance between adjacent layers of a deep model).
+
 Health per layer: mean, std, absmax, NaN/Inf counts and all-zero token vectors (seen in the wild on hybrid models).
 The estimate uses the full tokenized dataset and the same plan ``run`` would use: tokens, batches per shard,
 padding waste, bytes per token, total bytes, and an ETA from the throughput measured on this machine.
@@ -23,8 +30,8 @@ import torch
 
 from . import kernels
 from .capture import (
-    base_model,
     describe_layer,
+    final_norm,
     layer_types,
     load_model_config,
     load_model_for,
@@ -33,15 +40,17 @@ from .capture import (
 )
 from .config import DTYPE_BYTES, RunConfig
 from .data import load_tokenizer
-from .output import bytes_per_token, estimate_file_bytes
+from .output import StateLayout, estimate_file_bytes
 from .pipeline import Extractor
 from .plan import BatchSpec, make_plan
-from .prepare import tokenize
+from .prepare import run_layout, tokenize
 from .progress import format_duration
 from .rundir import RunDir
+from .states import dequantize_fp8, model_final_norm
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+FP8_TOLERANCE = 5e-2  # relative L2 of the fp8 states against the unquantized capture (measured ~2.6%)
 HEADER_BYTES_PER_SAMPLE = 16  # sample id JSON in the file header, approximate
 HEADER_BYTES_FIXED = 1200
 
@@ -71,40 +80,44 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
     """Run the proof, the health check and the estimate. ``lm`` and ``_shift`` exist for tests."""
     _config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
+    layout = run_layout(cfg, layer_ids, num_layers)
     tokenizer = load_tokenizer(cfg.model)
     samples, data_report, _renamed = tokenize(cfg, tokenizer, RunDir(cfg.run_dir), echo=lambda _: None)
     device = torch_device(cfg)
     if lm is None:
         lm = load_model_for(cfg, device)
+    norm = model_final_norm(lm) if layout.final_state else None
     proof = prove_layers(
         lm,
-        layer_ids,
+        layout,
         samples,
         device=device,
         num_samples=num_samples,
         cfg=cfg,
         pad_token_id=tokenizer.pad_token_id,
+        norm=norm,
         _shift=_shift,
     )
-    layers_report, warnings = layer_health(
-        proof, layer_ids, layer_types(text), num_layers, TOLERANCE[cfg.dtype], cfg.dtype
-    )
+    layers_report, warnings = layer_health(proof, layout, layer_types(text), TOLERANCE[cfg.dtype], cfg.dtype)
     ok = all(e["ok"] for e in layers_report) and not warnings
     report = {
         "model": cfg.model,
         "num_layers": num_layers,
         "layers": layers_report,
+        "final_state": None if norm is None else {"layer": num_layers - 1, **norm.describe()},
+        "storage_dtype": layout.storage_dtype or cfg.dtype,
         "proof": {
             "samples": proof.num_samples,
             "tokens": proof.num_tokens,
             "dtype": cfg.dtype,
             "tolerance": TOLERANCE[cfg.dtype],
+            "fp8_tolerance": FP8_TOLERANCE if layout.scaled else None,
             "first_batch_s": proof.seconds,
         },
         "warnings": warnings,
         "ok": ok,
         "estimate": estimate(
-            cfg, lm, layer_ids, text.hidden_size, samples, data_report, device, tokenizer.pad_token_id
+            cfg, lm, layout, text.hidden_size, samples, data_report, device, tokenizer.pad_token_id
         ),
     }
     return DryRunResult(report=report, ok=ok)
@@ -115,17 +128,22 @@ class Proof:
     """The production path's capture of a few samples, and its distance to the reference per layer."""
 
     states: torch.Tensor
-    """[tokens, layers, hidden] float32, as the pipeline captured them."""
+    """[tokens, slots, hidden] float32, as the pipeline captured them (unquantized)."""
     errors: dict
     """layer id -> {"match": [...], "prev": [...], "next": [...]} relative errors per sample vs HF k+1, k, k+2."""
+    fp8: torch.Tensor | None
+    """[tokens, slots, hidden] float32: the same batch through the fp8 pipeline, dequantized (fp8 storage only)."""
     num_samples: int
     num_tokens: int
     seconds: float
 
 
-def prove_layers(lm, layer_ids, samples, *, device, num_samples, cfg, pad_token_id, _shift=0) -> Proof:
+def prove_layers(
+    lm, layout: StateLayout, samples, *, device, num_samples, cfg, pad_token_id, norm=None, _shift=0
+) -> Proof:
     """A few samples spread over the length distribution through the worker's Extractor (padded batch, hooks,
-    early exit, on-device gather, host copy), and one at a time through a plain HF forward."""
+    early exit, on-device gather, host copy), and one at a time through a plain HF forward. ``norm`` (the final
+    state's FinalNorm) is applied to the last layer's capture before comparing it with HF's normed last entry."""
     lengths = samples.lengths
     picks = pick_samples(lengths, num_samples, cfg.max_tokens_per_batch)
     order = sorted(picks, key=lambda i: (-lengths[i], i))
@@ -136,30 +154,40 @@ def prove_layers(lm, layer_ids, samples, *, device, num_samples, cfg, pad_token_
         padded_length=int(lengths[order[0]]),
         num_tokens=int(sum(lengths[i] for i in order)),
     )
-    captured: dict = {}
-    extractor = Extractor(
-        lm,
-        layer_ids,
-        device=device,
-        max_tokens=batch.num_tokens,
-        num_slots=1,
-        pad_token_id=pad_token_id,
-        _shift=_shift,
-    )
+    slot_layers = layout.slot_layers
 
-    def keep(b, tensors):
-        captured.update({k: v.clone() for k, v in tensors.items()})
+    def capture(storage_dtype):
+        captured: dict = {}
+        extractor = Extractor(
+            lm,
+            slot_layers,
+            device=device,
+            max_tokens=batch.num_tokens,
+            num_slots=1,
+            pad_token_id=pad_token_id,
+            storage_dtype=storage_dtype,
+            _shift=_shift,
+        )
+        extractor.run(
+            [batch], samples, lambda b, tensors: captured.update({k: v.clone() for k, v in tensors.items()})
+        )
+        return captured
 
     t0 = time.perf_counter()
-    extractor.run([batch], samples, keep)
+    captured = capture(None)
     seconds = time.perf_counter() - t0
-    states = captured["hidden_states"].float()  # [N, L, H]
+    states = captured["hidden_states"].float()  # [N, slots, H]
     cu = captured["cu_seqlens"].tolist()
+    fp8 = None
+    if layout.scaled:
+        q = capture(layout.storage_dtype)
+        fp8 = dequantize_fp8(q["hidden_states"], q["hidden_states_scale"], torch.float32)
 
     # The independent reference: unbatched HF forward per sample.
     num_layers = lm.config.get_text_config().num_hidden_layers
-    final_norm = _final_norm(lm)
-    errors = {k: {"match": [], "prev": [], "next": []} for k in layer_ids}
+    if norm is None and num_layers - 1 in slot_layers:
+        norm = final_norm(lm)  # the last layer captured without --final-state: HF's own norm module
+    errors = {k: {"match": [], "prev": [], "next": []} for k in slot_layers}
     # The reference runs transformers' own modules, never the fused ones the capture may use.
     with torch.inference_mode(), kernels.stock_forward(lm):
         for row, i in enumerate(order):
@@ -168,35 +196,41 @@ def prove_layers(lm, layer_ids, samples, *, device, num_samples, cfg, pad_token_
                 torch.as_tensor(ids, dtype=torch.long, device=device)[None], output_hidden_states=True
             ).hidden_states
             got_rows = states[cu[row] : cu[row + 1]]
-            for j, k in enumerate(layer_ids):
+            for j, k in enumerate(slot_layers):
                 got = got_rows[:, j]
-                if k + 1 == num_layers and final_norm is not None:  # HF's last entry is normed: norm ours too
-                    got = final_norm(got.to(ref[k + 1].dtype)).float()
+                if k + 1 == num_layers:  # HF's last entry is normed: norm ours too
+                    got = norm(got.to(ref[k + 1].dtype).to(device)).float().cpu()
                 errors[k]["match"].append(_rel(got, ref[k + 1][0].float().cpu()))
                 errors[k]["prev"].append(_rel(got, ref[k][0].float().cpu()))
                 if k + 2 < len(ref):
                     errors[k]["next"].append(_rel(got, ref[k + 2][0].float().cpu()))
     return Proof(
-        states=states, errors=errors, num_samples=len(order), num_tokens=batch.num_tokens, seconds=seconds
+        states=states,
+        errors=errors,
+        fp8=fp8,
+        num_samples=len(order),
+        num_tokens=batch.num_tokens,
+        seconds=seconds,
     )
 
 
-def layer_health(
-    proof: Proof, layer_ids, types, num_layers: int, tol: float, dtype: str
-) -> tuple[list, list]:
-    """Per layer: the proof's verdict (matches HF k+1 within ``tol`` and is clearly farther from k and k+2) and
-    the states' health (NaN, Inf, all-zero token vectors). Returns the rows and the warnings."""
+def layer_health(proof: Proof, layout: StateLayout, types, tol: float, dtype: str) -> tuple[list, list]:
+    """Per slot: the proof's verdict (matches HF k+1 within ``tol`` and is clearly farther from k and k+2), the
+    fp8 error (fp8 storage), and the states' health (NaN, Inf, all-zero token vectors). Returns the rows and the
+    warnings."""
     rows, warnings = [], []
-    for j, k in enumerate(layer_ids):
+    num_layers = layout.num_layers
+    for j, k in enumerate(layout.slot_layers):
         match = max(proof.errors[k]["match"])
         neighbours = proof.errors[k]["prev"] + proof.errors[k]["next"]
         nearest = min(neighbours) if neighbours else float("inf")
-        x = proof.states[:, j]
+        x = proof.states[:, j] if proof.fp8 is None else proof.fp8[:, j]
         finite = torch.isfinite(x)
         zero_rows = int((x == 0).all(dim=-1).sum())
         entry = {
             **describe_layer(k, num_layers),
             "layer_type": types[k],
+            "final_state": j == layout.final_slot,
             "rel_err_vs_hf": match,
             "rel_err_vs_neighbour_layers": nearest,
             "mean": float(x[finite].mean()) if finite.any() else float("nan"),
@@ -206,7 +240,20 @@ def layer_health(
             "inf": int(torch.isinf(x).sum()),
             "zero_tokens": zero_rows,
         }
+        if entry["final_state"]:
+            entry["captures"] = f"final state: layer {k} output, pre-norm"
         entry["ok"] = bool(match <= tol and match < nearest / 4)
+        if proof.fp8 is not None:
+            ref = proof.states[:, j].double()
+            got = proof.fp8[:, j].double()
+            entry["fp8_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+            entry["fp8_cos_min"] = torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item()
+            if not entry["fp8_rel_err"] <= FP8_TOLERANCE:
+                entry["ok"] = False
+                warnings.append(
+                    f"layer {k}: fp8 storage differs from the unquantized capture by {entry['fp8_rel_err']:.2e} "
+                    f"(tolerance {FP8_TOLERANCE:.0e})"
+                )
         if not entry["ok"]:
             if math.isfinite(match) and nearest < match:
                 warnings.append(
@@ -228,22 +275,25 @@ def layer_health(
     return rows, warnings
 
 
-def estimate(cfg: RunConfig, lm, layer_ids, hidden: int, samples, data_report, device, pad_token_id) -> dict:
-    """The plan ``run`` would make over the whole dataset, its bytes, and an ETA from a rate measured here."""
+def estimate(
+    cfg: RunConfig, lm, layout: StateLayout, hidden: int, samples, data_report, device, pad_token_id
+) -> dict:
+    """The plan ``run`` would make over the whole dataset, its bytes, and an ETA from a rate measured here (with
+    the layers the final state adds and the fp8 quantization, when asked for)."""
     plan = make_plan(
         samples.lengths.tolist(),
         max_tokens_per_batch=cfg.max_tokens_per_batch,
         max_rows=cfg.max_rows,
         shards=cfg.shards,
     )
-    itemsize = DTYPE_BYTES[cfg.dtype]
+    token_bytes = layout.bytes_per_token(hidden, DTYPE_BYTES[cfg.dtype])
     total_bytes = sum(
-        estimate_file_bytes(b.num_tokens, b.rows, len(layer_ids), hidden, itemsize)
+        estimate_file_bytes(b.num_tokens, b.rows, token_bytes)
         + HEADER_BYTES_FIXED
         + HEADER_BYTES_PER_SAMPLE * b.rows
         for b in plan.batches
     )
-    tokens_per_s, rate_batch = _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id)
+    tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
     return {
         "data": data_report.to_json(),
         "tokens": plan.num_tokens,
@@ -251,7 +301,8 @@ def estimate(cfg: RunConfig, lm, layer_ids, hidden: int, samples, data_report, d
         "batches": len(plan.batches),
         "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
         "padding_waste": plan.padding_waste,
-        "bytes_per_token": bytes_per_token(len(layer_ids), hidden, itemsize),
+        "bytes_per_token": token_bytes,
+        "layers_run": max(layout.slot_layers) + 1,
         "total_bytes": total_bytes,
         "measured_tokens_per_s": tokens_per_s,
         "measured_on": str(device),
@@ -261,12 +312,18 @@ def estimate(cfg: RunConfig, lm, layer_ids, hidden: int, samples, data_report, d
     }
 
 
-def _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id) -> tuple[float, dict]:
+def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) -> tuple[float, dict]:
     """Tokens/s of the capture path on a typical batch of the real plan (the median by padded size), timed on its
     second pass so kernel compilation stays out. The proof batch is too small to say anything about speed."""
     batch = sorted(plan.batches, key=lambda b: b.padded_tokens)[len(plan.batches) // 2]
     extractor = Extractor(
-        lm, layer_ids, device=device, max_tokens=batch.num_tokens, num_slots=2, pad_token_id=pad_token_id
+        lm,
+        layout.slot_layers,
+        device=device,
+        max_tokens=batch.num_tokens,
+        num_slots=2,
+        pad_token_id=pad_token_id,
+        storage_dtype=layout.storage_dtype,
     )
     extractor.run([batch], samples, lambda b, t: None)
     t0 = time.perf_counter()
@@ -283,39 +340,43 @@ def _measure_rate(lm, layer_ids, plan, samples, device, pad_token_id) -> tuple[f
     return batch.num_tokens / seconds, shape
 
 
-def _final_norm(lm):
-    decoder = base_model(lm)
-    return (
-        getattr(decoder, "norm", None)
-        or getattr(decoder, "final_layernorm", None)
-        or getattr(decoder, "ln_f", None)
-    )
-
-
 def format_report(report: dict) -> str:
     lines = [f"Layer map for {report['model']} ({report['num_layers']} decoder layers)"]
     lines.append(
         f"{'id':>4}  {'type':<17}{'captures':<40}{'HF idx':>7}{'vLLM id':>8}  "
         f"{'err vs HF':>10}{'vs nbrs':>9}  {'mean':>8}{'std':>8}{'absmax':>8}{'nan':>5}{'zero':>5}  ok"
     )
+    fp8 = report["proof"].get("fp8_tolerance") is not None
+    if fp8:
+        lines[-1] = lines[-1][:-4] + f"{'fp8 err':>9}{'fp8 cos':>9}  ok"
     for e in report["layers"]:
+        fp8_cols = f"{e['fp8_rel_err']:>9.2e}{e['fp8_cos_min']:>9.5f}" if fp8 else ""
         lines.append(
             f"{e['layer_id']:>4}  {e['layer_type']:<17}{e['captures']:<40}{e['hf_output_hidden_states_index']:>7}"
             f"{e['vllm_input_of_layer_id']:>8}  {e['rel_err_vs_hf']:>10.2e}{e['rel_err_vs_neighbour_layers']:>9.2e}  "
-            f"{e['mean']:>8.3f}{e['std']:>8.3f}{e['absmax']:>8.2f}{e['nan']:>5}{e['zero_tokens']:>5}  "
+            f"{e['mean']:>8.3f}{e['std']:>8.3f}{e['absmax']:>8.2f}{e['nan']:>5}{e['zero_tokens']:>5}{fp8_cols}  "
             f"{'yes' if e['ok'] else 'NO'}"
         )
     p = report["proof"]
     lines.append(
         f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}"
+        + (f"; fp8 storage within {p['fp8_tolerance']:.0e} of the unquantized capture" if fp8 else "")
     )
+    f = report.get("final_state")
+    if f:
+        lines.append(
+            f"final state: layer {f['layer']} stored before the norm; the reader's final_hidden_state applies "
+            f"RMSNorm (eps {f['eps']:g}, scale {'1 + weight' if f['rule'] == 'one_plus_weight' else 'weight'}, "
+            f"read from the model's norm) = HF output_hidden_states[-1], proven in the row above"
+        )
     est = report["estimate"]
     lines += [
         f"data: {est['samples']} samples, {est['tokens']:,} tokens ({est['data']['skipped_empty']} empty, "
         f"{est['data']['skipped_malformed']} malformed, {est['data']['truncated']} truncated, "
         f"{est['data']['skipped_too_long']} too long skipped)",
         f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
-        f"output: {est['bytes_per_token']:,} bytes/token, {est['total_bytes'] / 1e9:,.2f} GB in total",
+        f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
+        f"{est['total_bytes'] / 1e9:,.2f} GB in total; the forward runs layers 0..{est['layers_run'] - 1}",
         f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']} "
         f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
         f"ETA with {est['shards']} shard(s): {format_duration(est['eta_s'])}",

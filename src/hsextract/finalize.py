@@ -26,6 +26,7 @@ from .output import (
     done_in_output,
     done_key,
     has_manifest,
+    read_final_norm_meta,
     read_job,
     write_manifest,
 )
@@ -81,6 +82,7 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
             sample_ids=sample_ids,
             data_report=data_report,
             stored=records,
+            final_norm=read_final_norm_meta(sink) if info.final_state else None,
         )
         write_manifest(sink, manifest)
     echo(

@@ -24,6 +24,12 @@ the manifest copies them per batch. So a reader checks a file's header against t
 file and a sample against its own checksum when it reads it (one ranged read still fetches one sample), and
 ``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11 GB/s on one core, 3-4 times zlib's
 CRC32; docs/PERFORMANCE.md has the measured costs.
+
+A file's ``hidden_states`` tensor is ``[tokens, slots, hidden]`` (``StateLayout``): one slot per captured layer in
+id order, then, with the final state, one for the last decoder layer's output unless that layer is captured
+already. With fp8 storage, ``hidden_states_scale`` [tokens, slots] float32 follows it. With the final state, the
+output also holds ``final_norm.safetensors`` (the norm's weight; its epsilon and rule in the metadata), written by
+the workers once the model is loaded and named in the manifest.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import struct
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -51,12 +58,16 @@ JOB_FILES = {
 }
 """What any node, or ``hsextract finalize``, needs to finish the output without a run dir (finalize.py)."""
 DONE_PREFIX = "hsextract/done/"
+FINAL_NORM = "final_norm.safetensors"
 BATCH_FORMAT = "hsextract-batch"
-BATCH_FORMAT_VERSION = "2"
-"""2: per-sample and index checksums in the metadata (``checksums``)."""
+BATCH_FORMAT_VERSION = "3"
+"""2: per-sample and index checksums in the metadata (``checksums``). 3: ``hidden_states`` holds slots (the
+final state after the captured layers), fp8 values come with ``hidden_states_scale``; ``slot_layer_ids``,
+``final_state_slot`` and ``storage_dtype`` in the metadata."""
 OUTPUT_FORMAT = "hsextract-output"
-OUTPUT_FORMAT_VERSION = 2
-"""2: each batch's size, CRC32 and header checksum in the manifest."""
+OUTPUT_FORMAT_VERSION = 3
+"""2: each batch's size, CRC32 and header checksum in the manifest. 3: the state layout (``slot_layer_ids``,
+``final_state``, ``storage_dtype``), ``num_layers`` and ``vocab_size``."""
 
 INDEX_TENSORS = ("cu_seqlens", "sample_index")
 """A batch file's per-batch tensors; every other tensor is per-token (its first dimension is the token count)."""
@@ -73,9 +84,61 @@ CONVENTION = "output_of_decoder_layer"
 """Layer id k is the OUTPUT of decoder layer k (0-based), before the final norm: HF output_hidden_states[k + 1]."""
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """What the ``hidden_states`` tensor of every batch file holds, slot by slot, and how its values are stored."""
+
+    layer_ids: tuple[int, ...]
+    """The captured decoder-layer ids, sorted."""
+    num_layers: int
+    final_state: bool = False
+    """Whether the last decoder layer's output (before the final norm) is stored too."""
+    storage_dtype: str | None = None
+    """``float8_e4m3fn`` (values with a float32 scale per token per slot), or None: the run dtype."""
+
+    @property
+    def slot_layers(self) -> tuple[int, ...]:
+        """The decoder layer whose output each slot holds."""
+        last = self.num_layers - 1
+        extra = (last,) if self.final_state and last not in self.layer_ids else ()
+        return tuple(self.layer_ids) + extra
+
+    @property
+    def final_slot(self) -> int | None:
+        return self.slot_layers.index(self.num_layers - 1) if self.final_state else None
+
+    @property
+    def scaled(self) -> bool:
+        return self.storage_dtype is not None
+
+    def bytes_per_token(self, hidden: int, itemsize: int) -> int:
+        """Stored bytes per token: the states (``itemsize`` bytes a value unless fp8), their scales, id and mask."""
+        if self.scaled:
+            return bytes_per_token(len(self.slot_layers), hidden, 1, scale_bytes=4)
+        return bytes_per_token(len(self.slot_layers), hidden, itemsize)
+
+    def file_metadata(self) -> dict[str, str]:
+        return {
+            "slot_layer_ids": json.dumps(list(self.slot_layers)),
+            "final_state_slot": "" if self.final_slot is None else str(self.final_slot),
+            "storage_dtype": self.storage_dtype or "",
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> StateLayout:
+        """The layout a manifest describes; version 1 outputs hold the captured layers only, unscaled."""
+        ids = tuple(manifest["layer_ids"])
+        return cls(
+            ids,
+            manifest.get("num_layers") or max(ids) + 1,
+            bool(manifest.get("final_state")),
+            manifest.get("storage_dtype"),
+        )
+
+
 def run_file_metadata(
     *,
-    layer_ids,
+    layout: StateLayout,
     model: str,
     model_revision: str,
     model_config_hash: str,
@@ -87,11 +150,13 @@ def run_file_metadata(
     kernels: str,
 ) -> dict[str, str]:
     """The run-wide part of every batch file's metadata."""
+    layer_ids = layout.layer_ids
     return {
         "layer_ids": json.dumps(list(layer_ids)),
         "layer_convention": CONVENTION,
         "hf_output_hidden_states_index": json.dumps([k + 1 for k in layer_ids]),
         "pre_final_norm": "true",
+        **layout.file_metadata(),
         "model": model,
         "model_revision": model_revision,
         "model_config_hash": model_config_hash,
@@ -174,18 +239,14 @@ def read_file_head(path: str | Path) -> bytes:
     return raw
 
 
-def bytes_per_token(num_layers: int, hidden: int, itemsize: int) -> int:
-    """States of every captured layer, plus the token id (int32) and its loss-mask byte."""
-    return num_layers * hidden * itemsize + 4 + 1
+def bytes_per_token(num_slots: int, hidden: int, itemsize: int, scale_bytes: int = 0) -> int:
+    """States of every slot (and their scales), plus the token id (int32) and its loss-mask byte."""
+    return num_slots * (hidden * itemsize + scale_bytes) + 4 + 1
 
 
-def estimate_file_bytes(
-    num_tokens: int, num_samples: int, num_layers: int, hidden: int, itemsize: int
-) -> int:
-    """Bytes of a batch file's tensors (the header adds a few KB)."""
-    return (
-        num_tokens * bytes_per_token(num_layers, hidden, itemsize) + (num_samples + 1) * 8 + num_samples * 8
-    )
+def estimate_file_bytes(num_tokens: int, num_samples: int, token_bytes: int) -> int:
+    """Bytes of a batch file's tensors for ``token_bytes`` per token (the header adds a few KB)."""
+    return num_tokens * token_bytes + (num_samples + 1) * 8 + num_samples * 8
 
 
 STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
@@ -193,12 +254,24 @@ STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": s
 
 
 def build_manifest(
-    *, info, plan, dtype: str, sample_ids: list[str], data_report: dict, stored: dict[str, dict]
+    *,
+    info,
+    plan,
+    dtype: str,
+    sample_ids: list[str],
+    data_report: dict,
+    stored: dict[str, dict],
+    final_norm: dict | None = None,
 ) -> dict:
     """The manifest of a finished run: run-wide facts and every batch with its sample ids, in plan order.
 
     ``stored`` maps each batch key to what the uploader recorded of the file in its marker: ``size``, ``crc32``
-    (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes)."""
+    (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes). ``final_norm`` is
+    what ``read_final_norm_meta`` found in the output (with the final state only)."""
+    layout = info.layout
+    final = None
+    if layout.final_state:
+        final = {"slot": layout.final_slot, "layer": layout.num_layers - 1, "norm": final_norm}
     return {
         "format": OUTPUT_FORMAT,
         "format_version": OUTPUT_FORMAT_VERSION,
@@ -206,6 +279,11 @@ def build_manifest(
         "layer_ids": list(info.layer_ids),
         "layer_convention": CONVENTION,
         "layer_types": list(info.layer_types),
+        "num_layers": info.num_layers,
+        "slot_layer_ids": list(layout.slot_layers),
+        "final_state": final,
+        "storage_dtype": layout.storage_dtype,
+        "vocab_size": info.vocab_size,
         "hidden_size": info.hidden_size,
         "dtype": dtype,
         "plan_hash": plan.plan_hash,
@@ -225,6 +303,20 @@ def build_manifest(
             for b in plan.batches
         ],
     }
+
+
+def read_final_norm_meta(sink) -> dict:
+    """The final norm's description (key, epsilon, rule, dtype) from ``final_norm.safetensors``'s header, read
+    without torch; a clear error if no worker wrote it."""
+    if not sink.exists(FINAL_NORM):
+        raise HsextractError(
+            f"{sink.url} has no {FINAL_NORM}, which every worker of a --final-state run writes when it loads the "
+            "model: rerun the same command to let a worker write it"
+        )
+    head = sink.read_range(FINAL_NORM, 0, 8)
+    (n,) = struct.unpack("<Q", head)
+    meta = json.loads(sink.read_range(FINAL_NORM, 8, n)).get("__metadata__", {})
+    return {"key": FINAL_NORM, "eps": float(meta["eps"]), "rule": meta["rule"], "dtype": meta["dtype"]}
 
 
 def write_manifest(sink, manifest: dict) -> None:

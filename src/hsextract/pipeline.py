@@ -3,7 +3,8 @@
 The GPU never waits for host work:
 
 1. The main thread builds a padded batch (``build_batch``) and runs the forward; the hooks (capture.py) gather the
-   captured layers' valid tokens into a device buffer laid out as the file stores them ([tokens, layers, hidden]).
+   captured layers' valid tokens into a device buffer laid out as the file stores them ([tokens, slots, hidden]),
+   quantized to fp8 on the device when the run stores fp8 (with a [tokens, slots] float32 scale buffer beside).
 2. A side CUDA stream copies that buffer into a reused pinned host buffer as soon as the forward is done, while
    the main thread already launches the next batch.
 3. A writer thread waits for the copy and hands the host tensors to ``on_batch`` (the worker writes the file).
@@ -74,21 +75,29 @@ def build_batch(samples: TokenizedSamples, batch: BatchSpec, pad_token_id: int) 
 
 
 class Slot:
-    """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU)."""
+    """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU), and with
+    fp8 storage the same pair for the scales."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scale_numel: int = 0):
         self.device_buf = torch.empty(numel, dtype=dtype, device=device)
+        self.device_scale = torch.empty(scale_numel, dtype=torch.float32, device=device)
         if device.type == "cuda":
             self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
             self.copied = torch.cuda.Event()
         else:
             self.host_buf = self.device_buf
+            self.host_scale = self.device_scale
             self.copied = None
 
 
 class Extractor:
     """Runs batches through the hooked model and hands each batch's tensors, on the host, to ``on_batch``
-    in a writer thread, overlapping the copy and the write with the next forward."""
+    in a writer thread, overlapping the copy and the write with the next forward.
+
+    ``layer_ids`` are the layers whose outputs fill the slots, in slot order (``StateLayout.slot_layers``: the
+    captured ids, then the last layer for the final state). ``storage_dtype="float8_e4m3fn"`` stores fp8 values and
+    adds ``hidden_states_scale`` [tokens, slots] to the tensors handed to ``on_batch``."""
 
     def __init__(
         self,
@@ -99,6 +108,7 @@ class Extractor:
         max_tokens: int,
         num_slots: int,
         pad_token_id: int,
+        storage_dtype: str | None = None,
         _shift: int = 0,
     ):
         # ``_shift`` only lets the dry run's tests prove that a capture off by one layer is caught.
@@ -108,9 +118,11 @@ class Extractor:
         self.device = device
         self.pad_token_id = pad_token_id
         self.hidden = lm.config.get_text_config().hidden_size
-        self.dtype = next(lm.parameters()).dtype
+        self.scaled = storage_dtype is not None
+        self.dtype = getattr(torch, storage_dtype) if self.scaled else next(lm.parameters()).dtype
         numel = max_tokens * len(self.layer_ids) * self.hidden
-        self.slots = [Slot(numel, self.dtype, device) for _ in range(num_slots)]
+        scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
+        self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, batches, samples: TokenizedSamples, on_batch, on_forward=None, should_stop=None):
@@ -130,14 +142,18 @@ class Extractor:
                         continue
                     if slot.copied is not None:
                         slot.copied.synchronize()
-                    n = inputs.num_tokens
-                    states = slot.host_buf[: n * len(self.layer_ids) * self.hidden].view(
-                        n, len(self.layer_ids), self.hidden
+                    n, slots = inputs.num_tokens, len(self.layer_ids)
+                    states = slot.host_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
+                    scales = (
+                        {"hidden_states_scale": slot.host_scale[: n * slots].view(n, slots)}
+                        if self.scaled
+                        else {}
                     )
                     on_batch(
                         batch,
                         {
                             "hidden_states": states,
+                            **scales,
                             "input_ids": inputs.tokens_ids,
                             "loss_mask": inputs.tokens_mask,
                             "cu_seqlens": inputs.cu_seqlens,
@@ -157,15 +173,16 @@ class Extractor:
                     slot = self._take(free, failure, should_stop)
                     inputs = build_batch(samples, batch, self.pad_token_id)
                     t0 = time.perf_counter()
-                    n = inputs.num_tokens
-                    out = slot.device_buf[: n * len(self.layer_ids) * self.hidden].view(
-                        n, len(self.layer_ids), self.hidden
-                    )
+                    n, slots = inputs.num_tokens, len(self.layer_ids)
+                    out = slot.device_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
+                    scale = slot.device_scale[: n * slots].view(n, slots) if self.scaled else None
                     cap.forward(
                         inputs.input_ids.to(self.device, non_blocking=True),
                         inputs.attention_mask.to(self.device, non_blocking=True),
                         GatherTarget(
-                            flat_index=inputs.flat_index.to(self.device, non_blocking=True), out=out
+                            flat_index=inputs.flat_index.to(self.device, non_blocking=True),
+                            out=out,
+                            scale=scale,
                         ),
                     )
                     if self.copy_stream is not None:
@@ -173,6 +190,8 @@ class Extractor:
                         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
                         with torch.cuda.stream(self.copy_stream):
                             slot.host_buf[: out.numel()].copy_(out.view(-1), non_blocking=True)
+                            if scale is not None:
+                                slot.host_scale[: scale.numel()].copy_(scale.view(-1), non_blocking=True)
                             slot.copied.record(self.copy_stream)
                     work.put((slot, batch, inputs))
                     if on_forward is not None:

@@ -37,6 +37,7 @@ from .output import (
     DONE_PREFIX,
     JOB,
     JOB_FILES,
+    StateLayout,
     claim_output,
     delete_manifest,
     describe_job,
@@ -59,6 +60,11 @@ class ModelFacts:
     text_config: object
     num_layers: int
     layer_ids: tuple[int, ...]
+    layout: StateLayout
+
+
+def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> StateLayout:
+    return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype)
 
 
 def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True) -> Plan:
@@ -92,12 +98,15 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
+    layout = run_layout(cfg, layer_ids, num_layers)
     preflight(cfg.output, cfg.s3_endpoint_url)
     one_file = estimate_file_bytes(
-        cfg.max_tokens_per_batch, 1, len(layer_ids), text.hidden_size, DTYPE_BYTES[cfg.dtype]
+        cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
     )
     check_staging(cfg.staging_dir, one_file)
-    return ModelFacts(config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids)
+    return ModelFacts(
+        config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids, layout=layout
+    )
 
 
 def check_no_overlap(cfg: RunConfig) -> None:
@@ -204,6 +213,9 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer) -> dict:
         "max_tokens_per_batch": cfg.max_tokens_per_batch,
         "max_rows": cfg.max_rows,
         "random_weights": cfg.random_weights,
+        # Only when set, so that the plans of runs without them hash as they did before these options existed.
+        **({"final_state": True} if model.layout.final_state else {}),
+        **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
     }
 
 
@@ -331,8 +343,11 @@ def write_run_files(
         hidden_size=model.text_config.hidden_size,
         pad_token_id=tokenizer.pad_token_id,
         plan_hash=plan.plan_hash,
+        final_state=model.layout.final_state,
+        storage_dtype=model.layout.storage_dtype,
+        vocab_size=getattr(model.text_config, "vocab_size", None),
         file_metadata=run_file_metadata(
-            layer_ids=model.layer_ids,
+            layout=model.layout,
             model=cfg.model,
             model_revision=fp["model_revision"],
             model_config_hash=fp["model_config_hash"],

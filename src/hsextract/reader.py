@@ -8,6 +8,8 @@
     s["hidden_states"]           # [T, len(layer_ids) * hidden], the layers concatenated in id order (DFlash)
     s["layers"][16]              # [T, hidden], the output of decoder layer 16
     s["input_ids"], s["loss_mask"]
+    s["final_hidden_state"]      # [T, hidden], after the final norm = HF output_hidden_states[-1] (--final-state)
+    s["final_hidden_state_prenorm"]  # [T, hidden], the last decoder layer's raw output
 
 A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
 Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major) plus two small
@@ -19,6 +21,13 @@ its rows must match the sample's checksum (output.py defines the checksums). ``o
 skips the checksums for speed (docs/PERFORMANCE.md has the cost); the structure is checked either way. Whatever is
 wrong with a file (missing, empty, truncated, a garbled or oversized header, a missing tensor, a checksum
 mismatch) raises ``CorruptOutputError`` naming the file and the problem; ``hsextract verify`` checks every file.
+
+fp8 outputs (``--storage-dtype float8_e4m3fn``) are dequantized to bfloat16 (``dtype=``) by default;
+``open_output(path, dequantize=False)`` gives the stored fp8 values instead, with ``s["scales"][k]`` [T] float32
+per layer (value = fp8 * scale), ``s["hidden_states_scale"]`` [T, layers] and
+``s["final_hidden_state_prenorm_scale"]`` [T]; ``final_hidden_state`` is still derived from the dequantized state.
+The final state's slot is part of the sample's states (the same read); the normed final state is computed here from
+the stored one with the model's own norm rule (states.py).
 """
 
 from __future__ import annotations
@@ -39,11 +48,13 @@ from .output import (
     INDEX_TENSORS,
     MANIFEST,
     MAX_HEADER_BYTES,
+    StateLayout,
     header_checksum,
     new_checksum,
     read_manifest,
     update_checksum,
 )
+from .states import FinalNorm, dequantize_fp8, read_final_norm
 from .storage import open_sink
 from .writer import SAFETENSORS_DTYPES
 
@@ -296,7 +307,7 @@ class BatchFile:
     def read_all(self, name: str) -> torch.Tensor:
         return self.read_rows(name, 0, self.tensors[name].shape[0])
 
-    def sample(self, row: int, layer_ids: tuple[int, ...]) -> dict:
+    def sample(self, row: int, view: SampleView) -> dict:
         a, b = self.cu_seqlens[row], self.cu_seqlens[row + 1]
         raw = {name: self._rows(name, a, b) for name in self.header.per_token}
         if self.verify:
@@ -312,17 +323,51 @@ class BatchFile:
             name: _tensor(raw[name], self.tensors[name].dtype, (b - a, *self.tensors[name].shape[1:]))
             for name in self.header.per_token
         }
-        states = tensors.pop("hidden_states")  # [T, L, H]
-        if states.dim() != 3 or states.shape[1] != len(layer_ids):
-            raise self.damaged(f"holds states of shape {list(states.shape)} for layers {list(layer_ids)}")
+        states = tensors.pop("hidden_states")  # [T, slots, H]
+        slots = view.layout.slot_layers
+        if states.dim() != 3 or states.shape[1] != len(slots):
+            raise self.damaged(f"holds states of shape {list(states.shape)} for the layers {list(slots)}")
+        scale = tensors.pop("hidden_states_scale", None)  # [T, slots] with fp8 storage
+        if view.layout.scaled and (scale is None or tuple(scale.shape) != tuple(states.shape[:2])):
+            raise self.damaged("stores fp8 states without a scale for each token of each layer")
         return {
             **tensors,
             "sample_id": self.sample_ids[row],
             "input_ids": tensors["input_ids"].long(),
             "loss_mask": tensors["loss_mask"].bool(),
-            "layers": {k: states[:, j] for j, k in enumerate(layer_ids)},
-            "hidden_states": states.reshape(b - a, -1),
+            **view.states(states, scale),
         }
+
+
+@dataclass(frozen=True)
+class SampleView:
+    """How a sample's stored slots become the keys a trainer reads."""
+
+    layout: StateLayout
+    final_norm: FinalNorm | None
+    dequantize: bool = True
+    dtype: torch.dtype = torch.bfloat16
+
+    def states(self, states: torch.Tensor, scale: torch.Tensor | None) -> dict:
+        ids, n = self.layout.layer_ids, len(self.layout.layer_ids)
+        tokens = states.shape[0]
+        out: dict = {}
+        if scale is not None and self.dequantize:
+            states, scale = dequantize_fp8(states, scale, self.dtype), None
+        out["layers"] = {k: states[:, j] for j, k in enumerate(ids)}
+        out["hidden_states"] = states[:, :n].reshape(tokens, -1)
+        if scale is not None:
+            out["scales"] = {k: scale[:, j] for j, k in enumerate(ids)}
+            out["hidden_states_scale"] = scale[:, :n]
+        f = self.layout.final_slot
+        if f is not None:
+            prenorm = states[:, f]
+            out["final_hidden_state_prenorm"] = prenorm
+            if scale is not None:
+                out["final_hidden_state_prenorm_scale"] = scale[:, f]
+                prenorm = dequantize_fp8(prenorm, scale[:, f], self.dtype)
+            out["final_hidden_state"] = self.final_norm(prenorm)
+        return out
 
 
 class Output:
@@ -335,6 +380,9 @@ class Output:
         cache_files: int = 8,
         retry_deadline_s: float = 120,
         verify: bool = True,
+        *,
+        dequantize: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
@@ -348,6 +396,9 @@ class Output:
         self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest
         self._entries = {batch["key"]: batch for batch in self.manifest["batches"]}
+        self.layout = StateLayout.from_manifest(self.manifest)
+        norm = read_final_norm(self.sink) if self.layout.final_state else None
+        self._view = SampleView(self.layout, norm, dequantize, dtype)
         self._where: dict[str, tuple[str, int]] = {}
         self._order: list[str] = []
         for batch in self.manifest["batches"]:
@@ -366,6 +417,16 @@ class Output:
     def sample_ids(self) -> list[str]:
         return list(self._order)
 
+    def batch_file(self, key: str) -> BatchFile:
+        """The batch file under ``key`` (header cached): ``read_all("input_ids")``, ``cu_seqlens``..."""
+        return self._file(key)
+
+    def batch_samples(self, key: str):
+        """Every sample of one batch file, in row order."""
+        f = self._file(key)
+        for row in range(len(f.sample_ids)):
+            yield f.sample(row, self._view)
+
     def _file(self, key: str) -> BatchFile:
         f = self._files.pop(key, None) or BatchFile(self.sink, key, self._entries[key], verify=self.verify)
         self._files[key] = f
@@ -378,19 +439,31 @@ class Output:
             key, row = self._where[str(sample_id)]
         except KeyError:
             raise KeyError(f"sample {sample_id!r} is not in this output") from None
-        return self._file(key).sample(row, self.layer_ids)
+        return self._file(key).sample(row, self._view)
 
     def __iter__(self):
         for batch in self.manifest["batches"]:
-            f = self._file(batch["key"])
-            for row in range(len(batch["sample_ids"])):
-                yield f.sample(row, self.layer_ids)
+            yield from self.batch_samples(batch["key"])
 
 
 def open_output(
-    path: str, endpoint_url: str | None = None, *, retry_deadline_s: float = 120, verify: bool = True
+    path: str,
+    endpoint_url: str | None = None,
+    *,
+    retry_deadline_s: float = 120,
+    verify: bool = True,
+    dequantize: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Output:
     """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading. Transient S3 errors are
     retried for ``retry_deadline_s`` seconds before a read fails. With ``verify`` (the default) every header and
-    sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``."""
-    return Output(str(path), endpoint_url, retry_deadline_s=retry_deadline_s, verify=verify)
+    sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``. fp8 states are
+    dequantized to ``dtype`` unless ``dequantize=False``."""
+    return Output(
+        str(path),
+        endpoint_url,
+        retry_deadline_s=retry_deadline_s,
+        verify=verify,
+        dequantize=dequantize,
+        dtype=dtype,
+    )

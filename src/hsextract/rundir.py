@@ -266,6 +266,19 @@ class RunInfo:
     plan_hash: str
     file_metadata: dict
     """Run-wide string metadata every batch file carries (output.py builds it)."""
+    final_state: bool = False
+    """The last decoder layer's output is stored too (``--final-state``)."""
+    storage_dtype: str | None = None
+    """``float8_e4m3fn``, or None: states stored in the run dtype."""
+    vocab_size: int | None = None
+    """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
+
+    @property
+    def layout(self):
+        """What the run's batch files hold, slot by slot (output.StateLayout)."""
+        from .output import StateLayout  # output.py imports storage.py, which imports this module
+
+        return StateLayout(self.layer_ids, self.num_layers, self.final_state, self.storage_dtype)
 
     def save(self, run_dir: RunDir) -> None:
         write_json(run_dir.info_file, asdict(self))

@@ -327,7 +327,8 @@ class S3Sink(Sink):
         def abort_all() -> int:
             paginator = self._client.get_paginator("list_multipart_uploads")
             aborted = 0
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._object_key(prefix)):
+            base = f"{self.prefix}/" if self.prefix else ""  # as list_keys: "" is the whole sink
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
                 for upload in page.get("Uploads", []):
                     self._client.abort_multipart_upload(
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]

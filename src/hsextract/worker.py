@@ -47,6 +47,7 @@ from .plan import BatchSpec, Plan
 from .procs import Terminated, log_to_file, stop_on_signals
 from .progress import ShardProgress, stall_note
 from .rundir import RunDir, RunInfo, atomic_write, shard_name
+from .states import model_final_norm, write_final_norm
 from .storage import open_sink
 from .uploader import Uploader
 from .writer import read_metadata, write_batch_file
@@ -287,8 +288,7 @@ class ShardRun:
 
     def _write_batch(self, batch: BatchSpec, tensors: dict) -> None:
         """Writer thread: file into staging (tmp + rename), then to the uploader."""
-        hs = tensors["hidden_states"]
-        self._wait_for_budget(hs.numel() * hs.element_size())
+        self._wait_for_budget(sum(t.numel() * t.element_size() for t in tensors.values()))
         sample_ids = [self.sample_ids[i] for i in batch.sample_indices]
         meta = batch_metadata(
             run_meta=self.info.file_metadata,
@@ -419,13 +419,18 @@ class ShardRun:
         with self._ticking("loading"):
             lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
+        layout = self.info.layout
+        if layout.final_state:
+            # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.
+            write_final_norm(open_sink(cfg.output, cfg.s3_endpoint_url), model_final_norm(lm))
         extractor = Extractor(
             lm,
-            self.info.layer_ids,
+            layout.slot_layers,
             device=device,
             max_tokens=max(b.num_tokens for b in todo),
             num_slots=cfg.pinned_buffers,
             pad_token_id=self.info.pad_token_id,
+            storage_dtype=layout.storage_dtype,
         )
         self.t_start = self._idle_from = time.time()
         self._save_progress("running")

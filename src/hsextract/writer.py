@@ -46,6 +46,7 @@ SAFETENSORS_DTYPES = {
     torch.int32: "I32",
     torch.int64: "I64",
     torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 
 
