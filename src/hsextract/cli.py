@@ -88,6 +88,7 @@ def job_options(fn):
             type=click.Choice(["float8_e4m3fn"]),
             help="Store states in fp8 with a float32 scale per token per layer (default: --dtype).",
         ),
+        click.option(
             "--num-proc",
             type=int,
             help="Processes that tokenize the dataset (default: 1 below 16 MB of data or 4 cores, else up to 16).",
