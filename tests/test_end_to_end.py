@@ -143,3 +143,37 @@ def test_fp8_storage_is_within_fp8_error_of_hf_and_raw_values_come_on_request(fp
     assert torch.equal((a["layers"][3].float() * a["scales"][3][:, None]).bfloat16(), b["layers"][3])
     assert b["hidden_states"].dtype == torch.bfloat16 and b["hidden_states"].shape[1] == 3 * 64
     assert torch.equal(a["final_hidden_state"], b["final_hidden_state"])
+
+
+def test_a_replaced_final_norm_is_refused_by_the_reader_and_named_by_verify(fp8_run):
+    """final_norm.safetensors is covered by the manifest: a norm weight changed after the run would silently shift
+    every normed final state, so the reader refuses it and ``verify`` names it."""
+    from safetensors.torch import load, save
+
+    from hsextract.errors import CorruptOutputError
+    from hsextract.verify import verify_output
+
+    path = fp8_run / "final_norm.safetensors"
+    manifest = json.loads((fp8_run / "manifest.json").read_text())
+    assert (
+        manifest["final_state"]["norm"]["xxh3"]
+        and manifest["final_state"]["norm"]["size"] == path.stat().st_size
+    )
+    original = path.read_bytes()
+    tensors = load(original)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors["weight"] = tensors["weight"] * 1.01  # a slightly different norm, same shape, same metadata
+    try:
+        path.write_bytes(save(tensors, metadata=meta))
+        with pytest.raises(CorruptOutputError, match="final_norm.safetensors: is .* the manifest recorded"):
+            open_output(fp8_run)
+        report = verify_output(str(fp8_run), show_progress=False)
+        assert [e.key for e in report.bad] == ["final_norm.safetensors"], report.as_dict()
+        assert next(iter(open_output(fp8_run, verify=False)))["final_hidden_state"] is not None
+        path.unlink()
+        with pytest.raises(CorruptOutputError, match="final_norm.safetensors: does not exist"):
+            open_output(fp8_run)
+    finally:
+        path.write_bytes(original)
+    assert verify_output(str(fp8_run), show_progress=False).ok

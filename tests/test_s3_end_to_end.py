@@ -37,6 +37,7 @@ from conftest import (
 from damage import DAMAGED_ROW, flip_in_states
 from s3server import S3Endpoint, aws_test_env, cli_env, free_port, s3, s3_bucket  # noqa: F401
 
+from hsextract.config import run_staging_dir
 from hsextract.errors import CorruptOutputError
 from hsextract.output import JOB
 from hsextract.plan import Plan
@@ -336,7 +337,8 @@ def test_tiny_staging_budget_makes_workers_wait_not_fail(
 def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batch_once(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
 ):
-    run_dir, staging = tmp_path / "run", tmp_path / "staging" / "shard-00000"
+    run_dir = tmp_path / "run"
+    staging = run_staging_dir(str(tmp_path / "staging"), run_dir) / "shard-00000"
     args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket)
     shard0_total = sum(key.startswith("shard-00000/") for key in local_files(reference))
 

@@ -123,7 +123,7 @@ def test_stopped_uploader_is_printed_by_the_launcher_naming_shard_and_pid(upload
 def test_stopped_uploader_is_warned_in_the_worker_log(uploader_stopped):
     root, seen = uploader_stopped
     log = (root / "run" / "logs" / "shard-00000.log").read_text()
-    warning = next(ln for ln in log.splitlines() if "WARNING" in ln and "stalled" in ln)
+    warning = next(ln for ln in log.splitlines() if "WARNING" in ln and "stalled:" in ln)
     assert f"uploader pid {seen['uploader']} stalled: no heartbeat" in warning
     assert f"uploader pid {seen['uploader']} recovered" in log
 

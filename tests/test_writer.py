@@ -38,7 +38,8 @@ def test_same_inputs_give_byte_identical_files(tmp_path):
 def test_checksums_cover_every_per_token_tensor_so_a_flip_in_an_added_one_is_caught(tmp_path):
     """A per-token tensor the writer does not know by name (fp8 scales, say) is covered by the sample checksums."""
     from hsextract.errors import CorruptOutputError
-    from hsextract.reader import BatchFile
+    from hsextract.output import StateLayout
+    from hsextract.reader import BatchFile, SampleView
     from hsextract.storage import LocalSink
     from hsextract.writer import write_batch_file
 
@@ -61,7 +62,8 @@ def test_checksums_cover_every_per_token_tensor_so_a_flip_in_an_added_one_is_cau
     assert checksums["per_token_tensors"] == ["hidden_states", "input_ids", "loss_mask", "scales"]
     assert checksums["index_tensors"] == ["cu_seqlens", "sample_index"]
     batch = BatchFile(LocalSink(tmp_path), path.name)
-    assert torch.equal(batch.sample(1, (1, 2, 3))["scales"], tensors["scales"][30:])
+    view = SampleView(StateLayout(layer_ids=(1, 2, 3), num_layers=4), final_norm=None)
+    assert torch.equal(batch.sample(1, view)["scales"], tensors["scales"][30:])
 
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     start = 8 + header_len + json.loads(path.read_bytes()[8 : 8 + header_len])["scales"]["data_offsets"][0]
@@ -69,9 +71,9 @@ def test_checksums_cover_every_per_token_tensor_so_a_flip_in_an_added_one_is_cau
     raw[start + 30 * 3 * 4 + 1] ^= 0x01  # one bit of sample b's first scale
     path.write_bytes(raw)
     batch = BatchFile(LocalSink(tmp_path), path.name)
-    assert torch.equal(batch.sample(0, (1, 2, 3))["scales"], tensors["scales"][:30])  # sample a is intact
+    assert torch.equal(batch.sample(0, view)["scales"], tensors["scales"][:30])  # sample a is intact
     try:
-        batch.sample(1, (1, 2, 3))
+        batch.sample(1, view)
     except CorruptOutputError as e:
         assert "sample 'b' (row 1" in str(e) and str(path) in str(e)
     else:

@@ -306,17 +306,40 @@ def build_manifest(
 
 
 def read_final_norm_meta(sink) -> dict:
-    """The final norm's description (key, epsilon, rule, dtype) from ``final_norm.safetensors``'s header, read
-    without torch; a clear error if no worker wrote it."""
+    """The final norm's description (key, epsilon, rule, dtype) from ``final_norm.safetensors``, with the file's
+    ``size`` and ``xxh3`` that the manifest records (the file is one vector: read whole); read without torch; a
+    clear error if no worker wrote it."""
     if not sink.exists(FINAL_NORM):
         raise HsextractError(
             f"{sink.url} has no {FINAL_NORM}, which every worker of a --final-state run writes when it loads the "
             "model: rerun the same command to let a worker write it"
         )
-    head = sink.read_range(FINAL_NORM, 0, 8)
-    (n,) = struct.unpack("<Q", head)
-    meta = json.loads(sink.read_range(FINAL_NORM, 8, n)).get("__metadata__", {})
-    return {"key": FINAL_NORM, "eps": float(meta["eps"]), "rule": meta["rule"], "dtype": meta["dtype"]}
+    data = sink.get_bytes(FINAL_NORM)
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
+        described = {"eps": float(meta["eps"]), "rule": meta["rule"], "dtype": meta["dtype"]}
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptOutputError(sink.url, FINAL_NORM, f"is not a final norm hsextract wrote ({e})") from None
+    checksum = new_checksum()
+    update_checksum(checksum, data)
+    return {"key": FINAL_NORM, **described, "size": len(data), "xxh3": checksum.hexdigest()}
+
+
+def check_final_norm(sink, recorded: dict, data: bytes) -> None:
+    """Raise ``CorruptOutputError`` if ``data`` (``final_norm.safetensors`` as read) is not the file the manifest
+    recorded in ``recorded`` (its ``final_state.norm``). Manifests from before the checksum record none: no check."""
+    if "xxh3" not in recorded:
+        return
+    checksum = new_checksum()
+    update_checksum(checksum, data)
+    if len(data) != recorded["size"] or checksum.hexdigest() != recorded["xxh3"]:
+        raise CorruptOutputError(
+            sink.url,
+            FINAL_NORM,
+            f"is {len(data)} bytes with checksum {checksum.hexdigest()}; the manifest recorded {recorded['size']} "
+            f"bytes with checksum {recorded['xxh3']}: it was altered or replaced after the run",
+        )
 
 
 def write_manifest(sink, manifest: dict) -> None:

@@ -397,7 +397,9 @@ class Output:
         self.metadata: dict = self.manifest
         self._entries = {batch["key"]: batch for batch in self.manifest["batches"]}
         self.layout = StateLayout.from_manifest(self.manifest)
-        norm = read_final_norm(self.sink) if self.layout.final_state else None
+        norm = None
+        if self.layout.final_state:
+            norm = read_final_norm(self.sink, self.manifest["final_state"]["norm"], verify=verify)
         self._view = SampleView(self.layout, norm, dequantize, dtype)
         self._where: dict[str, tuple[str, int]] = {}
         self._order: list[str] = []
