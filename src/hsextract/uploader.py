@@ -180,6 +180,7 @@ class Uploader:
                 return
             if kind == "done":
                 self._unreported.append(value)
+                self._heartbeat_at = time.time()  # a finished upload is as good a sign of life as a heartbeat
             elif kind == "heartbeat":
                 self._heartbeat_at = value
             else:

@@ -398,6 +398,7 @@ class ShardRun:
         while len(self.done) < len(self.batches):
             self._tick()
             time.sleep(0.1)
+        self._check_stall(time.time())  # a stall that ended within the last refresh is logged as recovered
         self._mark_done(self.uploader.close())
         self.uploader = None
         self.progress.uploader_pid, self.progress.uploader_heartbeat_at = 0, None
