@@ -39,7 +39,7 @@ from s3server import S3Endpoint, aws_test_env, cli_env, free_port, s3, s3_bucket
 
 from hsextract.config import run_staging_dir
 from hsextract.errors import CorruptOutputError
-from hsextract.output import JOB
+from hsextract.output import DONE_PREFIX, JOB
 from hsextract.plan import Plan
 from hsextract.progress import ShardProgress
 from hsextract.reader import open_output
@@ -372,11 +372,28 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
     )
     assert f"{PREFIX}/manifest.json" not in s3.object_keys(s3_bucket), "a manifest for an incomplete output"
 
+    recorded_before_rerun = s3.object_keys(s3_bucket)
+    marked_before_rerun = {k for k in RunDir(run_dir).done_keys() if k.startswith("shard-00000/")}
     log_start = shard_log(run_dir, 0).stat().st_size
     rerun = succeeded(hsextract(args))
     assert "shards already complete: [1]" in rerun.stdout
     with open(shard_log(run_dir, 0)) as f:
         f.seek(log_start)
         session = f.read()
-    assert f"resume: {marked} batches done, {len(left)} staged to upload" in session
+    # A batch whose upload and completion record were made before the kill, but not its local marker, is adopted
+    # from the output as done, not uploaded again.
+    recorded = {
+        key.removeprefix(f"{PREFIX}/{DONE_PREFIX}").removesuffix(".json")
+        for key in recorded_before_rerun
+        if key.startswith(f"{PREFIX}/{DONE_PREFIX}shard-00000/")
+    }
+    done = marked_before_rerun | recorded
+    staged_left = [name for name in left if f"shard-00000/{name}" not in recorded]
+    resume_line = next(ln for ln in session.splitlines() if "resume: " in ln)
+    assert f"resume: {len(done)} batches done, {len(staged_left)} staged to upload" in resume_line, (
+        resume_line,
+        marked,
+        left,
+        sorted(recorded),
+    )
     assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)
