@@ -163,9 +163,12 @@ def test_a_replaced_final_norm_is_refused_by_the_reader_and_named_by_verify(fp8_
     tensors = load(original)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-    tensors["weight"] = tensors["weight"] * 1.01  # a slightly different norm, same shape, same metadata
+    # A different norm, same shape, same metadata (Qwen3.5 stores w of `1 + w`, zeros in a fresh model: add to it).
+    tensors["weight"] = tensors["weight"] + 0.25
+    replaced = save(tensors, metadata=meta)
+    assert replaced != original and len(replaced) == len(original)
     try:
-        path.write_bytes(save(tensors, metadata=meta))
+        path.write_bytes(replaced)
         with pytest.raises(CorruptOutputError, match="final_norm.safetensors: is .* the manifest recorded"):
             open_output(fp8_run)
         report = verify_output(str(fp8_run), show_progress=False)
