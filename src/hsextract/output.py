@@ -315,31 +315,45 @@ def read_final_norm_meta(sink) -> dict:
             "model: rerun the same command to let a worker write it"
         )
     data = sink.get_bytes(FINAL_NORM)
+    return {"key": FINAL_NORM, **describe_final_norm(sink, data), "size": len(data), "xxh3": _xxh3(data)}
+
+
+def describe_final_norm(sink, data: bytes) -> dict:
+    """Epsilon, rule and dtype from the header metadata of ``final_norm.safetensors`` as read (``data``)."""
     try:
         (n,) = struct.unpack("<Q", data[:8])
         meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
-        described = {"eps": float(meta["eps"]), "rule": meta["rule"], "dtype": meta["dtype"]}
-    except (struct.error, ValueError, KeyError, TypeError) as e:
+        return {"eps": float(meta["eps"]), "rule": meta["rule"], "dtype": meta["dtype"]}
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptOutputError(sink.url, FINAL_NORM, f"is not a final norm hsextract wrote ({e})") from None
-    checksum = new_checksum()
-    update_checksum(checksum, data)
-    return {"key": FINAL_NORM, **described, "size": len(data), "xxh3": checksum.hexdigest()}
 
 
-def check_final_norm(sink, recorded: dict, data: bytes) -> None:
-    """Raise ``CorruptOutputError`` if ``data`` (``final_norm.safetensors`` as read) is not the file the manifest
-    recorded in ``recorded`` (its ``final_state.norm``). Manifests from before the checksum record none: no check."""
-    if "xxh3" not in recorded:
-        return
-    checksum = new_checksum()
-    update_checksum(checksum, data)
-    if len(data) != recorded["size"] or checksum.hexdigest() != recorded["xxh3"]:
+def read_checked_final_norm(sink, recorded: dict, *, verify: bool = True) -> bytes:
+    """The bytes of ``final_norm.safetensors``; with ``verify``, ``CorruptOutputError`` unless they are the file
+    the manifest recorded in ``recorded`` (its ``final_state.norm``; manifests from before the checksum record
+    none, and are not checked). A missing file is a ``CorruptOutputError`` either way."""
+    try:
+        data = sink.get_bytes(recorded["key"])
+    except FileNotFoundError:
         raise CorruptOutputError(
-            sink.url,
-            FINAL_NORM,
-            f"is {len(data)} bytes with checksum {checksum.hexdigest()}; the manifest recorded {recorded['size']} "
-            f"bytes with checksum {recorded['xxh3']}: it was altered or replaced after the run",
-        )
+            sink.url, recorded["key"], "does not exist (listed in the manifest)"
+        ) from None
+    if verify and "xxh3" in recorded:
+        got = _xxh3(data)
+        if len(data) != recorded["size"] or got != recorded["xxh3"]:
+            raise CorruptOutputError(
+                sink.url,
+                recorded["key"],
+                f"is {len(data)} bytes with checksum {got}; the manifest recorded {recorded['size']} bytes with "
+                f"checksum {recorded['xxh3']}: it was altered or replaced after the run",
+            )
+    return data
+
+
+def _xxh3(data: bytes) -> str:
+    checksum = new_checksum()
+    update_checksum(checksum, data)
+    return checksum.hexdigest()
 
 
 def write_manifest(sink, manifest: dict) -> None:

@@ -21,7 +21,6 @@ probe and keeps the rule that reproduces it; a norm that follows neither (a Laye
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -153,27 +152,17 @@ def write_final_norm(sink, norm: FinalNorm) -> None:
 def read_final_norm(sink, recorded: dict, *, verify: bool = True) -> FinalNorm:
     """The final norm a ``--final-state`` output holds; ``recorded`` is the manifest's ``final_state.norm``, which
     the file's bytes are checked against when ``verify``."""
-    import struct
-
     from safetensors.torch import load
 
     from .errors import CorruptOutputError
-    from .output import check_final_norm
+    from .output import describe_final_norm, read_checked_final_norm
 
-    try:
-        data = sink.get_bytes(recorded["key"])
-    except FileNotFoundError:
-        raise CorruptOutputError(
-            sink.url, recorded["key"], "does not exist (listed in the manifest)"
-        ) from None
-    if verify:
-        check_final_norm(sink, recorded, data)
+    data = read_checked_final_norm(sink, recorded, verify=verify)
+    meta = describe_final_norm(sink, data)
     try:
         weight = load(data)["weight"]
-        (n,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8 : 8 + n])["__metadata__"]
-        return FinalNorm(weight=weight, eps=float(meta["eps"]), rule=meta["rule"])
     except Exception as e:  # noqa: BLE001 - any unreadable file is a damaged output
         raise CorruptOutputError(
             sink.url, recorded["key"], f"is not a final norm hsextract wrote ({e})"
         ) from None
+    return FinalNorm(weight=weight, eps=meta["eps"], rule=meta["rule"])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from .errors import CorruptOutputError, HsextractError
-from .output import MANIFEST, check_final_norm, new_checksum, read_manifest, update_checksum
+from .output import MANIFEST, new_checksum, read_checked_final_norm, read_manifest, update_checksum
 from .reader import BatchFile
 from .storage import Sink, open_sink
 
@@ -158,18 +158,9 @@ def verify_output(
             report.bad = [e for e in pool.map(check, batches) if e is not None]
     final = manifest.get("final_state")
     if final and final.get("norm"):
-        norm = final["norm"]
         report.files += 1
         try:
-            data = sink.get_bytes(norm["key"])
-        except FileNotFoundError:
-            report.bad.append(
-                CorruptOutputError(sink.url, norm["key"], "does not exist (listed in the manifest)")
-            )
-        else:
-            report.bytes += len(data)
-            try:
-                check_final_norm(sink, norm, data)
-            except CorruptOutputError as e:
-                report.bad.append(e)
+            report.bytes += len(read_checked_final_norm(sink, final["norm"]))
+        except CorruptOutputError as e:
+            report.bad.append(e)
     return report
