@@ -25,8 +25,8 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from hsextract.data import load_samples  # noqa: E402
 from hsextract.demo import TOOLS, _sentence, build_tokenizer, make_conversations, write_jsonl  # noqa: E402
+from hsextract.prepare.tokenize import load_samples  # noqa: E402
 
 
 def long_conversations(n: int, seed: int = 0) -> list[dict]:

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint  # noqa: E402
 
-from hsextract.storage import MiB  # noqa: E402
-from hsextract.uploader import Uploader  # noqa: E402
+from hsextract.run.uploader import Uploader  # noqa: E402
+from hsextract.storage.base import MiB  # noqa: E402
 
 
 def stage(staging: Path, files: int, size: int) -> list[tuple[Path, str]]:

@@ -24,18 +24,12 @@ from pathlib import Path
 import torch
 import xxhash
 
-from hsextract.output import (
-    MANIFEST,
-    OUTPUT_FORMAT,
-    OUTPUT_FORMAT_VERSION,
-    batch_metadata,
-    header_checksum,
-    read_file_head,
-)
+from hsextract.format.batch import batch_metadata, header_checksum, read_file_head
+from hsextract.format.manifest import MANIFEST, OUTPUT_FORMAT, OUTPUT_FORMAT_VERSION
 from hsextract.reader import open_output
-from hsextract.storage import read_with_crc32
+from hsextract.run.writer import batch_checksums, write_batch_file, write_safetensors
+from hsextract.storage.base import read_with_crc32
 from hsextract.verify import verify_output
-from hsextract.writer import batch_checksums, write_batch_file, write_safetensors
 
 LAYERS, HIDDEN = (1, 16, 31, 46, 61), 5120
 

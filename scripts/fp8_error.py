@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hsextract.states import dequantize_fp8, quantization_error, quantize_fp8  # noqa: E402
+from hsextract.format.fp8 import dequantize_fp8, quantization_error, quantize_fp8  # noqa: E402
 
 
 def tiny_model_errors(num_conversations: int = 40) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from hsextract.capture import load_model
     from hsextract.demo import build_model, make_conversations
+    from hsextract.model.load import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "tiny")
@@ -93,10 +93,11 @@ def synthetic_errors(tokens: int = 4096, hidden: int = 5120, seed: int = 0) -> l
 def gpu_errors(config: str, layers: str = "dflash", tokens: int = 16_384) -> list[dict]:
     from bench import realistic_samples
 
-    from hsextract.capture import load_model, resolve_layer_ids
-    from hsextract.output import StateLayout
-    from hsextract.pipeline import Extractor
-    from hsextract.plan import make_plan
+    from hsextract.format.batch import StateLayout
+    from hsextract.model.layers import resolve_layer_ids
+    from hsextract.model.load import load_model
+    from hsextract.prepare.plan import make_plan
+    from hsextract.run.pipeline import Extractor
 
     lm = load_model(config, dtype="bfloat16", device="cuda", random_weights=True)
     n = lm.config.num_hidden_layers

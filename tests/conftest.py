@@ -22,7 +22,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model):
-    from hsextract.capture import load_model
+    from hsextract.model.load import load_model
 
     return load_model(str(tiny_model), dtype="float32", device="cpu")
 
@@ -170,7 +170,8 @@ def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN
 
 
 def marker_count(run_dir: Path, shard: int | None = None) -> int:
-    from hsextract.rundir import RunDir, shard_name
+    from hsextract.format.keys import shard_name
+    from hsextract.run.rundir import RunDir
 
     keys = RunDir(run_dir).done_keys()
     return len(keys) if shard is None else sum(k.startswith(f"{shard_name(shard)}/") for k in keys)

@@ -1,16 +1,10 @@
 import pytest
 import torch
 
-from hsextract.capture import (
-    GatherTarget,
-    LayerCapture,
-    dflash_layer_ids,
-    eagle3_layer_ids,
-    load_model,
-    load_model_config,
-    resolve_layer_ids,
-)
 from hsextract.errors import HsextractError
+from hsextract.model.capture import GatherTarget, LayerCapture
+from hsextract.model.layers import dflash_layer_ids, eagle3_layer_ids, resolve_layer_ids
+from hsextract.model.load import load_model, load_model_config
 
 
 def test_presets_match_published_defaults_for_64_layers():
@@ -161,7 +155,7 @@ def test_any_causal_lm_works_llama(tmp_path):
 
 
 def test_fp8_capture_quantizes_each_gathered_vector_on_the_device(tiny_lm):
-    from hsextract.states import FP8, quantize_fp8
+    from hsextract.format.fp8 import FP8, quantize_fp8
 
     torch.manual_seed(2)
     seqs = [torch.randint(1, 500, (n,)) for n in (23, 4, 11)]

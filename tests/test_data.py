@@ -9,17 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from hsextract import data, demo
-from hsextract.data import (
-    DataReport,
-    TokenizedSamples,
-    data_fingerprint,
-    load_samples,
-    read_rows,
-    tokenizer_fingerprint,
-)
+from hsextract import demo
 from hsextract.demo import TOOLS, build_tokenizer, make_conversations, write_jsonl
 from hsextract.errors import HsextractError
+from hsextract.prepare import tokenize as data
+from hsextract.prepare.rows import data_fingerprint, read_rows
+from hsextract.prepare.tokenize import DataReport, TokenizedSamples, load_samples, tokenizer_fingerprint
 
 WEATHER_CALL = {"function": {"name": "get_weather", "arguments": {"city": "paris"}}}
 WEATHER_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'

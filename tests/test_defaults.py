@@ -4,9 +4,9 @@ cores and the data's size, and a shard killed by a signal reported by its signal
 
 import pytest
 
-from hsextract.data import AUTO_PARALLEL_MIN_BYTES, auto_num_proc
-from hsextract.launcher import failure_message
-from hsextract.rundir import default_run_dir
+from hsextract.prepare.tokenize import AUTO_PARALLEL_MIN_BYTES, auto_num_proc
+from hsextract.run.launcher import failure_message
+from hsextract.run.rundir import default_run_dir
 
 
 def test_default_run_dir_is_stable_per_output_and_distinct_across_outputs(tmp_path, monkeypatch):

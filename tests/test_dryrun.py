@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
-from hsextract.capture import load_model
 from hsextract.config import RunConfig
 from hsextract.dryrun import dry_run, format_report
+from hsextract.model.load import load_model
 
 
 @pytest.fixture(scope="module")

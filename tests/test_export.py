@@ -17,7 +17,8 @@ from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 from s3server import S3Endpoint, aws_test_env, s3, s3_bucket  # noqa: F401
 
 from hsextract.errors import HsextractError
-from hsextract.export import FORMATS, export, vocab_mapping
+from hsextract.export.formats import FORMATS, vocab_mapping
+from hsextract.export.runner import export
 
 pytestmark = pytest.mark.slow
 

@@ -51,7 +51,7 @@ def test_fla_kernels_are_used():
 
 
 def test_hooks_on_real_architecture_match_hf_in_bf16(real_shape_lm):
-    from hsextract.capture import GatherTarget, LayerCapture
+    from hsextract.model.capture import GatherTarget, LayerCapture
 
     lm = real_shape_lm
     lengths = [700, 1, 64, 333, 5, 128]
@@ -83,7 +83,7 @@ def test_hooks_on_real_architecture_match_hf_in_bf16(real_shape_lm):
 
 
 def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tokenizer):
-    from hsextract.capture import load_model
+    from hsextract.model.load import load_model
     from hsextract.reader import open_output
 
     data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer)
@@ -120,11 +120,11 @@ def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers
     exactly the quantization of the unquantized capture, with the final state as the last slot."""
     import numpy as np
 
-    from hsextract.data import TokenizedSamples
-    from hsextract.output import StateLayout
-    from hsextract.pipeline import Extractor
-    from hsextract.plan import make_plan
-    from hsextract.states import quantize_fp8
+    from hsextract.format.batch import StateLayout
+    from hsextract.format.fp8 import quantize_fp8
+    from hsextract.prepare.plan import make_plan
+    from hsextract.prepare.tokenize import TokenizedSamples
+    from hsextract.run.pipeline import Extractor
 
     lm = real_shape_lm
     rng = np.random.default_rng(0)

@@ -28,10 +28,10 @@ from conftest import (
 from s3server import aws_test_env, cli_env, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.config import run_staging_dir
-from hsextract.output import JOB
-from hsextract.plan import Plan
-from hsextract.progress import ShardProgress
+from hsextract.format.records import JOB
+from hsextract.prepare.plan import Plan
 from hsextract.reader import open_output
+from hsextract.run.progress import ShardProgress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,10 +1,10 @@
-"""hsextract.kernels where no GPU is needed: the right-padding rule, and that CPU models are left alone."""
+"""hsextract.model.qwen3_5 where no GPU is needed: the right-padding rule, and that CPU models are left alone."""
 
 import pytest
 import torch
 
-from hsextract import kernels
 from hsextract.errors import HsextractError
+from hsextract.model import qwen3_5 as kernels
 
 
 @pytest.mark.parametrize(

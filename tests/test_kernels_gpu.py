@@ -97,7 +97,7 @@ def rel(got, want, valid):
 
 def layer_outputs(lm, ids, mask):
     """Every decoder layer's output (the states hsextract captures), from forward hooks."""
-    from hsextract.capture import base_model, decoder_layers
+    from hsextract.model.load import base_model, decoder_layers
 
     outs = {}
     handles = [
@@ -116,7 +116,7 @@ def layer_outputs(lm, ids, mask):
 
 
 def test_apply_swaps_every_kernel_on_the_real_shape_and_restore_undoes_it(models):
-    from hsextract import kernels
+    from hsextract.model import qwen3_5 as kernels
 
     lm16, _ = models
     try:
@@ -129,8 +129,8 @@ def test_apply_swaps_every_kernel_on_the_real_shape_and_restore_undoes_it(models
 
 
 def test_right_padding_mask_is_dropped_and_any_other_mask_kept(models):
-    from hsextract import kernels
-    from hsextract.capture import decoder_layers
+    from hsextract.model import qwen3_5 as kernels
+    from hsextract.model.load import decoder_layers
 
     lm16, _ = models
     seen = []
@@ -150,7 +150,7 @@ def test_right_padding_mask_is_dropped_and_any_other_mask_kept(models):
 
 
 def _module_cases(lm):
-    from hsextract.capture import decoder_layers
+    from hsextract.model.load import decoder_layers
 
     layers = decoder_layers(lm)
     gdn, attn = layers[0], layers[3]
@@ -167,7 +167,7 @@ def _module_cases(lm):
 
 def _capture_inputs(lm, modules, ids, mask):
     """The (args, kwargs) each module gets in a stock forward of the padded batch."""
-    from hsextract.capture import base_model
+    from hsextract.model.load import base_model
 
     got = {}
     handles = [
@@ -198,7 +198,7 @@ def _first(out):
 
 
 def test_each_swapped_module_alone_is_at_least_as_close_to_float32_as_stock(models):
-    from hsextract import kernels
+    from hsextract.model import qwen3_5 as kernels
 
     lm16, lm32 = models
     ids, mask = batch(RIGHT)
@@ -238,7 +238,7 @@ def test_each_swapped_module_alone_is_at_least_as_close_to_float32_as_stock(mode
 
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
 def test_whole_forward_each_layer_is_at_least_as_close_to_float32_as_stock(models, left):
-    from hsextract import kernels
+    from hsextract.model import qwen3_5 as kernels
 
     lm16, lm32 = models
     ids, mask = batch(RIGHT, left=left, seed=2)

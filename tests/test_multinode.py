@@ -12,10 +12,11 @@ import pytest
 from conftest import TINY_LIMITS, cli_run_args, launched, marker_count, wait_for, write_mixed_dataset
 from s3server import aws_test_env, cli_env, s3, s3_bucket  # noqa: F401
 
-from hsextract.cluster import node_place
 from hsextract.errors import HsextractError
-from hsextract.output import JOB, MANIFEST
+from hsextract.format.manifest import MANIFEST
+from hsextract.format.records import JOB
 from hsextract.reader import open_output
+from hsextract.run.cluster import node_place
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env"), pytest.mark.timeout(900)]
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hsextract.plan import Plan, fingerprint_changes, make_plan
+from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 
 
 def realistic_lengths(n=20000, seed=0):

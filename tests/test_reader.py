@@ -22,7 +22,7 @@ from damage import (
 
 from hsextract.errors import CorruptOutputError
 from hsextract.reader import BatchFile, open_output
-from hsextract.storage import LocalSink
+from hsextract.storage.local import LocalSink
 
 
 @pytest.fixture

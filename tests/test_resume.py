@@ -34,11 +34,11 @@ from conftest import (
 from safetensors import safe_open
 
 from hsextract.config import run_staging_dir
-from hsextract.output import JOB, JOB_FILES, done_key
-from hsextract.plan import Plan
-from hsextract.progress import ShardProgress
+from hsextract.format.records import JOB, JOB_FILES, done_key
+from hsextract.prepare.plan import Plan
 from hsextract.reader import open_output
-from hsextract.rundir import RunDir
+from hsextract.run.progress import ShardProgress
+from hsextract.run.rundir import RunDir
 
 # The timeout covers a test's fixtures too: the reference run and one crash-and-resume cycle fit well within it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -39,11 +39,11 @@ from s3server import S3Endpoint, aws_test_env, cli_env, free_port, s3, s3_bucket
 
 from hsextract.config import run_staging_dir
 from hsextract.errors import CorruptOutputError
-from hsextract.output import DONE_PREFIX, JOB
-from hsextract.plan import Plan
-from hsextract.progress import ShardProgress
+from hsextract.format.records import DONE_PREFIX, JOB
+from hsextract.prepare.plan import Plan
 from hsextract.reader import open_output
-from hsextract.rundir import RunDir
+from hsextract.run.progress import ShardProgress
+from hsextract.run.rundir import RunDir
 
 # aws_test_env: fake credentials for the boto3 clients of this process (the reader); the CLI gets its own (cli_env).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env")]

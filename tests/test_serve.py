@@ -33,9 +33,9 @@ from conftest import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from hsextract.plan import Plan
-from hsextract.progress import ShardProgress
-from hsextract.rundir import RunDir
+from hsextract.prepare.plan import Plan
+from hsextract.run.progress import ShardProgress
+from hsextract.run.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

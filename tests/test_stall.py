@@ -28,9 +28,9 @@ from conftest import (
 from test_resume import descendants, run_args, status, status_json, wait_dead
 
 from hsextract.config import run_staging_dir
-from hsextract.plan import Plan
-from hsextract.progress import ShardProgress
-from hsextract.rundir import RunDir
+from hsextract.prepare.plan import Plan
+from hsextract.run.progress import ShardProgress
+from hsextract.run.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -253,9 +253,9 @@ def test_worker_names_uploader_or_itself_when_no_batch_finishes_for_the_timeout(
     import logging
     from types import SimpleNamespace
 
-    from hsextract.worker import ShardRun
+    from hsextract.run.worker import ShardRun
 
-    caplog.set_level(logging.INFO, logger="hsextract.worker")
+    caplog.set_level(logging.INFO, logger="hsextract.run.worker")
     root, _ = uploader_stopped
     shutil.copytree(root / "run", tmp_path / "run")
     run = ShardRun(tmp_path / "run", 0)

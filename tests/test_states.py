@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.states import FP8, FinalNorm, dequantize_fp8, quantization_error, quantize_fp8
+from hsextract.format.fp8 import FP8, dequantize_fp8, quantization_error, quantize_fp8
+from hsextract.model.capture import probe_final_norm
 
 
 def test_fp8_round_trip_keeps_each_vector_within_its_own_scale():
@@ -50,7 +51,7 @@ def test_final_norm_rule_is_read_from_qwen3_5_and_llama_norms():
             with torch.no_grad():
                 norm.weight.normal_(0, 0.5)
             norm = norm.to(dtype)
-            fn = FinalNorm.from_module(norm)
+            fn = probe_final_norm(norm)
             assert fn.rule == rule and fn.eps == 1e-5 and fn.weight.dtype == dtype
             x = (torch.randn(7, 64) * 4).to(dtype)
             with torch.no_grad():
@@ -59,7 +60,7 @@ def test_final_norm_rule_is_read_from_qwen3_5_and_llama_norms():
 
 def test_final_norm_refuses_a_layernorm_with_bias():
     with pytest.raises(HsextractError, match="not an RMSNorm"):
-        FinalNorm.from_module(torch.nn.LayerNorm(16))
+        probe_final_norm(torch.nn.LayerNorm(16))
 
 
 def test_final_state_and_storage_dtype_come_from_yaml_and_the_eagle3_preset(tmp_path):
@@ -77,7 +78,7 @@ def test_final_state_and_storage_dtype_come_from_yaml_and_the_eagle3_preset(tmp_
 
 
 def test_state_layout_slots_and_bytes():
-    from hsextract.output import StateLayout
+    from hsextract.format.batch import StateLayout
 
     dflash = StateLayout((1, 16, 31, 46, 61), 64, final_state=True)
     assert dflash.slot_layers == (1, 16, 31, 46, 61, 63) and dflash.final_slot == 5

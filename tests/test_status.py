@@ -6,11 +6,11 @@ import socket
 
 import pytest
 
-from hsextract.plan import make_plan
-from hsextract.progress import HISTORY_POINTS, ShardProgress
-from hsextract.rundir import RunDir
-from hsextract.serve import chart_series, render_body
-from hsextract.status import history, status_document
+from hsextract.prepare.plan import make_plan
+from hsextract.run.progress import HISTORY_POINTS, ShardProgress
+from hsextract.run.rundir import RunDir
+from hsextract.status.document import history, status_document
+from hsextract.status.page import chart_series, render_body
 
 
 @pytest.fixture

@@ -12,8 +12,10 @@ import pytest
 from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.errors import HsextractError
-from hsextract.s3 import S3Sink
-from hsextract.storage import LocalSink, MiB, Sink, open_sink, preflight
+from hsextract.storage import open_sink, preflight
+from hsextract.storage.base import MiB, Sink
+from hsextract.storage.local import LocalSink
+from hsextract.storage.s3 import S3Sink
 
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 

@@ -15,9 +15,9 @@ import pytest
 from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
 
 from hsextract.errors import UploaderDied
-from hsextract.rundir import marker_path
+from hsextract.run.rundir import marker_path
+from hsextract.run.uploader import Uploader
 from hsextract.storage import open_sink
-from hsextract.uploader import Uploader
 
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 

@@ -3,8 +3,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from hsextract.output import batch_metadata
-from hsextract.writer import write_safetensors
+from hsextract.format.batch import batch_metadata
+from hsextract.run.writer import write_safetensors
 
 
 def test_batch_file_is_standard_safetensors(tmp_path):
@@ -38,10 +38,10 @@ def test_same_inputs_give_byte_identical_files(tmp_path):
 def test_checksums_cover_every_per_token_tensor_so_a_flip_in_an_added_one_is_caught(tmp_path):
     """A per-token tensor the writer does not know by name (fp8 scales, say) is covered by the sample checksums."""
     from hsextract.errors import CorruptOutputError
-    from hsextract.output import StateLayout
+    from hsextract.format.batch import StateLayout
     from hsextract.reader import BatchFile, SampleView
-    from hsextract.storage import LocalSink
-    from hsextract.writer import write_batch_file
+    from hsextract.run.writer import write_batch_file
+    from hsextract.storage.local import LocalSink
 
     torch.manual_seed(0)
     n = 37

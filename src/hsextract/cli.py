@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-from .config import RunConfig, load_yaml
-from .errors import HsextractError
-from .procs import Terminated, stop_on_signals
-from .rundir import default_run_dir
+from hsextract.config import RunConfig, load_yaml
+from hsextract.errors import HsextractError
+from hsextract.run.procs import Terminated, stop_on_signals
+from hsextract.run.rundir import default_run_dir
 
 
 def _user_errors(fn):
@@ -158,12 +158,12 @@ def main():
 @_user_errors
 def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
     """Extract hidden states; rerun the same command to resume after a crash."""
-    from .cluster import node_place
+    from hsextract.run.cluster import node_place
 
     stop_on_signals()  # SIGTERM / SIGINT: workers stopped cleanly, and a word on how to resume
-    from .launcher import launch
-    from .prepare import prepare_run
-    from .rundir import RunDir
+    from hsextract.prepare.steps import prepare_run
+    from hsextract.run.launcher import launch
+    from hsextract.run.rundir import RunDir
 
     place = node_place(nodes, node_rank)
     cfg = _build_config(nodes=place.nodes, node_rank=place.rank, **opts)
@@ -196,7 +196,7 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
     """Prove the layer ids against a plain HF forward, check state health, estimate size and time."""
     import tempfile
 
-    from .dryrun import dry_run, format_report
+    from hsextract.dryrun import dry_run, format_report
 
     with tempfile.TemporaryDirectory(prefix="hsextract-dry-") as tmp:
         cfg = _build_config(output=tmp, run_dir=run_dir or tmp, **opts)
@@ -220,9 +220,9 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.
     Given an output (s3://bucket/prefix or a directory): every node's and shard's progress, from the output alone."""
-    from .progress import format_duration
-    from .rundir import RunDir
-    from .status import status_document
+    from hsextract.run.progress import format_duration
+    from hsextract.run.rundir import RunDir
+    from hsextract.status.document import status_document
 
     if not RunDir(run_dir).is_run_dir() and _is_output(run_dir, s3_endpoint_url):
         if serve:
@@ -231,7 +231,7 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
             )
         return _output_status(run_dir, s3_endpoint_url, as_json)
     if serve:
-        from .serve import serve as serve_status
+        from hsextract.status.serve import serve as serve_status
 
         serve_status(Path(run_dir), host=host, port=port, echo=click.echo)
         return
@@ -278,8 +278,8 @@ def _is_output(target: str, endpoint: str | None) -> bool:
 
 
 def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
-    from .finalize import output_status
-    from .storage import open_sink
+    from hsextract.run.finalize import output_status
+    from hsextract.storage import open_sink
 
     doc = output_status(open_sink(target, endpoint, retry_deadline_s=120))
     if as_json:
@@ -305,8 +305,8 @@ def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
 @_user_errors
 def finalize(output, s3_endpoint_url):
     """Write OUTPUT's manifest if every batch of the job is done; checks each batch in the output first."""
-    from .finalize import finalize_output
-    from .storage import open_sink
+    from hsextract.run.finalize import finalize_output
+    from hsextract.storage import open_sink
 
     code, _damaged = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
     sys.exit(code)
@@ -324,7 +324,7 @@ def verify(output, s3_endpoint_url, workers, as_json):
     """Check every file of a finished output against its manifest: size, CRC32, header and sample checksums.
 
     Prints each bad file with its problem and exits 1 if there is any."""
-    from .verify import verify_output
+    from hsextract.verify import verify_output
 
     report = verify_output(output, s3_endpoint_url, workers=workers)
     if as_json:
@@ -362,7 +362,7 @@ def verify(output, s3_endpoint_url, workers, as_json):
 @_user_errors
 def export(output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpoint_url, no_progress):
     """Rewrite a finished OUTPUT as the files a drafter trainer reads, into DEST; rerun to resume."""
-    from .export import export as run_export
+    from hsextract.export.runner import export as run_export
 
     run_export(
         output,
@@ -385,10 +385,10 @@ def export(output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpo
 def demo(root, shards, conversations):
     """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
     stop_on_signals()
-    from .demo import build_demo
-    from .launcher import launch
-    from .prepare import prepare_run
-    from .reader import open_output
+    from hsextract.demo import build_demo
+    from hsextract.prepare.steps import prepare_run
+    from hsextract.reader import open_output
+    from hsextract.run.launcher import launch
 
     root = Path(root).resolve()
     click.echo(f"building the tiny model and {conversations} conversations under {root}")

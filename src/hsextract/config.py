@@ -15,15 +15,27 @@ from pathlib import Path
 
 import yaml
 
-from .errors import HsextractError, redact
-from .rundir import load_json, write_json
+from hsextract.errors import HsextractError, redact
+from hsextract.storage.fileio import load_json, write_json
 
 DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
+
+
 ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
+
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 DTYPES = tuple(DTYPE_BYTES)
+
+
 STORAGE_DTYPES = ("float8_e4m3fn",)
+
+
 TOO_LONG_POLICIES = ("truncate", "skip")
+
+
 DEFAULT_STALL_TIMEOUT_S = 180.0
 
 

@@ -45,6 +45,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}{%- endif -%}"
 )
 
+
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -57,12 +58,14 @@ SPECIAL_TOKENS = [
     "</tool_response>",
 ]
 
+
 _WORDS = (
     "the model reads each token and writes a hidden state for every layer we ask for while the drafter "
     "learns to guess the next tokens from those states def return import class for while if else print "
     "tensor batch shard layer output bucket upload resume plan padding length sorted kernel memory "
     "function value list dict string number error result python code test data train speed fast slow"
 ).split()
+
 
 TOOLS = [
     {

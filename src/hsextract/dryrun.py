@@ -28,30 +28,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels
-from .capture import (
-    describe_layer,
-    final_norm,
-    layer_types,
-    load_model_config,
-    load_model_for,
-    resolve_layer_ids,
-    torch_device,
-)
-from .config import DTYPE_BYTES, RunConfig
-from .data import load_tokenizer
-from .output import StateLayout, estimate_file_bytes
-from .pipeline import Extractor
-from .plan import BatchSpec, make_plan
-from .prepare import run_layout, tokenize
-from .progress import format_duration
-from .rundir import RunDir
-from .states import dequantize_fp8, model_final_norm
+from hsextract.config import DTYPE_BYTES, RunConfig
+from hsextract.format.batch import StateLayout, estimate_file_bytes
+from hsextract.format.fp8 import dequantize_fp8
+from hsextract.model import qwen3_5 as kernels
+from hsextract.model.capture import model_final_norm
+from hsextract.model.layers import describe_layer, layer_types, resolve_layer_ids
+from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
+from hsextract.prepare.plan import BatchSpec, make_plan
+from hsextract.prepare.steps import run_layout, tokenize
+from hsextract.prepare.tokenize import load_tokenizer
+from hsextract.run.pipeline import Extractor
+from hsextract.run.progress import format_duration
+from hsextract.run.rundir import RunDir
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+
+
 FP8_TOLERANCE = 5e-2  # relative L2 of the fp8 states against the unquantized capture (measured ~2.6%)
+
+
 HEADER_BYTES_PER_SAMPLE = 16  # sample id JSON in the file header, approximate
+
+
 HEADER_BYTES_FIXED = 1200
 
 

@@ -40,27 +40,32 @@ from itertools import pairwise
 
 import torch
 
-from .errors import CorruptOutputError, HsextractError
-from .output import (
+from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.format.batch import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS,
     HEADER_LENGTH_BYTES,
     INDEX_TENSORS,
-    MANIFEST,
     MAX_HEADER_BYTES,
     StateLayout,
     header_checksum,
     new_checksum,
-    read_manifest,
     update_checksum,
 )
-from .states import FinalNorm, dequantize_fp8, read_final_norm
-from .storage import open_sink
-from .writer import SAFETENSORS_DTYPES
+from hsextract.format.final_norm import FinalNorm, read_final_norm
+from hsextract.format.fp8 import dequantize_fp8
+from hsextract.format.manifest import MANIFEST, read_manifest
+from hsextract.run.writer import SAFETENSORS_DTYPES
+from hsextract.storage import open_sink
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
 _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+
+
 REQUIRED_TENSORS = ("hidden_states", "input_ids", "loss_mask", "cu_seqlens")
+
 """Tensors every batch file has (docs/FORMAT.md); ``sample_index`` is optional for the reader."""
 
 

@@ -20,12 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from .errors import CorruptOutputError, HsextractError
-from .output import MANIFEST, new_checksum, read_checked_final_norm, read_manifest, update_checksum
-from .reader import BatchFile
-from .storage import Sink, open_sink
+from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.format.batch import new_checksum, update_checksum
+from hsextract.format.final_norm import read_checked_final_norm
+from hsextract.format.manifest import MANIFEST, read_manifest
+from hsextract.reader import BatchFile
+from hsextract.storage import open_sink
+from hsextract.storage.base import Sink
 
 CHUNK = 8 << 20
+
 """Bytes per ranged read: S3's advice for ranged GETs is 8-16 MB; on a local disk larger reads were slower here
 (a fresh 32 MB buffer per read: 0.30 GB/s against 0.59 GB/s at 8 MB, scripts/bench_verify.py)."""
 

@@ -1,0 +1,256 @@
+"""One class per trainer's offline format: what each sample becomes in the files its own loader reads."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from hsextract.errors import HsextractError
+
+FILE_GROUP = 2000  # samples per subdirectory, as SpecForge's prepare_hidden_states.py groups them
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes: ``torch.save`` of a view writes the view's whole storage."""
+    return t.contiguous().clone()
+
+
+def _ids(ids) -> str:
+    """A list as one shell word: ``[1,31,60]``."""
+    return json.dumps(list(ids), separators=(",", ":"))
+
+
+def _group(index: int) -> str:
+    g = index // FILE_GROUP * FILE_GROUP
+    return f"rows_{g}-{g + FILE_GROUP}"
+
+
+def has_consecutive_loss_tokens(loss_mask: torch.Tensor) -> bool:
+    """SpecForge's DFlash loader condition (``has_consecutive_supervised_tokens``)."""
+    m = loss_mask.bool()
+    return bool((m[:-1] & m[1:]).any()) if m.numel() > 1 else False
+
+
+class ExportFormat:
+    """One trainer's offline layout. Subclasses say what a sample becomes and what the export needs."""
+
+    name: str
+    needs_final_state = True
+    vocab_files: tuple[str, ...] = ()
+
+    def check(self, manifest: dict) -> None:
+        if self.needs_final_state and not manifest.get("final_state"):
+            raise HsextractError(
+                f"--format {self.name} needs the final hidden state, which this output does not hold: "
+                "rerun the extraction with --final-state (implied by --layers eagle3)"
+            )
+
+    def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
+        """Why a sample cannot be exported, decided from its tokens alone (units and finalize agree on it)."""
+        return None
+
+    def sample_files(self, index: int, s: dict) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    def vocab_mapping_files(self, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    def finish(self, dest, rows, workdir: str) -> None:
+        """Whole-export files beyond the statistics, from ``rows``: (index, input_ids, loss_mask) of every exported
+        sample in index order, which this must consume (the token statistics are counted as it goes)."""
+        for _ in rows:
+            pass
+
+    def train_hint(self, manifest: dict) -> dict:
+        raise NotImplementedError
+
+
+class SpecForgeDFlash(ExportFormat):
+    name = "specforge-dflash"
+    needs_final_state = False
+
+    def skip_reason(self, input_ids, loss_mask):
+        if not has_consecutive_loss_tokens(loss_mask):
+            return "fewer than two consecutive loss tokens (SpecForge's DFlash loader raises on these)"
+        return None
+
+    def sample_files(self, index, s):
+        record = {
+            "input_ids": _own(s["input_ids"].long()),
+            "loss_mask": _own(s["loss_mask"].long()),
+            "hidden_states": _own(s["hidden_states"]),
+        }
+        return {f"{_group(index)}/data_{index}.ckpt": _torch_bytes(record)}
+
+    def vocab_mapping_files(self, d2t, t2d):
+        return {"vocab_mapping.pt": _torch_bytes({"d2t": d2t, "t2d": t2d})}
+
+    def train_hint(self, manifest):
+        ids = list(manifest["layer_ids"])
+        return {
+            "layer_ids": ids,
+            "where": f'draft model config: "dflash_config": {{"target_layer_ids": {_ids(ids)}}}',
+            "command": "specforge train --config YOUR-dflash-offline.yaml data.hidden_states_path=DEST",
+        }
+
+
+class SpecForgeEagle3(SpecForgeDFlash):
+    name = "specforge-eagle3"
+    needs_final_state = True
+
+    def check(self, manifest):
+        super().check(manifest)
+        if len(manifest["layer_ids"]) != 3:
+            raise HsextractError(
+                f"--format specforge-eagle3 needs exactly 3 captured layers (SpecForge's EAGLE-3 reads "
+                f"aux_hidden_state [1, T, 3H]); this output holds {len(manifest['layer_ids'])}: "
+                f"{manifest['layer_ids']}. Extract with --layers eagle3 or three ids."
+            )
+
+    def skip_reason(self, input_ids, loss_mask):
+        return None
+
+    def sample_files(self, index, s):
+        record = {
+            "input_ids": _own(s["input_ids"].long()),
+            "loss_mask": _own(s["loss_mask"].long()),
+            "aux_hidden_state": _own(s["hidden_states"]).unsqueeze(0),
+            "hidden_state": _own(s["final_hidden_state"]).unsqueeze(0),
+        }
+        return {f"{_group(index)}/data_{index}.ckpt": _torch_bytes(record)}
+
+    def train_hint(self, manifest):
+        ids = list(manifest["layer_ids"])
+        return {
+            "layer_ids": ids,
+            "where": f"aux_hidden_state_layer_ids: {_ids(ids)} under model: in the recipe YAML (or eagle_config."
+            "eagle_aux_hidden_state_layer_ids in the draft config; a dotted override does not parse a list here)",
+            "command": "specforge train --config YOUR-eagle3-offline.yaml data.hidden_states_path=DEST",
+        }
+
+
+class Speculators(ExportFormat):
+    name = "speculators"
+
+    def sample_files(self, index, s):
+        from safetensors.torch import save
+
+        states = torch.stack(
+            [s["layers"][k] for k in sorted(s["layers"])] + [s["final_hidden_state_prenorm"]], dim=1
+        )
+        tensors = {"hidden_states": states.contiguous(), "token_ids": s["input_ids"].long().contiguous()}
+        return {f"hidden_states/hs_{index}.safetensors": save(tensors)}
+
+    def vocab_mapping_files(self, d2t, t2d):
+        import numpy as np
+
+        def npy(a) -> bytes:
+            buf = io.BytesIO()
+            np.save(buf, a.numpy())
+            return buf.getvalue()
+
+        n = d2t.numel()
+        return {f"d2t-{n}.npy": npy(d2t), f"t2d-{n}.npy": npy(t2d)}
+
+    def finish(self, dest, rows, workdir):
+        """The ``datasets`` table, streamed row by row into an Arrow file, then saved as ``save_to_disk`` lays it
+        out, in torch format (speculators compares its ``input_ids`` with each file's ``token_ids`` as tensors)."""
+        import datasets
+        from datasets.arrow_writer import ArrowWriter
+
+        features = datasets.Features(
+            {
+                "input_ids": datasets.Sequence(datasets.Value("int64")),
+                "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                "seq_len": datasets.Value("int64"),
+            }
+        )
+        table = os.path.join(workdir, "rows.arrow")
+        with ArrowWriter(features=features, path=table) as writer:
+            for expected, (index, ids, mask) in enumerate(rows):
+                if index != expected:  # row I must be hs_I: speculators maps them by position
+                    raise HsextractError(f"speculators export: sample {index} came as row {expected}")
+                writer.write(
+                    {"input_ids": ids.tolist(), "loss_mask": mask.long().tolist(), "seq_len": len(ids)}
+                )
+            writer.finalize()
+        ds = datasets.Dataset.from_file(table)
+        ds.set_format(type="torch")
+        local = os.path.join(workdir, "dataset")
+        ds.save_to_disk(local)
+        for name in sorted(os.listdir(local)):
+            dest.put_file(Path(local) / name, name)
+
+    def train_hint(self, manifest):
+        ids = [k + 1 for k in manifest["layer_ids"]]
+        return {
+            "layer_ids": ids,
+            "where": "--target-layer-ids (speculators counts the INPUT of layer k: hsextract's ids + 1; the final "
+            "state it appends itself is the last slot of every hs file)",
+            "command": "python scripts/train.py --verifier-name-or-path MODEL --data-path DEST --on-missing raise "
+            f"--target-layer-ids {' '.join(map(str, ids))}",
+        }
+
+
+class ModelOpt(ExportFormat):
+    name = "modelopt"
+
+    def sample_files(self, index, s):
+        record = {
+            "input_ids": _own(s["input_ids"].long()),
+            "hidden_states": _own(s["final_hidden_state"]),
+            "aux_hidden_states": _own(s["hidden_states"]),
+            "loss_mask": _own(s["loss_mask"].long()),
+            "conversation_id": s["sample_id"],
+        }
+        return {f"conversations/{_group(index)}/conv_{index}.pt": _torch_bytes(record)}
+
+    def vocab_mapping_files(self, d2t, t2d):
+        return {"d2t.pt": _torch_bytes(d2t)}
+
+    def train_hint(self, manifest):
+        ids = list(manifest["layer_ids"])
+        return {
+            "layer_ids": ids,
+            "where": "eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids (EAGLE-3); ModelOpt's DFlash "
+            "derives its ids from the layer counts and must match them",
+            "command": "./launch_train.sh --config modelopt_recipes/general/speculative_decoding/eagle3.yaml "
+            "model.model_name_or_path=MODEL data.offline_data_path=DEST/conversations training.answer_only_loss=true "
+            f"eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids={_ids(ids)}",
+        }
+
+
+FORMATS: dict[str, ExportFormat] = {
+    f.name: f for f in (SpecForgeDFlash(), SpecForgeEagle3(), Speculators(), ModelOpt())
+}
+
+
+def vocab_mapping(token_freq: dict[int, int], draft_vocab: int, target_vocab: int):
+    """``(d2t, t2d)``: the ``draft_vocab`` most frequent tokens (ties to the lower id), padded with the lowest unused
+    ids; ``d2t[i] = token - i`` over the chosen tokens in ascending order, ``t2d[token] = True`` for each."""
+    if not 0 < draft_vocab <= target_vocab:
+        raise HsextractError(
+            f"--draft-vocab {draft_vocab} must be in 1..{target_vocab} (the target vocabulary)"
+        )
+    chosen = sorted(token_freq, key=lambda t: (-token_freq[t], t))[:draft_vocab]
+    taken = set(chosen)
+    t = 0
+    while len(chosen) < draft_vocab:
+        if t not in taken:
+            chosen.append(t)
+        t += 1
+    chosen.sort()
+    d2t = torch.tensor(chosen, dtype=torch.long) - torch.arange(draft_vocab, dtype=torch.long)
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d

@@ -1,0 +1,263 @@
+"""``hsextract export OUTPUT DEST --format F``: a finished output rewritten as the files a drafter trainer reads.
+
+Each format is what the trainer's own offline loader reads (docs/EXPORT.md cites the source file and commit):
+
+- ``specforge-dflash``: one ``torch.save`` dict per sample, ``rows_G-G+2000/data_I.ckpt`` as SpecForge's own
+  ``prepare_hidden_states.py`` names them: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_states`` [T, k*H] (the
+  captured layers in id order). SpecForge's loader raises on a sample without two consecutive supervised tokens:
+  such samples are left out and counted.
+- ``specforge-eagle3``: the same files with ``aux_hidden_state`` [1, T, 3H] and ``hidden_state`` [1, T, H], the
+  final state AFTER the norm (SpecForge applies only the frozen lm_head). Exactly 3 captured layers.
+- ``speculators``: a ``datasets.save_to_disk`` directory (``input_ids``, ``loss_mask``, ``seq_len``, torch format)
+  and ``hidden_states/hs_I.safetensors`` with ``token_ids`` [T] and ``hidden_states`` [T, k+1, H] whose last slot
+  is the final state BEFORE the norm (speculators applies the verifier norm itself). Row I of the dataset is
+  sample I of the output, in manifest order.
+- ``modelopt``: one ``.pt`` per conversation under ``conversations/``: ``input_ids`` [T], ``hidden_states`` [T, H]
+  (final state after the norm), ``aux_hidden_states`` [T, k*H], ``loss_mask`` [T], ``conversation_id``.
+
+Every format also gets ``token_freq.pt`` (speculators' layout: ``{token_id: count}`` over the loss-masked tokens of
+the exported samples) and, with ``--draft-vocab N``, the draft-vocabulary mapping each trainer reads: SpecForge's
+``vocab_mapping.pt`` (``d2t`` int64 [N], ``t2d`` bool [V]), speculators' ``d2t-N.npy``/``t2d-N.npy``, ModelOpt's
+``d2t.pt``. The N most frequent loss-masked tokens are kept, ties to the lower id, padded with the lowest unused
+ids when fewer than N occur: the rule of both SpecForge and speculators. States are written in the output's dtype;
+fp8 outputs are dequantized to bfloat16 (no trainer reads hsextract's per-layer scales).
+
+How it runs. One unit of work is one batch file of the output: its samples are read one ranged read each (never a
+whole batch file), turned into the format's files, and each file is written under its final name atomically (a
+local temporary name renamed after fsync; one S3 PUT). A unit's marker ``.hsextract-export/done/batch-B.json`` is
+written after its last file, so a rerun skips marked units and rewrites the files of unmarked ones with the same
+bytes: nothing half-written survives an interruption. Units run in ``--num-proc`` processes. Files that describe
+the whole export (token frequencies, vocabulary mapping, the speculators dataset) are written once every unit is
+done, from a second pass over the output's token ids and loss masks (5 bytes per token), and ``export.json`` last:
+an export with it is complete. ``.hsextract-export/spec.json``, written first, records the format, the source
+output and the options; an export into a DEST holding a different export, or files of something else, is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from hsextract import __version__
+from hsextract.errors import HsextractError
+from hsextract.export.formats import FORMATS, ExportFormat, _torch_bytes, vocab_mapping
+from hsextract.storage import open_sink
+
+STATE_DIR = ".hsextract-export"
+
+
+SPEC_KEY = f"{STATE_DIR}/spec.json"
+
+
+DONE_PREFIX = f"{STATE_DIR}/done/"
+
+
+COMPLETE_KEY = "export.json"
+
+
+@dataclass(frozen=True)
+class Unit:
+    key: str  # the batch file
+    start: int  # global index of its first sample, in manifest order
+    num_samples: int
+
+    @property
+    def marker(self) -> str:
+        return DONE_PREFIX + self.key.rsplit("/", 1)[-1].removesuffix(".safetensors") + ".json"
+
+
+def units_of(manifest: dict) -> list[Unit]:
+    units, start = [], 0
+    for b in manifest["batches"]:
+        units.append(Unit(b["key"], start, len(b["sample_ids"])))
+        start += len(b["sample_ids"])
+    return units
+
+
+_proc: dict = {}
+
+
+def _export_unit(args) -> dict:
+    """In a worker process: every sample of one batch file to its export files, then the unit's marker."""
+    source, dest_url, endpoint_url, fmt_name, unit = args
+    from hsextract.reader import open_output
+
+    where = (source, dest_url, endpoint_url)
+    # Opened once per process and export: the manifest and the final norm are read once, not per batch file.
+    if _proc.get("where") != where:
+        _proc.update(
+            where=where, out=open_output(source, endpoint_url), dest=open_sink(dest_url, endpoint_url)
+        )
+    out, dest, fmt = _proc["out"], _proc["dest"], FORMATS[fmt_name]
+    written, skipped = 0, {}
+    for i, s in enumerate(out.batch_samples(unit.key)):
+        reason = fmt.skip_reason(s["input_ids"], s["loss_mask"])
+        if reason:
+            skipped[s["sample_id"]] = reason
+            continue
+        for key, data in fmt.sample_files(unit.start + i, s).items():
+            dest.put_bytes(key, data)
+        written += 1
+    summary = {"batch": unit.key, "samples": unit.num_samples, "written": written, "skipped": skipped}
+    dest.put_bytes(unit.marker, json.dumps(summary).encode())
+    return summary
+
+
+def _spec(fmt: ExportFormat, manifest: dict, draft_vocab: int | None) -> dict:
+    return {
+        "format": fmt.name,
+        "source": {
+            "plan_hash": manifest.get("plan_hash"),
+            "num_samples": manifest.get("num_samples"),
+            "num_tokens": manifest.get("num_tokens"),
+            "layer_ids": manifest.get("layer_ids"),
+        },
+        "draft_vocab": draft_vocab,
+    }
+
+
+def _claim_dest(dest, spec: dict, dest_url: str) -> None:
+    """Write the spec on a first attempt; on a rerun it must be the same export, else nothing is touched."""
+    if dest.exists(SPEC_KEY):
+        old = json.loads(dest.get_bytes(SPEC_KEY))
+        old.pop("hsextract_version", None)
+        if old != spec:
+            changed = [k for k in spec if old.get(k) != spec[k]]
+            raise HsextractError(
+                f"{dest_url} holds another export ({', '.join(changed)} differ: {old} vs {spec}); "
+                "choose another DEST or delete that export first"
+            )
+        return
+    existing = dest.list_keys("")
+    if existing:
+        raise HsextractError(
+            f"{dest_url} is not empty ({len(existing)} file(s), e.g. {existing[0]}) and holds no hsextract export: "
+            "choose an empty or new DEST"
+        )
+    dest.put_bytes(SPEC_KEY, json.dumps({**spec, "hsextract_version": __version__}).encode())
+
+
+def _kept_rows(out, fmt: ExportFormat, units: list[Unit], progress):
+    """(index, input_ids, loss_mask) of every exported sample, batch by batch: the token ids and masks only."""
+    for unit in units:
+        f = out.batch_file(unit.key)
+        ids, mask, cu = f.read_all("input_ids").long(), f.read_all("loss_mask"), f.cu_seqlens
+        for row in range(unit.num_samples):
+            a, b = cu[row], cu[row + 1]
+            if fmt.skip_reason(ids[a:b], mask[a:b]) is None:
+                yield unit.start + row, ids[a:b], mask[a:b]
+        progress(unit.num_samples)
+
+
+def export(
+    source: str,
+    dest_url: str,
+    fmt_name: str,
+    *,
+    draft_vocab: int | None = None,
+    target_vocab_size: int | None = None,
+    num_proc: int = 4,
+    endpoint_url: str | None = None,
+    show_progress: bool = True,
+    echo=print,
+) -> dict:
+    """Export the finished output at ``source`` to ``dest_url`` in format ``fmt_name``; resumes a cut-short export.
+    Returns what ``export.json`` holds."""
+    from tqdm import tqdm
+
+    from hsextract.reader import open_output
+
+    if fmt_name not in FORMATS:
+        raise HsextractError(f"--format {fmt_name!r} is not one of {', '.join(FORMATS)}")
+    fmt = FORMATS[fmt_name]
+    out = open_output(source, endpoint_url)
+    manifest = out.manifest
+    fmt.check(manifest)
+    vocab = target_vocab_size or manifest.get("vocab_size")
+    if draft_vocab is not None and not vocab:
+        raise HsextractError(
+            "--draft-vocab needs the target vocabulary size, which this output's manifest does not record: "
+            "give --target-vocab-size"
+        )
+    if num_proc < 1:
+        raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
+
+    dest = open_sink(dest_url, endpoint_url)
+    spec = _spec(fmt, manifest, draft_vocab)
+    _claim_dest(dest, spec, dest_url)
+    if dest.exists(COMPLETE_KEY):
+        echo(f"{dest_url} already holds this export, complete")
+        return json.loads(dest.get_bytes(COMPLETE_KEY))
+    # Local temporary files (or open multipart uploads) of an export that was killed mid-write.
+    dest.discard_partials("")
+
+    units = units_of(manifest)
+    done = set(dest.list_keys(DONE_PREFIX))
+    todo = [u for u in units if u.marker not in done]
+    total = sum(u.num_samples for u in units)
+    bar = tqdm(
+        total=total, desc=f"export {fmt.name}", unit="sample", disable=not show_progress, dynamic_ncols=True
+    )
+    bar.update(total - sum(u.num_samples for u in todo))
+    t0 = time.time()
+    jobs = [(source, dest_url, endpoint_url, fmt.name, u) for u in todo]
+    if num_proc == 1 or len(jobs) <= 1:
+        for job in jobs:
+            bar.update(_export_unit(job)["samples"])
+    elif jobs:
+        import multiprocessing as mp
+
+        # spawn, not fork: the parent holds torch and tqdm threads; a forked child could inherit a held lock.
+        with mp.get_context("spawn").Pool(
+            min(num_proc, len(jobs)), initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
+            for summary in pool.imap_unordered(_export_unit, jobs):
+                bar.update(summary["samples"])
+    bar.close()
+
+    # Everything per sample is durable; now the files about the whole export, from the markers and a pass over
+    # the token ids and loss masks.
+    summaries = [json.loads(dest.get_bytes(u.marker)) for u in units]
+    skipped = {sid: why for s in summaries for sid, why in s["skipped"].items()}
+    written = sum(s["written"] for s in summaries)
+    token_freq: Counter = Counter()
+    stats_bar = tqdm(total=total, desc="token statistics", unit="sample", disable=not show_progress)
+
+    def counted_rows():
+        for index, ids, mask in _kept_rows(out, fmt, units, stats_bar.update):
+            token_freq.update(ids[mask.bool()].tolist())
+            yield index, ids, mask
+
+    with tempfile.TemporaryDirectory(prefix="hsextract-export-") as workdir:
+        fmt.finish(dest, counted_rows(), workdir)
+    stats_bar.close()
+    dest.put_bytes("token_freq.pt", _torch_bytes(dict(sorted(token_freq.items()))))
+    if draft_vocab is not None:
+        d2t, t2d = vocab_mapping(token_freq, draft_vocab, vocab)
+        for key, data in fmt.vocab_mapping_files(d2t, t2d).items():
+            dest.put_bytes(key, data)
+    result = {
+        **spec,
+        "hsextract_version": __version__,
+        "samples_exported": written,
+        "samples_skipped": len(skipped),
+        "skipped": skipped,
+        "loss_tokens": sum(token_freq.values()),
+        "train_with": fmt.train_hint(manifest),
+        "seconds": round(time.time() - t0, 1),
+    }
+    dest.put_bytes(COMPLETE_KEY, json.dumps(result, indent=2).encode())
+    echo(
+        f"exported {written} of {total} samples to {dest_url} as {fmt.name}"
+        + (f"; {len(skipped)} skipped ({next(iter(set(skipped.values())))})" if skipped else "")
+    )
+    echo(f"train with: {result['train_with']['command']}")
+    return result
+
+
+__all__ = ["FORMATS", "export", "vocab_mapping"]

@@ -1,0 +1,252 @@
+"""The output format: what a batch file's metadata says, and the manifest that makes an output complete.
+
+An output (a local directory or ``s3://bucket/prefix``) holds:
+
+- ``shard-SSSSS/batch-BBBBBB.safetensors``: one file per batch (key format in rundir.py, bytes by writer.py);
+- ``hsextract/job.json``: the claim. Created only if absent (a conditional put on S3), before any batch is
+  written; it names the job (plan hash, fingerprint, shards, nodes) and who started it. A run whose plan differs is
+  refused, and every uploader checks it before each upload, so two jobs can never mix in one output;
+- ``hsextract/plan.json``, ``run.json``, ``sample_ids.json``, ``data_report.json``: what finishing the output
+  needs, so that any node, or ``hsextract finalize OUTPUT``, can write the manifest without a run dir;
+- ``hsextract/done/<batch key>.json``: one completion record per durable batch (size, CRC32), written by the
+  uploader after the upload is verified. Progress and completion are visible from the output alone;
+- ``manifest.json``: written last, once every planned batch has a completion record AND its object was checked to
+  exist with that size and checksum: an output with a manifest is complete. docs/FORMAT.md describes it all.
+
+Each batch file carries run-wide metadata (layer ids and their convention, model, dtype, tokenizer and plan
+hashes) and its own identity (batch id, shard, sample ids), so a file read alone still says what it holds. The
+manifest lists every batch with its sample ids in plan order; the reader maps sample ids to files through it.
+
+Integrity (format 2): every batch file's metadata holds one checksum per sample, over that sample's rows of every
+per-token tensor, and one over the index tensors (``checksums``, built by writer.py in the writer thread from the
+tensors it is about to write). The uploader records each file's size, CRC32 and header checksum in its marker, and
+the manifest copies them per batch. So a reader checks a file's header against the manifest when it opens the
+file and a sample against its own checksum when it reads it (one ranged read still fetches one sample), and
+``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11 GB/s on one core, 3-4 times zlib's
+CRC32; docs/PERFORMANCE.md has the measured costs.
+
+A file's ``hidden_states`` tensor is ``[tokens, slots, hidden]`` (``StateLayout``): one slot per captured layer in
+id order, then, with the final state, one for the last decoder layer's output unless that layer is captured
+already. With fp8 storage, ``hidden_states_scale`` [tokens, slots] float32 follows it. With the final state, the
+output also holds ``final_norm.safetensors`` (the norm's weight; its epsilon and rule in the metadata), written by
+the workers once the model is loaded and named in the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from hsextract import __version__
+from hsextract.errors import HsextractError
+
+BATCH_FORMAT = "hsextract-batch"
+
+
+BATCH_FORMAT_VERSION = "3"
+
+"""2: per-sample and index checksums in the metadata (``checksums``). 3: ``hidden_states`` holds slots (the
+final state after the captured layers), fp8 values come with ``hidden_states_scale``; ``slot_layer_ids``,
+``final_state_slot`` and ``storage_dtype`` in the metadata."""
+
+
+INDEX_TENSORS = ("cu_seqlens", "sample_index")
+
+"""A batch file's per-batch tensors; every other tensor is per-token (its first dimension is the token count)."""
+
+
+CHECKSUMS = "checksums"
+
+"""The metadata key of a batch file's checksums (a JSON object, see ``checksums_metadata``)."""
+
+
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+
+CHECKSUM_CHUNK = 8 << 20
+
+"""Bytes hashed per call: xxhash holds the GIL while it hashes, and the writer thread must not starve the
+thread that launches the GPU's kernels (8 MiB is about a millisecond)."""
+
+
+HEADER_LENGTH_BYTES = 8
+
+
+MAX_HEADER_BYTES = 100_000_000
+
+"""The largest header a batch file may declare (the safetensors library's own limit)."""
+
+
+CONVENTION = "output_of_decoder_layer"
+
+"""Layer id k is the OUTPUT of decoder layer k (0-based), before the final norm: HF output_hidden_states[k + 1]."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What the ``hidden_states`` tensor of every batch file holds, slot by slot, and how its values are stored."""
+
+    layer_ids: tuple[int, ...]
+    """The captured decoder-layer ids, sorted."""
+    num_layers: int
+    final_state: bool = False
+    """Whether the last decoder layer's output (before the final norm) is stored too."""
+    storage_dtype: str | None = None
+    """``float8_e4m3fn`` (values with a float32 scale per token per slot), or None: the run dtype."""
+
+    @property
+    def slot_layers(self) -> tuple[int, ...]:
+        """The decoder layer whose output each slot holds."""
+        last = self.num_layers - 1
+        extra = (last,) if self.final_state and last not in self.layer_ids else ()
+        return tuple(self.layer_ids) + extra
+
+    @property
+    def final_slot(self) -> int | None:
+        return self.slot_layers.index(self.num_layers - 1) if self.final_state else None
+
+    @property
+    def scaled(self) -> bool:
+        return self.storage_dtype is not None
+
+    def bytes_per_token(self, hidden: int, itemsize: int) -> int:
+        """Stored bytes per token: the states (``itemsize`` bytes a value unless fp8), their scales, id and mask."""
+        if self.scaled:
+            return bytes_per_token(len(self.slot_layers), hidden, 1, scale_bytes=4)
+        return bytes_per_token(len(self.slot_layers), hidden, itemsize)
+
+    def file_metadata(self) -> dict[str, str]:
+        return {
+            "slot_layer_ids": json.dumps(list(self.slot_layers)),
+            "final_state_slot": "" if self.final_slot is None else str(self.final_slot),
+            "storage_dtype": self.storage_dtype or "",
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> StateLayout:
+        """The layout a manifest describes; version 1 outputs hold the captured layers only, unscaled."""
+        ids = tuple(manifest["layer_ids"])
+        return cls(
+            ids,
+            manifest.get("num_layers") or max(ids) + 1,
+            bool(manifest.get("final_state")),
+            manifest.get("storage_dtype"),
+        )
+
+
+def run_file_metadata(
+    *,
+    layout: StateLayout,
+    model: str,
+    model_revision: str,
+    model_config_hash: str,
+    dtype: str,
+    hidden_size: int,
+    tokenizer_hash: str,
+    chat_template_hash: str,
+    plan_hash: str,
+    kernels: str,
+) -> dict[str, str]:
+    """The run-wide part of every batch file's metadata."""
+    layer_ids = layout.layer_ids
+    return {
+        "layer_ids": json.dumps(list(layer_ids)),
+        "layer_convention": CONVENTION,
+        "hf_output_hidden_states_index": json.dumps([k + 1 for k in layer_ids]),
+        "pre_final_norm": "true",
+        **layout.file_metadata(),
+        "model": model,
+        "model_revision": model_revision,
+        "model_config_hash": model_config_hash,
+        "dtype": dtype,
+        "hidden_size": str(hidden_size),
+        "tokenizer_hash": tokenizer_hash,
+        "chat_template_hash": chat_template_hash,
+        "plan_hash": plan_hash,
+        "kernels": kernels,
+        "hsextract_version": __version__,
+    }
+
+
+def batch_metadata(*, run_meta: dict, batch_id: int, shard: int, sample_ids: list[str]) -> dict[str, str]:
+    """The per-file metadata: run-wide fields plus this batch's identity."""
+    meta = {k: str(v) for k, v in run_meta.items()}
+    meta.update(
+        format=BATCH_FORMAT,
+        format_version=BATCH_FORMAT_VERSION,
+        batch_id=str(batch_id),
+        shard=str(shard),
+        sample_ids=json.dumps(sample_ids),
+    )
+    return meta
+
+
+def new_checksum() -> xxhash.xxh3_64:
+    """A running checksum of the kind every hsextract checksum is (``update``, then ``hexdigest``: 16 hex)."""
+    return xxhash.xxh3_64()
+
+
+def update_checksum(checksum: xxhash.xxh3_64, data) -> None:
+    """Feed ``data`` (any contiguous buffer) in ``CHECKSUM_CHUNK`` pieces, letting other threads run between."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), CHECKSUM_CHUNK):
+        checksum.update(view[start : start + CHECKSUM_CHUNK])
+
+
+def checksum_order(names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """A batch file's tensor names as (per-token, index), each in name order: the order of the tensors in the file
+    and the order in which a sample's checksum covers its rows of the per-token tensors."""
+    names = sorted(names)
+    return [n for n in names if n not in INDEX_TENSORS], [n for n in names if n in INDEX_TENSORS]
+
+
+def checksums_metadata(
+    *, per_token: list[str], samples: list[str], index_tensors: list[str], index: str
+) -> dict[str, str]:
+    """The ``checksums`` metadata entry: per sample, a checksum of its rows of the ``per_token`` tensors (in that
+    order); one checksum of the ``index_tensors`` (whole, in that order)."""
+    value = {
+        "algorithm": CHECKSUM_ALGORITHM,
+        "per_token_tensors": per_token,
+        "samples": samples,
+        "index_tensors": index_tensors,
+        "index": index,
+    }
+    return {CHECKSUMS: json.dumps(value, separators=(",", ":"))}
+
+
+def header_checksum(head: bytes) -> str:
+    """The checksum of a batch file's header bytes (the 8-byte length and the JSON), as the manifest records it."""
+    checksum = new_checksum()
+    checksum.update(head)
+    return checksum.hexdigest()
+
+
+def read_file_head(path: str | Path) -> bytes:
+    """The header bytes (8-byte length + JSON) of a local batch file; ``HsextractError`` if it has none."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_LENGTH_BYTES)
+        if len(raw) < HEADER_LENGTH_BYTES:
+            raise HsextractError(f"{path} has no safetensors header ({len(raw)} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES:
+            raise HsextractError(f"{path} declares a header of {n} bytes, over the {MAX_HEADER_BYTES} cap")
+        raw += f.read(n)
+    if len(raw) < HEADER_LENGTH_BYTES + n:
+        raise HsextractError(f"{path} ends inside its header ({len(raw)} of {HEADER_LENGTH_BYTES + n} bytes)")
+    return raw
+
+
+def bytes_per_token(num_slots: int, hidden: int, itemsize: int, scale_bytes: int = 0) -> int:
+    """States of every slot (and their scales), plus the token id (int32) and its loss-mask byte."""
+    return num_slots * (hidden * itemsize + scale_bytes) + 4 + 1
+
+
+def estimate_file_bytes(num_tokens: int, num_samples: int, token_bytes: int) -> int:
+    """Bytes of a batch file's tensors for ``token_bytes`` per token (the header adds a few KB)."""
+    return num_tokens * token_bytes + (num_samples + 1) * 8 + num_samples * 8

@@ -1,0 +1,142 @@
+"""The manifest: written last, from the completion records; an output with one is complete."""
+
+from __future__ import annotations
+
+import json
+
+from hsextract import __version__
+from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.format.batch import CONVENTION
+from hsextract.format.keys import check_key
+
+MANIFEST = "manifest.json"
+
+
+OUTPUT_FORMAT = "hsextract-output"
+
+
+OUTPUT_FORMAT_VERSION = 3
+
+"""2: each batch's size, CRC32 and header checksum in the manifest. 3: the state layout (``slot_layer_ids``,
+``final_state``, ``storage_dtype``), ``num_layers`` and ``vocab_size``."""
+
+
+STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
+
+"""What the manifest records of each batch file, copied from the uploader's marker."""
+
+
+def build_manifest(
+    *,
+    info,
+    plan,
+    dtype: str,
+    sample_ids: list[str],
+    data_report: dict,
+    stored: dict[str, dict],
+    final_norm: dict | None = None,
+) -> dict:
+    """The manifest of a finished run: run-wide facts and every batch with its sample ids, in plan order.
+
+    ``stored`` maps each batch key to what the uploader recorded of the file in its marker: ``size``, ``crc32``
+    (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes). ``final_norm`` is
+    what ``read_final_norm_meta`` found in the output (with the final state only)."""
+    layout = info.layout
+    final = None
+    if layout.final_state:
+        final = {"slot": layout.final_slot, "layer": layout.num_layers - 1, "norm": final_norm}
+    return {
+        "format": OUTPUT_FORMAT,
+        "format_version": OUTPUT_FORMAT_VERSION,
+        "hsextract_version": __version__,
+        "layer_ids": list(info.layer_ids),
+        "layer_convention": CONVENTION,
+        "layer_types": list(info.layer_types),
+        "num_layers": info.num_layers,
+        "slot_layer_ids": list(layout.slot_layers),
+        "final_state": final,
+        "storage_dtype": layout.storage_dtype,
+        "vocab_size": info.vocab_size,
+        "hidden_size": info.hidden_size,
+        "dtype": dtype,
+        "plan_hash": plan.plan_hash,
+        "fingerprint": plan.fingerprint,
+        "num_samples": plan.num_samples,
+        "num_tokens": plan.num_tokens,
+        "data_report": data_report,
+        "batches": [
+            {
+                "key": b.key,
+                "batch_id": b.batch_id,
+                "shard": b.shard,
+                "num_tokens": b.num_tokens,
+                "sample_ids": [sample_ids[i] for i in b.sample_indices],
+                **{field: stored[b.key][field] for field in STORED_FIELDS},
+            }
+            for b in plan.batches
+        ],
+    }
+
+
+def write_manifest(sink, manifest: dict) -> None:
+    sink.put_bytes(MANIFEST, json.dumps(manifest).encode())
+
+
+def has_manifest(sink) -> bool:
+    return sink.exists(MANIFEST)
+
+
+def delete_manifest(sink) -> None:
+    sink.delete(MANIFEST)
+
+
+def read_manifest(sink) -> dict:
+    """The manifest of the output behind ``sink``, its structure checked: ``HsextractError`` if there is none,
+    ``CorruptOutputError`` naming it if it is unreadable or lacks what a reader relies on."""
+    if not sink.exists(MANIFEST):
+        raise HsextractError(
+            f"{sink.url} has no {MANIFEST}: the run has not finished (see `hsextract status RUN_DIR`) "
+            "or this is not an hsextract output"
+        )
+
+    def damaged(problem: str) -> CorruptOutputError:
+        return CorruptOutputError(sink.url, MANIFEST, f"{problem}; the output is damaged")
+
+    try:
+        manifest = json.loads(sink.get_bytes(MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise damaged(f"is not valid JSON ({e})") from None
+    except FileNotFoundError:
+        raise damaged("disappeared while being read") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("batches"), list):
+        raise damaged("has no batch list")
+    version = manifest.get("format_version")
+    if manifest.get("format") != OUTPUT_FORMAT or not isinstance(version, int):
+        raise damaged(
+            f"is not an {OUTPUT_FORMAT} manifest (format {manifest.get('format')!r}, version {version!r})"
+        )
+    if version > OUTPUT_FORMAT_VERSION:
+        raise HsextractError(
+            f"{sink.url}/{MANIFEST} has format version {version}; this hsextract ({__version__}) reads up to "
+            f"{OUTPUT_FORMAT_VERSION}: upgrade hsextract"
+        )
+    layer_ids = manifest.get("layer_ids")
+    if not isinstance(layer_ids, list) or not all(isinstance(k, int) for k in layer_ids):
+        raise damaged("has no list of layer ids")
+    for i, batch in enumerate(manifest["batches"]):
+        if not (
+            isinstance(batch, dict)
+            and isinstance(batch.get("key"), str)
+            and isinstance(batch.get("sample_ids"), list)
+            and all(isinstance(sid, str) for sid in batch["sample_ids"])
+        ):
+            raise damaged(f"batch entry {i} has no key or no sample ids")
+        try:
+            check_key(batch["key"])
+        except ValueError:
+            raise damaged(
+                f"batch entry {i} has the key {batch['key']!r}, not a path inside the output"
+            ) from None
+        if version >= 2 and not all(isinstance(batch.get(f), t) for f, t in STORED_FIELDS.items()):
+            raise damaged(f"batch entry {i} ({batch['key']}) lacks its size or checksums")
+    return manifest

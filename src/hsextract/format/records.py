@@ -1,0 +1,157 @@
+"""The output's bookkeeping: the claim (``hsextract/job.json``) and one completion record per batch file."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from hsextract.errors import HsextractError
+from hsextract.format.batch import header_checksum
+from hsextract.format.manifest import STORED_FIELDS
+
+JOB = "hsextract/job.json"
+
+
+JOB_FILES = {
+    "plan": "hsextract/plan.json",
+    "info": "hsextract/run.json",
+    "samples": "hsextract/sample_ids.json",
+    "data_report": "hsextract/data_report.json",
+}
+
+"""What any node, or ``hsextract finalize``, needs to finish the output without a run dir (finalize.py)."""
+
+
+DONE_PREFIX = "hsextract/done/"
+
+
+# -- the claim ------------------------------------------------------------------------------------------------------
+def job_record(*, plan, nodes: int, run_dir: str, host: str) -> dict:
+    return {
+        "plan_hash": plan.plan_hash,
+        "shards": plan.shards,
+        "nodes": nodes,
+        "fingerprint": plan.fingerprint,
+        "started_by": {"run_dir": run_dir, "host": host, "time": time.time()},
+    }
+
+
+def read_job(sink) -> dict | None:
+    try:
+        return json.loads(sink.get_bytes(JOB))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HsextractError(
+            f"{sink.url}/{JOB} is damaged ({e}); delete it only if no run writes there"
+        ) from None
+
+
+def claim_output(sink, job: dict) -> dict:
+    """Make ``job`` the output's job if it has none (atomically: of two racing runs exactly one wins); returns
+    the job in force, which the caller compares with its own."""
+    if sink.put_bytes_if_absent(JOB, json.dumps(job, indent=2).encode()):
+        return job
+    held = read_job(sink)
+    if held is None:  # deleted between our attempt and the read: try once more
+        return (
+            job if sink.put_bytes_if_absent(JOB, json.dumps(job, indent=2).encode()) else read_job(sink) or {}
+        )
+    return held
+
+
+def describe_job(job: dict) -> str:
+    who = job.get("started_by", {})
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(who.get("time", 0)))
+    return f"plan {job.get('plan_hash')}, started from run dir {who.get('run_dir')} on {who.get('host')} at {when}"
+
+
+def check_claim(sink, plan_hash: str) -> None:
+    """Raise unless the output is still claimed by the job with ``plan_hash`` (uploaders call it per file)."""
+    job = read_job(sink)
+    if job is None or job.get("plan_hash") != plan_hash:
+        held = "no job at all" if job is None else f"another job ({describe_job(job)})"
+        raise HsextractError(
+            f"output {sink.url} is now held by {held}, not this run's plan {plan_hash}: stopped so that two jobs "
+            "never mix in one output"
+        )
+
+
+def publish_job_files(sink, files: dict[str, object]) -> None:
+    """Put the job files next to the claim, each only if absent: every node of a job computes the same ones."""
+    for name, value in files.items():
+        sink.put_bytes_if_absent(JOB_FILES[name], json.dumps(value).encode())
+
+
+# -- completion records ---------------------------------------------------------------------------------------------
+def done_key(key: str) -> str:
+    return f"{DONE_PREFIX}{key}.json"
+
+
+def stored_record(stored, output_url: str, head: bytes | None) -> dict:
+    """What the uploader records of a batch file it made durable (its marker; its completion record adds the plan
+    hash): size and CRC32 of the file, size and checksum of its header (``STORED_FIELDS``, copied into the
+    manifest). ``head`` is None for a staged file without a readable header: the manifest is then refused."""
+    record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
+    if head is not None:
+        record.update(header_size=len(head), header_xxh3=header_checksum(head))
+    return record
+
+
+def write_done(sink, record: dict, plan_hash: str) -> None:
+    """Record a verified batch in the output. Deterministic content (no output URL, no time): a recomputed batch
+    writes the same bytes."""
+    done = {**{k: v for k, v in record.items() if k != "output"}, "plan_hash": plan_hash}
+    sink.put_bytes(done_key(record["key"]), json.dumps(done, sort_keys=True).encode())
+
+
+def read_done(sink, key: str) -> dict | None:
+    """The completion record of batch ``key``; None if there is none or it is unreadable."""
+    try:
+        record = json.loads(sink.get_bytes(done_key(key)))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def done_in_output(sink, prefix: str = "") -> set[str]:
+    """Batch keys with a completion record in the output (one listing; ``prefix`` e.g. ``shard-00003/``)."""
+    return {
+        k[len(DONE_PREFIX) : -len(".json")]
+        for k in sink.list_keys(DONE_PREFIX + prefix)
+        if k.endswith(".json")
+    }
+
+
+def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> tuple[dict[str, str], dict[str, dict]]:
+    """For each batch key: its completion record exists, matches this plan, records the file's checksums, and the
+    object is there with the recorded size and (where the store keeps one) CRC32. Returns ``{key: what is
+    wrong}`` for the bad ones and the records of the good ones."""
+    records: dict[str, dict] = {}
+
+    def check(key: str) -> str | None:
+        record = read_done(sink, key)
+        if record is None:
+            return "no completion record"
+        if not all(isinstance(record.get(f), t) for f, t in STORED_FIELDS.items()):
+            return (
+                "its completion record lacks the file's checksums (a staged file without a readable header?)"
+            )
+        records[key] = record
+        if record.get("plan_hash") != plan_hash:
+            return f"completion record of another plan ({record.get('plan_hash')})"
+        stored = sink.stored(key)
+        if stored is None:
+            return "batch file missing"
+        if stored.size != record["size"]:
+            return f"batch file has {stored.size} bytes, {record['size']} were uploaded"
+        if stored.crc32 is not None and f"{stored.crc32:08x}" != record["crc32"]:
+            return f"batch file CRC32 {stored.crc32:08x}, {record['crc32']} was uploaded"
+        return None
+
+    keys = list(keys)
+    with ThreadPoolExecutor(max(1, min(workers, len(keys)))) as pool:
+        problems = dict(zip(keys, pool.map(check, keys), strict=True))
+    bad = {k: v for k, v in problems.items() if v}
+    return bad, {k: r for k, r in records.items() if k not in bad}

@@ -1,0 +1,113 @@
+"""Finding and loading the target model: its config, its weights on a device, its decoder stack and final norm."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hsextract.errors import HsextractError, load_or_explain
+
+
+def load_model_config(model: str):
+    """The model's config (no weights), its text config and layer count; a clear error if the path is wrong."""
+    from transformers import AutoConfig
+
+    if os.path.sep in model or model.startswith(".") or Path(model).exists():
+        if not Path(model).exists():
+            raise HsextractError(f"--model {model}: no such directory")
+        if Path(model).is_dir() and not (Path(model) / "config.json").exists():
+            raise HsextractError(
+                f"--model {model}: directory has no config.json (is it a transformers checkpoint?)"
+            )
+    config = load_or_explain(model, "read its config", lambda: AutoConfig.from_pretrained(model))
+    text = config.get_text_config()
+    num_layers = getattr(text, "num_hidden_layers", None)
+    if not num_layers:
+        raise HsextractError(f"--model {model}: config has no num_hidden_layers; is it a decoder LM?")
+    return config, text, num_layers
+
+
+def load_model(
+    model: str, *, dtype: str, device: str, attn_implementation: str = "sdpa", random_weights=False
+):
+    """The causal LM in eval mode on ``device``. For a multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration)
+    transformers maps AutoModelForCausalLM to the text-only class and skips the vision tower's weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    if random_weights:
+        config = AutoConfig.from_pretrained(model).get_text_config()
+        config._attn_implementation = attn_implementation
+        with torch.device(device):
+            lm = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    else:
+        # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
+        placement = {} if device == "cpu" else {"device_map": {"": device}}
+        lm = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch_dtype, attn_implementation=attn_implementation, **placement
+        )
+    lm.eval()
+    lm.requires_grad_(False)
+    return lm
+
+
+def load_model_for(cfg, device) -> object:
+    """The model a run's config names, on ``device`` (a torch.device), with the run's kernels swapped in
+    (kernels.py): what the worker and dry-run load."""
+    from hsextract.model import qwen3_5 as kernels
+
+    lm = load_model(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=str(device),
+        attn_implementation=cfg.attn_implementation,
+        random_weights=cfg.random_weights,
+    )
+    swapped = kernels.apply(lm, cfg.kernel_mode)
+    log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
+    return lm
+
+
+def torch_device(cfg):
+    """``cuda:0`` (each worker sees only its own GPU) or ``cpu``."""
+    import torch
+
+    return torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+
+
+def decoder_layers(lm):
+    """The ModuleList of decoder layers, wherever the architecture keeps it."""
+    import torch.nn as nn
+
+    n = lm.config.get_text_config().num_hidden_layers
+    candidates = [
+        (name, mod)
+        for name, mod in lm.named_modules()
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) == n
+        and name.split(".")[-1] in ("layers", "h", "blocks")
+    ]
+    if not candidates:
+        raise HsextractError(f"could not find the {n} decoder layers of {type(lm).__name__}")
+    return min(candidates, key=lambda c: c[0].count("."))[1]
+
+
+def base_model(lm):
+    """The decoder stack without the lm_head (its forward returns hidden states only)."""
+    return lm.get_decoder() if hasattr(lm, "get_decoder") and lm.get_decoder() is not None else lm.base_model
+
+
+def final_norm(lm):
+    """The norm the decoder applies after its last layer (what HF's last ``output_hidden_states`` entry has)."""
+    decoder = base_model(lm)
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if getattr(decoder, name, None) is not None:
+            return getattr(decoder, name)
+    raise HsextractError(
+        f"could not find the final norm of {type(lm).__name__} (looked for norm, final_layernorm, ln_f)"
+    )
+
+
+log = logging.getLogger(__name__)

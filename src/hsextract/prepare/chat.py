@@ -1,0 +1,378 @@
+"""One row -> token ids and a loss mask, for any chat template.
+
+A row is pre-tokenized (``input_ids`` with an optional ``loss_mask``, kept exactly as given), chat
+(``messages`` with optional row-level ``tools``), or ShareGPT (``conversations``, mapped onto chat roles, with an
+optional row-level ``system``). ``RowEncoder.encode`` never raises: a row that cannot be encoded comes back with
+its skip kind (malformed, empty, too long) and the reason, and data.py counts it.
+
+The loss mask is 1 on what the assistant writes: the content of its turns (``<think>`` blocks and tool calls
+included) and the end-of-turn token (``<|im_end|>``), 0 on system, user and tool turns and on the assistant header
+(``<|im_start|>assistant\\n``), which the generation prompt supplies. Nothing about a template is hard-coded; the
+mask is derived by rendering:
+
+1. Render the whole conversation once and tokenize the text with character offsets. These are the ids the model
+   sees, identical to ``apply_chat_template(tokenize=True)``.
+2. For assistant message ``i``, the turn starts where ``render(messages[:i], add_generation_prompt=True)`` ends
+   and stops where ``render(messages[:i + 1])`` ends, when both are prefixes of the full text; the end is then
+   cut back to just after the end-of-turn marker, so a trailing newline is not learned.
+3. Templates may rewrite history: Qwen's (and the demo's) drop ``<think>`` from assistant turns before the last
+   user message, so a partial render is no longer a prefix of the full one. Such a turn is located in the full
+   text instead: it starts after the next assistant header (or at the prefix end, when that one still matched)
+   and ends at the end of the longest tail of its rendering that appears there (binary search on the tail
+   length; a rewrite that drops the beginning of a turn keeps its tail). A turn that cannot be found makes the
+   row malformed rather than giving it a wrong mask.
+4. A token gets mask 1 when its character span overlaps an assistant span.
+
+The assistant header and the end-of-turn marker used in steps 2 and 3 are themselves found by rendering a probe
+conversation once per tokenizer (``ChatMarkers``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SKIP_KINDS = ("malformed", "empty", "too_long")
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+_PROBE_USER = "hsextract probe question"
+
+
+_PROBE_REPLY = "hsextract probe answer"
+
+
+@dataclass(frozen=True)
+class UnreadableRow:
+    """A JSONL line that is not valid JSON; ``read_rows`` yields it in the line's place so that it is counted."""
+
+    reason: str
+
+
+class _RowSkipped(Exception):
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def _malformed(reason: str) -> _RowSkipped:
+    return _RowSkipped("malformed", reason)
+
+
+def _drop_nones(value: Any) -> Any:
+    """Remove None-valued keys: Arrow (parquet, datasets) fills keys a row lacks with None when rows differ."""
+    if isinstance(value, dict):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nones(v) for v in value]
+    return value
+
+
+def _chat_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise _malformed(f"'messages' is a {type(value).__name__}, not a list")
+    messages = []
+    for i, message in enumerate(_drop_nones(value)):
+        if not isinstance(message, dict) or "role" not in message:
+            raise _malformed(f"message {i} is not an object with a 'role'")
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            raise _malformed(
+                f"message {i} has unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
+        if "content" not in message and role == "assistant" and message.get("tool_calls"):
+            message = {**message, "content": ""}  # OpenAI style: content null next to tool calls
+        if not isinstance(message.get("content"), str):
+            raise _malformed(f"message {i} ({role}) has no string 'content'")
+        messages.append(message)
+    return messages
+
+
+def _sharegpt_messages(value: Any, system: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise _malformed(f"'conversations' is a {type(value).__name__}, not a list")
+    messages = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise _malformed(f"conversation turn {i} is not an object with 'from' and a string 'value'")
+        role = SHAREGPT_ROLES.get(turn.get("from"))
+        if role is None:
+            raise _malformed(
+                f"conversation turn {i} has unknown 'from' {turn.get('from')!r}; "
+                f"expected one of {', '.join(SHAREGPT_ROLES)}"
+            )
+        messages.append({"role": role, "content": turn["value"]})
+    # A row-level system prompt (LLaMA-Factory's layout) applies unless the conversation opens with its own.
+    if isinstance(system, str) and system and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _tools(value: Any) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # some exports store the tool list as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _malformed(f"'tools' is a string but not JSON ({e})") from e
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise _malformed("'tools' must be a list of objects")
+    return _drop_nones(value) or None
+
+
+@dataclass(frozen=True)
+class ChatMarkers:
+    """Template text found by rendering a probe conversation, used to cut and locate assistant turns."""
+
+    generation_header: str
+    """What ``add_generation_prompt`` appends, e.g. ``<|im_start|>assistant\\n``; empty for Mistral-style templates."""
+    end_of_turn: str
+    """First chunk the template writes after an assistant message, e.g. ``<|im_end|>``; may be empty."""
+
+    @classmethod
+    def probe(cls, tokenizer) -> ChatMarkers:
+        user = [{"role": "user", "content": _PROBE_USER}]
+        try:
+            bare = tokenizer.apply_chat_template(user, tokenize=False)
+            prompted = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            header = prompted[len(bare) :] if prompted.startswith(bare) else ""
+        except Exception:
+            header = ""
+        try:
+            text = tokenizer.apply_chat_template(
+                [*user, {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False
+            )
+        except Exception:
+            return cls(header, "")
+        after = text[text.rfind(_PROBE_REPLY) + len(_PROBE_REPLY) :].lstrip()
+        chunk = after.split()[0] if after.split() else ""
+        # "<|im_end|><|endoftext|>" -> "<|im_end|>": a chunk that opens with a special token ends with it.
+        for token in sorted(tokenizer.get_added_vocab(), key=len, reverse=True):
+            if token and chunk.startswith(token):
+                return cls(header, token)
+        return cls(header, chunk)
+
+
+def _longest_tail_in(text: str, pattern: str, lo: int, hi: int) -> tuple[int, int]:
+    """Length and position of the longest suffix of ``pattern`` found in ``text[lo:hi]``.
+
+    Binary search is valid because a shorter suffix occurs wherever a longer one does.
+    """
+    best_len, best_pos = 0, -1
+    low, high = 1, len(pattern)
+    while low <= high:
+        mid = (low + high) // 2
+        pos = text.find(pattern[-mid:], lo, hi)
+        if pos >= 0:
+            best_len, best_pos, low = mid, pos, mid + 1
+        else:
+            high = mid - 1
+    return best_len, best_pos
+
+
+def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens whose character range overlaps one of the sorted, disjoint ``spans``."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    if not spans or not len(offsets):
+        return mask
+    span_starts = np.array([s for s, _ in spans])
+    span_ends = np.array([e for _, e in spans])
+    tok_starts, tok_ends = offsets[:, 0], offsets[:, 1]
+    first = np.searchsorted(span_ends, tok_starts, side="right")  # first span ending after the token starts
+    valid = first < len(spans)
+    overlaps = valid & (span_starts[np.minimum(first, len(spans) - 1)] < tok_ends) & (tok_ends > tok_starts)
+    mask[overlaps] = 1
+    return mask
+
+
+class RowEncoder:
+    """Turns one row into ``(ids, mask)``, or raises ``_RowSkipped``; one per tokenizer process."""
+
+    def __init__(self, tokenizer, max_length: int, too_long: str):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.too_long = too_long
+        self.vocab_size = len(tokenizer)
+        self.has_template = bool(tokenizer.chat_template)
+        self.markers = ChatMarkers.probe(tokenizer) if self.has_template else ChatMarkers("", "")
+
+    def encode(self, index: int, row: Any) -> tuple:
+        """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
+        sample_id = str(index)
+        if isinstance(row, dict) and row.get("id") is not None:
+            sample_id = str(row["id"])
+        try:
+            ids, mask = self._encode(row)
+            status, reason = "kept", ""
+            if len(ids) > self.max_length:
+                if self.too_long == "skip":
+                    raise _RowSkipped("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
+                status, reason = "truncated", f"{len(ids)} tokens cut to {self.max_length}"
+                ids, mask = ids[: self.max_length], mask[: self.max_length]
+                if not mask.any():
+                    raise _RowSkipped("empty", f"no assistant tokens in the first {self.max_length} tokens")
+        except _RowSkipped as e:
+            return index, sample_id, e.kind, e.reason, None, None
+        except Exception as e:
+            # One odd row must not end a run over millions; it is counted and shown instead.
+            return index, sample_id, "malformed", f"unexpected {type(e).__name__}: {e}", None, None
+        return index, sample_id, status, reason, ids, mask
+
+    def _encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
+        if isinstance(row, UnreadableRow):
+            raise _malformed(row.reason)
+        if not isinstance(row, dict):
+            raise _malformed(f"row is a {type(row).__name__}, not an object")
+        if row.get("input_ids") is not None:
+            return self._pretokenized(row["input_ids"], row.get("loss_mask"))
+        if row.get("messages") is not None:
+            messages = _chat_messages(row["messages"])
+        elif row.get("conversations") is not None:
+            messages = _sharegpt_messages(row["conversations"], row.get("system"))
+        else:
+            raise _malformed("row has none of the fields 'messages', 'conversations', 'input_ids'")
+        return self._encode_chat(messages, _tools(row.get("tools")))
+
+    def _pretokenized(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            ids = np.asarray(ids)
+            mask = None if mask is None else np.asarray(mask)
+        except ValueError as e:  # ragged nesting
+            raise _malformed(f"'input_ids' and 'loss_mask' must be flat lists ({e})") from e
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise _malformed("'input_ids' must be a flat list of integers")
+        if not ids.size:
+            raise _RowSkipped("empty", "'input_ids' is empty")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise _malformed(f"'input_ids' holds ids outside the tokenizer's range 0..{self.vocab_size - 1}")
+        if mask is None:
+            mask = np.ones(len(ids), dtype=np.uint8)
+        else:
+            if mask.shape != ids.shape:
+                raise _malformed(f"'loss_mask' has {mask.size} entries for {ids.size} input_ids")
+            if mask.dtype.kind not in "iub" or not np.isin(mask, (0, 1)).all():
+                raise _malformed("'loss_mask' must hold only 0 and 1")
+            mask = mask.astype(np.uint8)
+            if not mask.any():
+                raise _RowSkipped("empty", "'loss_mask' is all zeros")
+        return ids.astype(np.int32), mask
+
+    def _render(self, messages: list[dict], tools: list | None, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _try_render(self, messages: list[dict], tools: list | None, generation_prompt: bool) -> str | None:
+        """A partial render; some templates reject partial conversations, which only costs the fast path."""
+        try:
+            return self._render(messages, tools, generation_prompt)
+        except Exception:
+            return None
+
+    def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[np.ndarray, np.ndarray]:
+        if not messages:
+            raise _RowSkipped("empty", "the conversation has no messages")
+        if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
+            raise _RowSkipped("empty", "no assistant message with content")
+        if not self.has_template:
+            raise _malformed("the tokenizer has no chat template to render conversations with")
+        try:
+            full = self._render(messages, tools)
+        except Exception as e:
+            raise _malformed(f"the chat template failed: {type(e).__name__}: {e}") from e
+        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoding["input_ids"], dtype=np.int32)
+        if not ids.size:
+            raise _RowSkipped("empty", "the conversation renders to no tokens")
+        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
+        if not mask.any():
+            raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
+        return ids, mask
+
+    def _assistant_spans(self, messages: list[dict], tools: list | None, full: str) -> list[tuple[int, int]]:
+        """Character spans of the assistant turns in ``full``, sorted and disjoint (see the module docstring)."""
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._try_render(messages[:i], tools, True) if i else None
+            through = self._try_render(messages[: i + 1], tools, False)
+            start = None
+            if before is not None and len(before) >= cursor and full.startswith(before):
+                start = len(before)
+            if (
+                start is not None
+                and through is not None
+                and len(through) > start
+                and full.startswith(through)
+            ):
+                end = self._cut_after_end_of_turn(full, start, len(through))
+            else:
+                turn = None
+                if before is not None and through is not None and through.startswith(before):
+                    turn = through[len(before) :]
+                start, end = self._locate_turn(full, cursor, start, turn, message, i)
+            if end > start:
+                spans.append((start, end))
+                cursor = end
+        return spans
+
+    def _cut_after_end_of_turn(self, text: str, start: int, end: int) -> int:
+        """End of the turn in ``text[start:end]``: just after its last end-of-turn marker, else before trailing space."""
+        marker = self.markers.end_of_turn
+        found = text.rfind(marker, start, end) if marker else -1
+        if found >= 0:
+            return found + len(marker)
+        return start + len(text[start:end].rstrip())
+
+    def _locate_turn(
+        self, full: str, cursor: int, start: int | None, turn: str | None, message: dict, i: int
+    ) -> tuple[int, int]:
+        """Find a turn the template rewrote in the full render: after its header, up to the longest tail of it."""
+        header, marker = self.markers.generation_header, self.markers.end_of_turn
+        if start is None and header:
+            found = full.find(header, cursor)
+            if found >= 0:
+                start = found + len(header)
+        lo = start if start is not None else cursor
+        # The turn ends before the next assistant header: a tail found past it would belong to a later turn.
+        hi = full.find(header, lo) if header else -1
+        hi = hi if hi >= 0 else len(full)
+        anchor = (
+            turn[: self._cut_after_end_of_turn(turn, 0, len(turn))] if turn else message["content"].rstrip()
+        )
+        end = lo
+        if anchor:
+            length, pos = _longest_tail_in(full, anchor, lo, hi)
+            if length == 0:
+                raise _malformed(f"assistant message {i} cannot be found in the rendered conversation")
+            end = pos + length
+            start = pos if start is None else start
+        if marker and not anchor.endswith(marker):
+            found = full.find(marker, end, hi)
+            end = found + len(marker) if found >= 0 else end
+        if start is None or (end <= start and anchor):
+            raise _malformed(f"assistant message {i} cannot be found in the rendered conversation")
+        return start, end

@@ -1,0 +1,192 @@
+"""The plan: which samples go in which batch, and which shard runs it. Pure and deterministic (no torch).
+
+Samples are sorted by length, longest first, and cut greedily into batches bounded by
+``rows x longest row <= max_tokens_per_batch`` and ``rows <= max_rows``. Rows are padded, never packed: packing
+is wrong for hybrid models whose linear-attention recurrence and causal conv carry state across sample
+boundaries. Sorting keeps padding waste small (0.3% on realistic lengths) and puts the largest batch first, so a
+batch that does not fit in memory fails in the first minute rather than the last hour.
+
+Batches are dealt to shards largest first, each to the shard with the fewest padded tokens so far (LPT), so shards
+finish together. Batch ids are global and stable; a batch's output key is ``shard-SSSSS/batch-BBBBBB.safetensors``.
+The plan hash covers the fingerprint (data, tokenizer, model, layers, limits) and every batch, so a rerun can prove
+it is continuing the same job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hsextract.errors import HsextractError
+from hsextract.format.keys import batch_key
+from hsextract.storage.fileio import atomic_write, load_json
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSpec:
+    batch_id: int
+    shard: int
+    sample_indices: tuple[int, ...]
+    """Indices into the tokenized samples, longest first."""
+    padded_length: int
+    """Length of the longest row; every row is right-padded to it."""
+    num_tokens: int
+    """Valid (unpadded) tokens in the batch."""
+
+    @property
+    def rows(self) -> int:
+        return len(self.sample_indices)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.rows * self.padded_length
+
+    @property
+    def key(self) -> str:
+        return batch_key(self.shard, self.batch_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    batches: tuple[BatchSpec, ...]
+    shards: int
+    fingerprint: dict
+    """Everything that shapes the output: data and tokenizer hashes, model, layer ids, dtype, limits."""
+
+    @property
+    def plan_hash(self) -> str:
+        body = json.dumps(
+            {
+                "format": PLAN_FORMAT,
+                "fingerprint": self.fingerprint,
+                "shards": self.shards,
+                "batches": [asdict(b) for b in self.batches],
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def for_shard(self, shard: int) -> list[BatchSpec]:
+        return [b for b in self.batches if b.shard == shard]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.batches)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(b.rows for b in self.batches)
+
+    @property
+    def padding_waste(self) -> float:
+        padded = sum(b.padded_tokens for b in self.batches)
+        return 0.0 if padded == 0 else 1.0 - self.num_tokens / padded
+
+    def shard_tokens(self) -> list[int]:
+        totals = [0] * self.shards
+        for b in self.batches:
+            totals[b.shard] += b.num_tokens
+        return totals
+
+    def summary(self) -> str:
+        per = self.shard_tokens()
+        return (
+            f"{self.num_samples} samples, {self.num_tokens} tokens in {len(self.batches)} batches over "
+            f"{self.shards} shard(s) (tokens per shard {min(per)}..{max(per)}), "
+            f"padding waste {100 * self.padding_waste:.2f}%"
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "plan_hash": self.plan_hash,
+            "shards": self.shards,
+            "fingerprint": self.fingerprint,
+            "batches": [
+                [b.batch_id, b.shard, b.padded_length, b.num_tokens, list(b.sample_indices)]
+                for b in self.batches
+            ],
+        }
+
+    def save(self, path: Path) -> None:
+        atomic_write(path, json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        return cls.from_json(load_json(path, "the plan"), where=str(path))
+
+    @classmethod
+    def from_json(cls, body: dict, where: str = "the plan") -> Plan:
+        try:
+            batches = tuple(
+                BatchSpec(batch_id=i, shard=s, sample_indices=tuple(idx), padded_length=p, num_tokens=n)
+                for i, s, p, n, idx in body["batches"]
+            )
+            return cls(batches=batches, shards=body["shards"], fingerprint=body["fingerprint"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise HsextractError(
+                f"{where} (the plan) is damaged ({e!r}): rerun the same command with --restart to start over"
+            ) from None
+
+
+def make_plan(
+    lengths: Sequence[int],
+    *,
+    max_tokens_per_batch: int,
+    max_rows: int,
+    shards: int,
+    fingerprint: dict | None = None,
+) -> Plan:
+    """Cut samples (given by their token counts) into padded, length-sorted batches dealt to ``shards``."""
+    if any(n < 1 for n in lengths):
+        raise ValueError("every sample needs at least one token")
+    if lengths and max(lengths) > max_tokens_per_batch:
+        raise ValueError(
+            f"a sample of {max(lengths)} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
+        )
+    # Longest first; ties broken by index so the order never depends on the sort's stability.
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and ((len(current) + 1) * longest > max_tokens_per_batch or len(current) >= max_rows):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+
+    # LPT: biggest batch to the least loaded shard; ties go to the lower shard id.
+    load = [(0, s) for s in range(shards)]
+    heapq.heapify(load)
+    assigned = []
+    for batch_id, group in enumerate(groups):
+        tokens, shard = heapq.heappop(load)
+        n = sum(lengths[i] for i in group)
+        assigned.append(
+            BatchSpec(
+                batch_id=batch_id,
+                shard=shard,
+                sample_indices=tuple(group),
+                padded_length=lengths[group[0]],
+                num_tokens=n,
+            )
+        )
+        heapq.heappush(load, (tokens + len(group) * lengths[group[0]], shard))
+    return Plan(batches=tuple(assigned), shards=shards, fingerprint=dict(fingerprint or {}))
+
+
+def fingerprint_changes(old: dict, new: dict) -> list[str]:
+    """Human lines naming what differs between two plan fingerprints."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            lines.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    return lines

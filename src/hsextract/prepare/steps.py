@@ -1,0 +1,375 @@
+"""Prepare a run: every check and every cheap step before any weight loads, as a short sequence of named steps.
+
+Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
+it was. So ``prepare_run`` goes:
+
+1. ``check_inputs``: the run dir, the model config and layer ids, the output (a probe object), the staging
+   directory's space, and that staging, output and run dir do not overlap;
+2. ``tokenize``: every row of the dataset (parallel, cached in the run dir, bad rows counted), ids made unique;
+3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
+4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
+   the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
+   output is claimed for this plan (output.py): an output held by another job is refused, naming it;
+5. ``write_run_files``: data report, tokens, config, run info and, last, the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hsextract.config import DTYPE_BYTES, RunConfig
+from hsextract.errors import HsextractError
+from hsextract.format.batch import StateLayout, estimate_file_bytes, run_file_metadata
+from hsextract.format.manifest import delete_manifest, has_manifest, read_manifest
+from hsextract.format.records import (
+    DONE_PREFIX,
+    JOB,
+    JOB_FILES,
+    claim_output,
+    describe_job,
+    job_record,
+    publish_job_files,
+    read_job,
+)
+from hsextract.model.layers import layer_types, resolve_layer_ids
+from hsextract.model.load import load_model_config
+from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
+from hsextract.prepare.rows import data_fingerprint
+from hsextract.prepare.tokenize import (
+    DataReport,
+    TokenizedSamples,
+    load_samples,
+    load_tokenizer,
+    tokenizer_fingerprint,
+    unique_sample_ids,
+)
+from hsextract.run.rundir import RunDir, RunInfo
+from hsextract.storage import open_sink, preflight
+from hsextract.storage.fileio import write_json
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    config: object
+    text_config: object
+    num_layers: int
+    layer_ids: tuple[int, ...]
+    layout: StateLayout
+
+
+def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> StateLayout:
+    return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype)
+
+
+def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True) -> Plan:
+    """Validate everything, tokenize, plan; write the run files. Loads no weights."""
+    run_dir = RunDir(cfg.run_dir)
+    model = check_inputs(cfg)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(cfg.model)
+    samples, report, renamed = tokenize(cfg, tokenizer, run_dir, echo=echo, show_progress=show_progress)
+    fingerprint = make_fingerprint(cfg, model, tokenizer)
+    plan = make_plan(
+        samples.lengths.tolist(),
+        max_tokens_per_batch=cfg.max_tokens_per_batch,
+        max_rows=cfg.max_rows,
+        shards=cfg.total_shards,
+        fingerprint=fingerprint,
+    )
+    accept_plan(cfg, run_dir, plan, restart=restart, echo=echo)
+    write_run_files(
+        cfg, run_dir, plan, model, tokenizer, samples, {**report.to_json(), "duplicate_ids_renamed": renamed}
+    )
+    echo(f"plan: {plan.summary()}")
+    return plan
+
+
+def check_inputs(cfg: RunConfig) -> ModelFacts:
+    """The model config, the layer ids, the output and the staging space: fails fast, writes nothing."""
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HsextractError(f"--run-dir {run_dir} is a file, not a directory: choose a directory path")
+    check_no_overlap(cfg)
+    config, text, num_layers = load_model_config(cfg.model)
+    layer_ids = resolve_layer_ids(cfg.layers, num_layers)
+    layout = run_layout(cfg, layer_ids, num_layers)
+    preflight(cfg.output, cfg.s3_endpoint_url)
+    one_file = estimate_file_bytes(
+        cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
+    )
+    check_staging(cfg.staging_dir, one_file)
+    return ModelFacts(
+        config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids, layout=layout
+    )
+
+
+def check_no_overlap(cfg: RunConfig) -> None:
+    """Staging is emptied as files are uploaded and cleared by --restart: it must not hold, or lie in, the
+    output or the run dir."""
+    staging = cfg.staging_dir.resolve()
+    places = {"--run-dir": Path(cfg.run_dir).resolve()}
+    if "://" not in cfg.output:
+        places["--output"] = Path(cfg.output).resolve()
+    for name, place in places.items():
+        if staging == place or staging.is_relative_to(place) or place.is_relative_to(staging):
+            raise HsextractError(
+                f"the staging directory {staging} and {name} {place} overlap: staged files are deleted once "
+                "uploaded, so they must live apart; choose another --staging"
+            )
+
+
+def check_staging(staging: Path, need_bytes: int) -> None:
+    """The staging directory must be writable and hold at least one batch file, else fail before any work."""
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        probe = staging / ".probe"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise HsextractError(
+            f"staging directory {staging} is not writable ({e.strerror}); choose another with --staging"
+        ) from None
+    free = shutil.disk_usage(staging).free
+    if free < need_bytes:
+        raise HsextractError(
+            f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
+            f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
+            "or lower --max-tokens-per-batch"
+        )
+
+
+def tokenize(
+    cfg: RunConfig, tokenizer, run_dir: RunDir, *, echo=print, show_progress: bool = True
+) -> tuple[TokenizedSamples, DataReport, int]:
+    """Every row tokenized and masked (cached in the run dir); returns samples, report and renamed-id count."""
+    samples, report = load_samples(
+        cfg.data,
+        tokenizer,
+        max_length=cfg.max_length,
+        too_long=cfg.too_long,
+        num_proc=cfg.num_proc,
+        cache_dir=run_dir.cache_dir,
+        progress=show_progress,
+    )
+    echo(f"data: {report.summary()}")
+    samples, renamed = unique_sample_ids(samples)
+    if renamed:
+        echo(
+            f"warning: {renamed} row(s) repeat an earlier row's id; renamed to id#2, id#3, ... "
+            f"(see {run_dir.data_report_file.name})"
+        )
+    return samples, report, renamed
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+SAMPLES_PER_WEIGHT_FILE = 16
+
+
+SAMPLE_BYTES = 1 << 16
+
+
+def model_identity(model: str, config) -> dict:
+    config_file = Path(model) / "config.json"
+    digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.exists() else ""
+    return {
+        "model": model,
+        "model_revision": getattr(config, "_commit_hash", None) or "",
+        "model_config_hash": digest,
+        "model_weights_hash": weights_fingerprint(Path(model)),
+    }
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A cheap hash that changes when the weights do: per weight file its name, size, and 16 x 64 KiB spread over
+    it (header included). Reads ~1 MB per file instead of 54 GB; any retrained or re-saved checkpoint differs in
+    the sampled bytes. Empty for a hub id or a config-only directory."""
+    if not model_dir.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(SAMPLES_PER_WEIGHT_FILE):
+                f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES_PER_WEIGHT_FILE - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer) -> dict:
+    """Everything that shapes the output; a rerun whose fingerprint differs is a different job."""
+    return {
+        "data": data_fingerprint(cfg.data),
+        **tokenizer_fingerprint(tokenizer),
+        **model_identity(cfg.model, model.config),
+        "layer_ids": list(model.layer_ids),
+        "dtype": cfg.dtype,
+        "max_length": cfg.max_length,
+        "too_long": cfg.too_long,
+        "max_tokens_per_batch": cfg.max_tokens_per_batch,
+        "max_rows": cfg.max_rows,
+        "random_weights": cfg.random_weights,
+        # Only when set, so that the plans of runs without them hash as they did before these options existed.
+        **({"final_state": True} if model.layout.final_state else {}),
+        **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
+    }
+
+
+def accept_plan(cfg: RunConfig, run_dir: RunDir, plan: Plan, *, restart: bool, echo=print) -> None:
+    """Resume only the same plan; ``restart`` clears a different (or damaged) one. Then claim the output."""
+    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
+    new_run_dir = not run_dir.plan_file.exists()
+    if not new_run_dir:
+        try:
+            old = Plan.load(run_dir.plan_file)
+        except HsextractError:
+            if not restart:
+                raise
+            old = None
+        if old is None or old.plan_hash != plan.plan_hash:
+            if not restart:
+                changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
+                if old.shards != plan.shards:
+                    changes.append(f"shards: {old.shards} -> {plan.shards}")
+                raise HsextractError(
+                    f"run dir {run_dir.root} holds a different plan; resuming would mix two jobs. What changed:\n  "
+                    + "\n  ".join(changes or ["the batches (same settings, different samples)"])
+                    + "\nRerun with the original settings to resume, or add --restart to start over."
+                )
+            reset_run(cfg, run_dir, sink, old, plan)
+            echo(
+                f"--restart: cleared markers, progress and staging of the previous plan in {run_dir.root}, and its "
+                f"manifest and batch files in {cfg.output}"
+            )
+    claim(cfg, sink, plan, new_run_dir=new_run_dir)
+
+
+def claim(cfg: RunConfig, sink, plan: Plan, *, new_run_dir: bool) -> None:
+    """Claim the output for this plan, or accept it if this plan holds it already (a rerun, another node, a lost
+    run dir); refuse an output held by another job, naming it and what differs."""
+    if new_run_dir and read_job(sink) is None:
+        refuse_unclaimed_batches(cfg, sink, plan)
+    job = job_record(
+        plan=plan, nodes=cfg.nodes, run_dir=str(Path(cfg.run_dir).resolve()), host=socket.gethostname()
+    )
+    held = claim_output(sink, job)
+    if held.get("plan_hash") == plan.plan_hash and held.get("nodes", 1) != cfg.nodes:
+        raise HsextractError(
+            f"output {cfg.output} is being written by this job on {held.get('nodes', 1)} node(s), but this node "
+            f"was started as one of {cfg.nodes}: every node (and every rerun) must give the same node count"
+        )
+    if held.get("plan_hash") != plan.plan_hash:
+        changes = fingerprint_changes(held.get("fingerprint", {}), plan.fingerprint)
+        if held.get("shards") != plan.shards:
+            changes.append(f"shards: {held.get('shards')} -> {plan.shards} (nodes x shards per node)")
+        raise HsextractError(
+            f"output {cfg.output} is held by another job ({describe_job(held)}); two jobs never share an output. "
+            + ("What differs:\n  " + "\n  ".join(changes) + "\n" if changes else "")
+            + "Choose another --output, or rerun that job's own command to resume it."
+        )
+
+
+def refuse_unclaimed_batches(cfg: RunConfig, sink, plan: Plan) -> None:
+    """An output without a claim (written by an older hsextract, or by hand) may still hold batches: writing into
+    it would mix two jobs' states without a trace."""
+    if has_manifest(sink):
+        other = read_manifest(sink).get("plan_hash")
+        if other == plan.plan_hash:
+            return  # the same job, finished before (its run dir was lost): rerunning rewrites identical batches
+        raise HsextractError(
+            f"output {cfg.output} already holds a finished run with another plan ({other}); "
+            "choose a new --output, or delete that one first"
+        )
+    existing = sink.list_keys("shard-")
+    if existing:
+        raise HsextractError(
+            f"output {cfg.output} already holds {len(existing)} batch file(s) (e.g. {existing[0]}) but run dir "
+            f"{cfg.run_dir} is new, so nothing says which job wrote them: rerun with that job's --run-dir to "
+            "resume it, or choose a new --output"
+        )
+
+
+def reset_run(cfg: RunConfig, run_dir: RunDir, sink, old: Plan | None, new: Plan) -> None:
+    """--restart: forget the old plan (``None`` when its file is damaged) here and in the output."""
+    # The manifest goes first: from here on the output is no longer the old plan's, and until the new manifest is
+    # written it is not complete. Batch files the new plan does not overwrite would be left over from the old one.
+    held = read_job(sink)
+    mine = held is not None and (
+        (old is not None and held.get("plan_hash") == old.plan_hash)
+        or held.get("started_by", {}).get("run_dir") == str(run_dir.root.resolve())
+    )
+    if held is not None and not mine:
+        raise HsextractError(
+            f"--restart: output {cfg.output} is held by another job ({describe_job(held)}), not this run dir's: "
+            "nothing was cleared. Choose another --output."
+        )
+    delete_manifest(sink)
+    old_keys = {b.key for b in old.batches} if old is not None else set(sink.list_keys("shard-"))
+    for key in old_keys - {b.key for b in new.batches}:
+        sink.delete(key)
+    for key in sink.list_keys(DONE_PREFIX):
+        sink.delete(key)
+    if held is not None:
+        for key in JOB_FILES.values():
+            sink.delete(key)
+        sink.delete(JOB)
+    shutil.rmtree(run_dir.markers_dir, ignore_errors=True)
+    shutil.rmtree(run_dir.progress_dir, ignore_errors=True)
+    shutil.rmtree(cfg.staging_dir, ignore_errors=True)
+    run_dir.complete_file.unlink(missing_ok=True)
+
+
+def write_run_files(
+    cfg: RunConfig,
+    run_dir: RunDir,
+    plan: Plan,
+    model: ModelFacts,
+    tokenizer,
+    samples: TokenizedSamples,
+    data_report: dict,
+) -> None:
+    """Written only once the plan is accepted (a refused rerun leaves the run dir as it was); the plan last."""
+    write_json(run_dir.data_report_file, data_report)
+    samples.save(run_dir.tokens_file)
+    fp = plan.fingerprint
+    info = RunInfo(
+        layer_ids=model.layer_ids,
+        layer_types=tuple(layer_types(model.text_config)[k] for k in model.layer_ids),
+        num_layers=model.num_layers,
+        hidden_size=model.text_config.hidden_size,
+        pad_token_id=tokenizer.pad_token_id,
+        plan_hash=plan.plan_hash,
+        final_state=model.layout.final_state,
+        storage_dtype=model.layout.storage_dtype,
+        vocab_size=getattr(model.text_config, "vocab_size", None),
+        file_metadata=run_file_metadata(
+            layout=model.layout,
+            model=cfg.model,
+            model_revision=fp["model_revision"],
+            model_config_hash=fp["model_config_hash"],
+            dtype=cfg.dtype,
+            hidden_size=model.text_config.hidden_size,
+            tokenizer_hash=fp["tokenizer_hash"],
+            chat_template_hash=fp["chat_template_hash"],
+            plan_hash=plan.plan_hash,
+            kernels=cfg.kernel_mode,
+        ),
+    )
+    cfg.save(run_dir.config_file)
+    info.save(run_dir)
+    plan.save(run_dir.plan_file)
+    publish_job_files(
+        open_sink(cfg.output, cfg.s3_endpoint_url),
+        {
+            "plan": plan.to_json(),
+            "info": asdict(info),
+            "samples": samples.sample_ids,
+            "data_report": data_report,
+        },
+    )

@@ -1,0 +1,430 @@
+"""Dataset -> tokenized samples with a loss mask: the first stage of the pipeline.
+
+A data path is a ``.jsonl`` file, a ``.json`` file (a list of rows, or ``{"data": [...]}``), a ``.parquet`` file, or
+a directory written by ``datasets.Dataset.save_to_disk``. A row is one of three kinds, tried in this order:
+
+- pre-tokenized: ``input_ids`` (list of ints) with an optional ``loss_mask`` (0/1, same length, default all ones);
+  it is kept exactly as given, since it is what the user already tokenized;
+- chat: ``messages`` (``{role, content, tool_calls?, reasoning?...}``) with optional row-level ``tools``;
+- ShareGPT: ``conversations`` (``{from, value}``), mapped onto chat roles, with an optional row-level ``system``.
+
+Bad rows never crash a run and are never dropped silently: each is classified as malformed, empty or too long,
+counted in a ``DataReport`` (written next to the outputs by the caller) with a few examples. A run where no row
+survives is an error, since extracting nothing is never what was meant.
+
+How one row becomes ids and a loss mask is chat.py's job.
+
+Tokenization runs over ``num_proc`` spawned processes (spawn, not fork: the caller may hold threads or CUDA), in
+chunks of rows in file order, so the result does not depend on ``num_proc``. With ``cache_dir`` the result and
+its report are stored in one safetensors file whose name hashes the data bytes, the tokenizer, the chat template,
+the length policy and ``FORMAT_VERSION`` (bump it whenever the encoding changes); a later call with the same
+inputs loads that file instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from hsextract.config import TOO_LONG_POLICIES
+from hsextract.errors import HsextractError, load_or_explain
+from hsextract.prepare.chat import SKIP_KINDS, RowEncoder
+from hsextract.prepare.rows import _data_format, _open_rows, data_fingerprint
+from hsextract.storage.fileio import atomic_write
+
+logger = logging.getLogger(__name__)
+
+
+FORMAT_VERSION = 1
+
+
+EXAMPLES_PER_KIND = 5
+
+"""Examples kept in the report for each of malformed, empty, too long and truncated (so at most 20)."""
+
+
+CHUNK_ROWS = 64
+
+"""Rows per task sent to a tokenizer process: large enough to amortise pickling, small for a smooth progress bar."""
+
+
+@dataclass(frozen=True, eq=False)
+class TokenizedSamples:
+    """All kept samples concatenated: sample ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``."""
+
+    sample_ids: list[str]
+    """The row's ``id`` field as a string when present, else the row index."""
+    input_ids: np.ndarray
+    """int32 token ids of all samples, concatenated."""
+    loss_mask: np.ndarray
+    """uint8, 1 on tokens the drafter learns to predict (assistant turns), same length as ``input_ids``."""
+    offsets: np.ndarray
+    """int64, ``len(sample_ids) + 1`` entries, starting at 0 and ending at ``len(input_ids)``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sample_ids", [str(s) for s in self.sample_ids])
+        object.__setattr__(self, "input_ids", np.ascontiguousarray(self.input_ids, dtype=np.int32))
+        object.__setattr__(self, "loss_mask", np.ascontiguousarray(self.loss_mask, dtype=np.uint8))
+        object.__setattr__(self, "offsets", np.ascontiguousarray(self.offsets, dtype=np.int64))
+        n, ids, offsets = len(self.sample_ids), self.input_ids, self.offsets
+        if ids.ndim != 1 or self.loss_mask.shape != ids.shape:
+            raise ValueError(f"input_ids {ids.shape} and loss_mask {self.loss_mask.shape} must be equal 1-D")
+        if (
+            offsets.shape != (n + 1,)
+            or offsets[0] != 0
+            or offsets[-1] != len(ids)
+            or np.any(np.diff(offsets) < 0)
+        ):
+            raise ValueError(
+                f"offsets must rise from 0 to {len(ids)} with {n + 1} entries, got {offsets[:8]}..."
+            )
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample (int64)."""
+        return np.diff(self.offsets)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, loss_mask)`` of sample ``i``, as views into the concatenated arrays."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[start:end], self.loss_mask[start:end]
+
+    def save(self, path: str | Path) -> Path:
+        """Write one safetensors file (tmp + rename: a file under its final name is complete)."""
+        return self._save(Path(path), {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenizedSamples:
+        return cls._load(Path(path))[0]
+
+    def _save(self, path: Path, metadata: dict[str, str]) -> Path:
+        from safetensors.numpy import save
+
+        # Sample ids go in a byte tensor, not the header: safetensors caps the header at 100 MB.
+        ids_json = np.frombuffer(json.dumps(self.sample_ids).encode(), dtype=np.uint8)
+        tensors = {
+            "input_ids": self.input_ids,
+            "loss_mask": self.loss_mask,
+            "offsets": self.offsets,
+            "sample_ids_json": ids_json.copy(),
+        }
+        meta = {"format": "hsextract.tokenized_samples", **metadata}
+        atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+        return path
+
+    @classmethod
+    def _load(cls, path: Path) -> tuple[TokenizedSamples, dict[str, str]]:
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+        if metadata.get("format") != "hsextract.tokenized_samples":
+            raise HsextractError(f"{path} is not a tokenized-samples file written by hsextract")
+        tensors = load_file(str(path))
+        samples = cls(
+            sample_ids=json.loads(tensors["sample_ids_json"].tobytes().decode()),
+            input_ids=tensors["input_ids"],
+            loss_mask=tensors["loss_mask"],
+            offsets=tensors["offsets"],
+        )
+        return samples, metadata
+
+
+@dataclass(frozen=True)
+class DataReport:
+    """What became of each row of the data file; the caller writes ``to_json()`` into the run directory."""
+
+    rows: int
+    kept: int
+    truncated: int
+    """Kept rows cut to ``max_length`` tokens (counted in ``kept`` too)."""
+    skipped_empty: int
+    skipped_malformed: int
+    skipped_too_long: int
+    tokens: int
+    """Kept tokens, after truncation."""
+    max_length: int
+    examples: list[dict] = field(default_factory=list)
+    """A few ``{"row", "id", "kind", "reason"}`` for skipped and truncated rows, at most 5 of each kind."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> DataReport:
+        return cls(**data)
+
+    def summary(self) -> str:
+        """One line for the console, e.g. ``300 rows: 297 kept (3 truncated to 2048 tokens), 2 empty, ...``."""
+        kept = f"{self.kept} kept"
+        if self.truncated:
+            kept += f" ({self.truncated} truncated to {self.max_length} tokens)"
+        parts = [kept]
+        if self.skipped_empty:
+            parts.append(f"{self.skipped_empty} empty")
+        if self.skipped_malformed:
+            parts.append(f"{self.skipped_malformed} malformed")
+        if self.skipped_too_long:
+            parts.append(f"{self.skipped_too_long} longer than {self.max_length} tokens skipped")
+        return f"{self.rows} rows: {', '.join(parts)}; {self.tokens} tokens"
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Hashes of what decides the token ids: the tokenizer (with its special tokens) and the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    # Templates render bos/eos by name, so the special-token map belongs to the tokenizer's identity.
+    text += json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        template = json.dumps(template, sort_keys=True)
+    return {
+        "tokenizer_hash": hashlib.sha256(text.encode()).hexdigest(),
+        "chat_template_hash": hashlib.sha256(template.encode()).hexdigest(),
+    }
+
+
+def cache_file(cache_dir: Path, data_path, tokenizer, *, max_length: int, too_long: str) -> Path:
+    """Where ``load_samples`` keeps (or finds) the tokenized samples for these inputs."""
+    return (
+        Path(cache_dir) / f"tokens-{_cache_key(Path(data_path), tokenizer, max_length, too_long)}.safetensors"
+    )
+
+
+def _cache_key(data_path: Path, tokenizer, max_length: int, too_long: str) -> str:
+    parts = {
+        "format_version": FORMAT_VERSION,
+        "data": data_fingerprint(data_path),
+        **tokenizer_fingerprint(tokenizer),
+        "max_length": max_length,
+        "too_long": too_long,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+_worker_encoder: RowEncoder | None = None
+
+
+def _init_worker(tokenizer, max_length: int, too_long: str) -> None:
+    global _worker_encoder
+    _worker_encoder = RowEncoder(tokenizer, max_length, too_long)
+
+
+def _encode_chunk(chunk: list[tuple[int, Any]]) -> list[tuple]:
+    assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
+    return [_worker_encoder.encode(index, row) for index, row in chunk]
+
+
+def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[tuple[int, Any]]]:
+    chunk: list[tuple[int, Any]] = []
+    for index, row in enumerate(rows):
+        chunk.append((index, row))
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_all(
+    rows: Iterator[Any],
+    total: int | None,
+    tokenizer,
+    max_length: int,
+    too_long: str,
+    num_proc: int,
+    progress: bool,
+) -> Iterator[tuple]:
+    """Row results in file order, from this process or ``num_proc`` spawned ones (the same code either way)."""
+    bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
+    with bar:
+        if num_proc == 1:
+            _init_worker(tokenizer, max_length, too_long)
+            for chunk in _chunks(rows, CHUNK_ROWS):
+                results = _encode_chunk(chunk)
+                bar.update(len(results))
+                yield from results
+            return
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(
+            num_proc, initializer=_init_worker, initargs=(tokenizer, max_length, too_long)
+        ) as pool:
+            for results in pool.imap(_encode_chunk, _chunks(rows, CHUNK_ROWS)):
+                bar.update(len(results))
+                yield from results
+
+
+def _tokenize(data_path: Path, tokenizer, max_length: int, too_long: str, num_proc: int, progress: bool):
+    rows, total = _open_rows(data_path)
+    sample_ids: list[str] = []
+    id_arrays: list[np.ndarray] = []
+    mask_arrays: list[np.ndarray] = []
+    counts = dict.fromkeys(("rows", "truncated", *SKIP_KINDS), 0)
+    examples: list[dict] = []
+    per_kind: dict[str, int] = {}
+    for index, sample_id, status, reason, ids, mask in _encode_all(
+        rows, total, tokenizer, max_length, too_long, num_proc, progress
+    ):
+        counts["rows"] += 1
+        if status != "kept":
+            counts[status] += 1
+            per_kind[status] = per_kind.get(status, 0) + 1
+            if per_kind[status] <= EXAMPLES_PER_KIND:
+                examples.append({"row": index, "id": sample_id, "kind": status, "reason": reason})
+        if ids is not None:
+            sample_ids.append(sample_id)
+            id_arrays.append(ids)
+            mask_arrays.append(mask)
+    lengths = np.array([len(a) for a in id_arrays], dtype=np.int64)
+    report = DataReport(
+        rows=counts["rows"],
+        kept=len(sample_ids),
+        truncated=counts["truncated"],
+        skipped_empty=counts["empty"],
+        skipped_malformed=counts["malformed"],
+        skipped_too_long=counts["too_long"],
+        tokens=int(lengths.sum()),
+        max_length=max_length,
+        examples=examples,
+    )
+    if not sample_ids:
+        problems = "; ".join(f"row {e['row']} ({e['kind']}): {e['reason']}" for e in examples[:5])
+        raise HsextractError(
+            f"no usable samples in {data_path}: {report.summary()}."
+            + (f" First problems: {problems}." if problems else "")
+            + " Fix the rows or give another data file."
+        )
+    samples = TokenizedSamples(
+        sample_ids=sample_ids,
+        input_ids=np.concatenate(id_arrays),
+        loss_mask=np.concatenate(mask_arrays),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+    )
+    return samples, report
+
+
+AUTO_PARALLEL_MIN_BYTES = 16_000_000
+
+"""Data below this size is tokenized in the calling process. A pool starts ~6.5 s later (each spawned process
+unpickles the tokenizer, importing transformers) and one process tokenizes ~1.3 MB of JSONL chat rows a second:
+on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 cores they never did, up to 36 MB
+(docs/PERFORMANCE.md, scripts/bench_tokenize.py)."""
+
+
+AUTO_MAX_PROC = 16
+
+"""Past 8-16 processes the parent, which reads the rows and gathers the results, is the bottleneck."""
+
+
+def auto_num_proc(data_path: str | Path, cores: int | None = None) -> int:
+    """Tokenizing processes for ``data_path`` on this machine: 1 for small data or few cores, else up to 16."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    path = Path(data_path)
+    try:
+        if path.is_dir():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        else:  # Parquet counts 3x its size: text compresses about that much
+            size = path.stat().st_size * (3 if path.suffix.lower() == ".parquet" else 1)
+    except OSError:
+        return 1
+    if cores < 4 or size < AUTO_PARALLEL_MIN_BYTES:
+        return 1
+    return min(cores, AUTO_MAX_PROC)
+
+
+def load_samples(
+    data_path: str | Path,
+    tokenizer,
+    *,
+    max_length: int,
+    too_long: str = "truncate",
+    num_proc: int | None = 1,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> tuple[TokenizedSamples, DataReport]:
+    """Read, tokenize and mask every row of ``data_path``; bad rows are skipped and counted in the report.
+
+    ``too_long`` says what happens to a row over ``max_length`` tokens: ``"truncate"`` keeps its first
+    ``max_length`` tokens, ``"skip"`` drops it. With ``cache_dir``, an earlier result for the same data bytes,
+    tokenizer, template and length policy is loaded instead of tokenizing again. ``num_proc=None`` chooses the
+    process count from the cores and the data's size (``auto_num_proc``).
+    """
+    if too_long not in TOO_LONG_POLICIES:
+        raise HsextractError(f"too_long must be one of {', '.join(TOO_LONG_POLICIES)}, got {too_long!r}")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise HsextractError(f"max_length must be a positive integer, got {max_length!r}")
+    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+        raise HsextractError(f"num_proc must be a positive integer, got {num_proc!r}")
+    data_path = Path(data_path)
+    _data_format(data_path)
+    if num_proc is None:
+        num_proc = auto_num_proc(data_path)
+        logger.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
+
+    cache_path = None
+    if cache_dir is not None:
+        cache_path = cache_file(cache_dir, data_path, tokenizer, max_length=max_length, too_long=too_long)
+        if cache_path.exists():
+            try:
+                samples, metadata = TokenizedSamples._load(cache_path)
+                report = DataReport.from_json(json.loads(metadata["data_report"]))
+            except Exception as e:  # a damaged cache file costs a re-tokenization, never the run
+                logger.warning("ignoring unreadable token cache %s (%s); tokenizing again", cache_path, e)
+            else:
+                logger.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
+                return samples, report
+
+    samples, report = _tokenize(data_path, tokenizer, max_length, too_long, num_proc, progress)
+    if cache_path is not None:
+        samples._save(cache_path, {"data_report": json.dumps(report.to_json())})
+    return samples, report
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer, with a pad token (any id works: padding is on the right and masked out)."""
+    from transformers import AutoTokenizer
+
+    tok = load_or_explain(model, "load its tokenizer", lambda: AutoTokenizer.from_pretrained(model))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
+    return tok
+
+
+def unique_sample_ids(samples: TokenizedSamples) -> tuple[TokenizedSamples, int]:
+    """Rows sharing an id are all kept; repeats get ``#2``, ``#3``... so the reader can look each one up.
+    Returns the samples and how many ids were renamed."""
+    seen: dict[str, int] = {}
+    ids, renamed = [], 0
+    for sid in samples.sample_ids:
+        n = seen.get(sid, 0) + 1
+        seen[sid] = n
+        if n > 1:
+            renamed += 1
+            sid = f"{sid}#{n}"
+            while sid in seen:
+                sid += "'"
+            seen[sid] = 1
+        ids.append(sid)
+    if not renamed:
+        return samples, 0
+    fixed = TokenizedSamples(
+        sample_ids=ids, input_ids=samples.input_ids, loss_mask=samples.loss_mask, offsets=samples.offsets
+    )
+    return fixed, renamed

@@ -1,0 +1,63 @@
+"""Which node of a multi-node job this process is: from ``--nodes/--node-rank`` or the scheduler's environment.
+
+hsextract runs under a cluster scheduler as it is, without a scheduler of its own: each node runs the same
+``hsextract run`` command, computes the same plan (it is deterministic), and runs only its own shards with the
+existing one-process-per-GPU design. With N nodes of S shards each the plan has N x S shards and node R runs
+shards R*S .. R*S+S-1. The sources, in order:
+
+1. ``--nodes N --node-rank R`` on the command line;
+2. SLURM, one ``srun`` task per node: ``SLURM_NNODES`` and ``SLURM_NODEID``;
+3. a SLURM job array, one task per node: ``SLURM_ARRAY_TASK_COUNT`` and ``SLURM_ARRAY_TASK_ID`` (ids must start
+   at 0: ``--array=0-N``);
+4. torchrun-style variables: ``NNODES`` and ``NODE_RANK``;
+5. otherwise a single node.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hsextract.errors import HsextractError
+
+_ENV_SOURCES = (
+    ("SLURM_NNODES", "SLURM_NODEID"),
+    ("SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_ID"),
+    ("NNODES", "NODE_RANK"),
+)
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    nodes: int
+    rank: int
+    source: str
+    """Where the numbers came from, for the start-up line."""
+
+    def describe(self) -> str:
+        return f"node {self.rank} of {self.nodes} ({self.source})"
+
+
+def node_place(nodes: int | None = None, rank: int | None = None, environ=None) -> NodePlace:
+    """This node's place in the job; a clear error for inconsistent numbers."""
+    env = os.environ if environ is None else environ
+    if nodes is not None or rank is not None:
+        place = NodePlace(
+            nodes if nodes is not None else 1, rank if rank is not None else 0, "--nodes/--node-rank"
+        )
+    else:
+        place = NodePlace(1, 0, "single node")
+        for count_var, rank_var in _ENV_SOURCES:
+            if count_var in env and rank_var in env:
+                try:
+                    place = NodePlace(int(env[count_var]), int(env[rank_var]), f"{count_var}/{rank_var}")
+                except ValueError:
+                    raise HsextractError(
+                        f"{count_var}={env[count_var]!r} / {rank_var}={env[rank_var]!r} are not integers"
+                    ) from None
+                break
+    if place.nodes < 1 or not 0 <= place.rank < place.nodes:
+        raise HsextractError(
+            f"node rank {place.rank} of {place.nodes} nodes (from {place.source}): the rank must be in 0..nodes-1"
+        )
+    return place

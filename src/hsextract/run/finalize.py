@@ -1,0 +1,116 @@
+"""Finishing an output from the output alone: the manifest once every batch of the whole job is durable.
+
+Every node (and ``hsextract finalize OUTPUT``) runs the same steps, so the manifest is written by whichever finishes
+last, and a lost run dir loses nothing:
+
+1. the job files (plan, run info, sample ids, data report) that preparation published next to the claim;
+2. the completion records: a batch without one is still to do (another node's, or a crashed one's);
+3. every batch checked against its record (exists, same size, same CRC32 where the store keeps it): a batch
+   deleted or damaged behind the run's back loses its record and is reported, never listed in a manifest;
+4. the manifest, built only from the plan and the sample ids, so every node builds the same bytes: two nodes
+   finishing at once write the same object, which makes the race harmless.
+
+``output_status`` reads the same files for ``hsextract status OUTPUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from hsextract.errors import HsextractError
+from hsextract.format.final_norm import read_final_norm_meta
+from hsextract.format.manifest import build_manifest, has_manifest, write_manifest
+from hsextract.format.records import JOB_FILES, check_batches, done_in_output, done_key, read_job
+from hsextract.prepare.plan import Plan
+from hsextract.run.rundir import RunInfo
+
+
+def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
+    def get(name: str):
+        try:
+            return json.loads(sink.get_bytes(JOB_FILES[name]))
+        except FileNotFoundError:
+            raise HsextractError(
+                f"{sink.url} has no {JOB_FILES[name]}: not an hsextract output, or its first node has not "
+                "finished preparing yet"
+            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HsextractError(f"{sink.url}/{JOB_FILES[name]} is damaged ({e})") from None
+
+    plan = Plan.from_json(get("plan"), where=f"{sink.url}/{JOB_FILES['plan']}")
+    info = RunInfo.from_json(get("info"), where=f"{sink.url}/{JOB_FILES['info']}")
+    return plan, info, get("samples"), get("data_report")
+
+
+def is_complete(sink) -> bool:
+    return has_manifest(sink)
+
+
+def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
+    """Write the manifest if every planned batch is done and checked. Returns the exit code and the keys found
+    missing or damaged (their completion records are removed so that their shards recompute them)."""
+    plan, info, sample_ids, data_report = load_job_files(sink)
+    keys = [b.key for b in plan.batches]
+    done = done_in_output(sink)
+    todo = [k for k in keys if k not in done]
+    if todo:
+        shards = sorted({b.shard for b in plan.batches if b.key in set(todo)})
+        echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
+        return 0, set()
+    problems, records = check_batches(sink, keys, plan.plan_hash)
+    if problems:
+        for key, why in sorted(problems.items())[:10]:
+            echo(f"output check: {key}: {why}")
+        echo(f"{len(problems)} of {len(keys)} batch files are missing or damaged in {sink.url}")
+        for key in problems:
+            sink.delete(done_key(key))
+        return 1, set(problems)
+    if not has_manifest(sink):
+        manifest = build_manifest(
+            info=info,
+            plan=plan,
+            dtype=plan.fingerprint.get("dtype", ""),
+            sample_ids=sample_ids,
+            data_report=data_report,
+            stored=records,
+            final_norm=read_final_norm_meta(sink) if info.final_state else None,
+        )
+        write_manifest(sink, manifest)
+    echo(
+        f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(keys)} batch files at {sink.url}"
+    )
+    return 0, set()
+
+
+def output_status(sink) -> dict:
+    """Per-shard and per-node progress of a job from its output alone (``hsextract status OUTPUT``)."""
+    job = read_job(sink)
+    if job is None:
+        raise HsextractError(f"{sink.url} holds no hsextract job (no {JOB_FILES['plan']} or claim)")
+    plan, _info, _ids, _report = load_job_files(sink)
+    done = done_in_output(sink)
+    nodes = max(1, int(job.get("nodes", 1)))
+    per_node = max(1, plan.shards // nodes)
+    rows = []
+    for s in range(plan.shards):
+        batches = plan.for_shard(s)
+        rows.append(
+            {
+                "shard": s,
+                "node": s // per_node,
+                "state": "done" if all(b.key in done for b in batches) else "in progress or not started",
+                "batches_done": sum(b.key in done for b in batches),
+                "batches_total": len(batches),
+                "tokens_done": sum(b.num_tokens for b in batches if b.key in done),
+                "tokens_total": sum(b.num_tokens for b in batches),
+            }
+        )
+    return {
+        "output": sink.url,
+        "plan_hash": plan.plan_hash,
+        "nodes": nodes,
+        "complete": has_manifest(sink),
+        "checked_at": time.time(),
+        "shards": rows,
+    }

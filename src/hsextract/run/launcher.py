@@ -1,0 +1,372 @@
+"""Run the shards of a prepared run (prepare.py) to completion, then finish the output.
+
+``launch`` starts one worker process per shard (``hsextract.worker.main`` with RUN_DIR SHARD) with
+``CUDA_VISIBLE_DEVICES`` set before torch is imported there, and a parent-death signal so a killed launcher takes
+its workers with it. On GPUs it first pre-warms flash-linear-attention's kernels into the run's shared Triton
+cache (warmup.py). It draws a progress bar per shard from the progress files, waits for every worker, and exits
+non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
+manifest to the output, last: an output with a manifest is complete, and removes the run's emptied staging
+directories.
+
+While the workers run, ``_StallWatch`` prints one line when a shard stalls, naming the process (the worker, when
+its progress file is not refreshed for the stall timeout while it is alive; the uploader, when the worker reports
+it silent or not uploading) with its pid and for how long, and one line when it recovers.
+
+SIGTERM or SIGINT to the launcher stop the run cleanly: each worker gets SIGTERM (and SIGCONT, so that a stopped
+one handles it), stops its uploader and records that it was stopped; the launcher says so and how to resume, and
+exits with 128 + the signal number. Workers that do not exit within ``STOP_GRACE_S`` are killed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hsextract.config import RunConfig
+from hsextract.errors import HsextractError
+from hsextract.format.keys import shard_name
+from hsextract.prepare.plan import Plan
+from hsextract.run.finalize import finalize_output, is_complete
+from hsextract.run.procs import Terminated, die_with_parent
+from hsextract.run.progress import ShardProgress, Stall, find_stall, stall_note
+from hsextract.run.rundir import RunDir
+from hsextract.storage import open_sink
+from hsextract.storage.fileio import atomic_write
+
+STARTUP_GRACE_S = 120.0
+
+"""A worker writes its first progress file after importing torch and reading the tokens; until then it counts as
+stalled only after this long (or the stall timeout, if longer)."""
+
+
+STOP_GRACE_S = 30.0
+
+"""How long stopped workers get to kill their uploaders and record their state before they are killed."""
+
+
+def _die_with_launcher():
+    """``preexec_fn`` for a child of this launcher: it dies with the launcher, even one killed mid-fork."""
+    return functools.partial(die_with_parent, os.getpid())
+
+
+def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
+    run_dir = RunDir(cfg.run_dir)
+    env = {**os.environ, **cfg.child_env()}
+    if cfg.device == "cuda":
+        gpus = cfg.gpus or tuple(range(cfg.shards))
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard - cfg.local_shards[0]])
+    else:
+        # CPU shards share the host's cores. Each torch would start one OpenMP thread per core, and more threads
+        # than cores make every small op wait on spinning threads (measured: a 300-token forward of the tiny model
+        # 0.02 s with 1 thread, 0.05-2.5 s with 2 threads per process on 2 cores).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // cfg.shards)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # One Triton cache for every process of the run: kernels compiled once (by the warm-up) serve all shards.
+    env.setdefault("TRITON_CACHE_DIR", str(run_dir.triton_cache))
+    out = run_dir.log_file(shard, "stderr")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
+    # module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
+    entry = "import sys; from hsextract.run.worker import main; sys.exit(main())"
+    with open(out, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-c", entry, str(run_dir.root), str(shard)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_launcher(),
+        )
+
+
+def prewarm(cfg: RunConfig, echo=print) -> None:
+    """Compile flash-linear-attention's kernels once into the shared Triton cache before the shards start."""
+    from hsextract.model.warmup import fla_available
+
+    if not fla_available():
+        echo(
+            "flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
+            "(pip install -e .[gpu])"
+        )
+        return
+    run_dir = RunDir(cfg.run_dir)
+    env = dict(os.environ)
+    env.setdefault("TRITON_CACHE_DIR", str(run_dir.triton_cache))
+    env["CUDA_VISIBLE_DEVICES"] = str((cfg.gpus or (0,))[0])
+    t0 = time.time()
+    echo("pre-warming flash-linear-attention kernels into the shared Triton cache ...")
+    log = run_dir.log_file(0, "warmup")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
+        r = subprocess.run(
+            [sys.executable, "-m", "hsextract.model.warmup", str(run_dir.root)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_launcher(),
+        )
+    if r.returncode == 0:
+        echo(f"kernels warm in {time.time() - t0:.0f} s")
+    else:
+        echo(f"warm-up failed (exit {r.returncode}, see {log}); shards compile themselves")
+
+
+def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
+    """Run the shards to completion and finish the output; returns the process exit code.
+
+    A batch whose file is missing from the output or differs from what was uploaded (deleted or damaged behind
+    the run's back) is found by ``finalize`` before the manifest is written; its marker is dropped and its shard
+    is run once more, which recomputes exactly those batches."""
+    local = cfg.local_shards
+    shards = sorted(only_shards) if only_shards else local
+    bad = [s for s in shards if s not in local]
+    if bad:
+        raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
+    for attempt in range(2):
+        code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo)
+        if code:
+            return code
+        code, damaged = finalize(cfg, plan, echo=echo)
+        if not damaged:
+            return code
+        shards = sorted({b.shard for b in plan.batches if b.key in damaged} & set(shards))
+        if attempt == 0:
+            echo(f"recomputing {len(damaged)} batch(es) of shard(s) {shards}")
+    echo("the output still lacks batches after recomputing them; see the messages above")
+    return 1
+
+
+def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo) -> int:
+    run_dir = RunDir(cfg.run_dir)
+    done = run_dir.done_keys()
+    todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
+    if len(todo) < len(shards):
+        echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+    if todo and cfg.device == "cuda" and cfg.prewarm:
+        prewarm(cfg, echo=echo)
+    procs = {s: start_worker(cfg, s) for s in todo}
+    bars = _Bars(run_dir, plan, todo, enabled=show_progress)
+    stalls = _StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
+    failed: dict[int, int] = {}
+    try:
+        while procs:
+            for s, p in list(procs.items()):
+                rc = p.poll()
+                if rc is not None:
+                    del procs[s]
+                    if rc != 0:
+                        failed[s] = rc
+            progress = {s: ShardProgress.load(run_dir, s) for s in todo}
+            for s, p in procs.items():
+                stalls.check(s, p, progress[s])
+            bars.update(progress)
+            time.sleep(0.25)
+    except Terminated as e:
+        _stop_workers(procs)
+        bars.close()
+        stopped = sorted(procs)
+        n_done = len(run_dir.done_keys() & {b.key for b in plan.batches})
+        echo(
+            f"terminated by {e.signal_name}: stopped shard(s) {stopped}; {n_done} of {len(plan.batches)} batches "
+            f"are finished and kept.\nRerun the same command to resume (hsextract status {run_dir.root} shows "
+            "each shard)."
+        )
+        return e.exit_code
+    finally:
+        bars.close()
+    for s, rc in sorted(failed.items()):
+        echo(failure_message(run_dir, s, rc))
+    if failed:
+        echo("Rerun the same command to resume: finished batches are kept.")
+        return 1
+    return 0
+
+
+def _stop_workers(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, for a worker stopped with SIGSTOP) to every worker; SIGKILL after ``STOP_GRACE_S``."""
+    for p in procs.values():
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def failure_message(run_dir: RunDir | Path, shard: int, returncode: int) -> str:
+    """Why a shard's worker exited non-zero, and where its logs are."""
+    run_dir = RunDir(run_dir)
+    prog = ShardProgress.load(run_dir, shard)
+    if prog and prog.state == "failed" and prog.error:
+        why = f": {prog.error}"
+    elif returncode < 0:
+        # Killed by a signal: the worker wrote nothing about it, and the last line of its output is whatever ran
+        # last (often a warning from a dying child's resource tracker), not the reason.
+        why = ""
+    else:  # died before it could record why (or refused to touch the progress file): its last words
+        why = _last_line(run_dir.log_file(shard, "stderr"))
+        why = f": {why}" if why else ""
+    return (
+        f"shard {shard} failed ({_exit_reason(returncode)}){why}\n  log: {run_dir.log_file(shard)}\n"
+        f"  output: {run_dir.log_file(shard, 'stderr')}"
+    )
+
+
+def _last_line(path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    # SIGKILL that no one sent by hand is most often the kernel's out-of-memory killer.
+    return f"killed by {name}" + (", out of host memory?" if name == "SIGKILL" else "")
+
+
+def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
+    """Once this node's shards are done: write the manifest if the whole job is done (finalize.py checks every
+    batch in the output first). Returns the exit code and the keys of this node's shards found missing or
+    damaged in the output; their markers are removed, so that running those shards again recomputes them."""
+    run_dir = RunDir(cfg.run_dir)
+    code, damaged = finalize_output(open_sink(cfg.output, cfg.s3_endpoint_url), echo=echo)
+    mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & damaged
+    for key in mine:
+        run_dir.marker(key).unlink(missing_ok=True)
+    if damaged - mine:
+        echo(
+            f"{len(damaged - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"
+        )
+    if code == 0 and damaged == set() and is_complete(open_sink(cfg.output, cfg.s3_endpoint_url)):
+        atomic_write(run_dir.complete_file, plan.plan_hash)
+        remove_empty_staging(cfg, plan.shards)
+    return code, mine
+
+
+def remove_empty_staging(cfg: RunConfig, shards: int) -> None:
+    """Remove the run's staging directories once they are empty (a finished run leaves nothing in /dev/shm); the
+    default staging root too, if no other run uses it. A directory that still holds anything is left alone."""
+    staging = cfg.staging_dir
+    dirs = [staging / shard_name(s) for s in range(shards)] + [staging]
+    if cfg.staging is None:
+        dirs.append(staging.parent)
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # absent, or not empty
+            pass
+
+
+class _StallWatch:
+    """Prints a line when a shard's worker or uploader stalls and one when it recovers, once per stall."""
+
+    def __init__(self, run_dir: RunDir, timeout: float, echo):
+        self.run_dir, self.timeout, self.echo = run_dir, timeout, echo
+        self.started: dict[int, float] = {}
+        """When each shard was first checked, about when its worker started."""
+        self.current: dict[int, Stall] = {}
+        """The stall printed last for each shard, until it recovers."""
+
+    def check(self, shard: int, proc: subprocess.Popen, p: ShardProgress | None) -> None:
+        """Compare the shard's stall (none, or which process) with the last one printed; print a change."""
+        now = time.time()
+        started = self.started.setdefault(shard, now)
+        if p is None or p.pid != proc.pid:
+            # This worker has not written its progress yet: it imports torch and reads the tokens first.
+            late = now - started > max(self.timeout, STARTUP_GRACE_S)
+            stall = Stall("worker", proc.pid, started, "no progress file yet") if late else None
+        else:
+            stall = find_stall(p, now)
+        old = self.current.get(shard)
+        if (stall and (stall.process, stall.pid)) == (old and (old.process, old.pid)):
+            return
+        if old is not None:
+            self.echo(f"shard {shard}: {old.process} pid {old.pid} recovered after {now - old.since:.0f} s")
+        if stall is not None:
+            log = self.run_dir.log_file(shard, "uploader" if stall.process == "uploader" else "")
+            self.echo(
+                f"shard {shard}: {stall.process} pid {stall.pid} stalled: {stall.reason} for "
+                f"{now - stall.since:.0f} s{stall_note(stall.pid)}; log: {log}"
+            )
+            self.current[shard] = stall
+        else:
+            self.current.pop(shard, None)
+
+
+class _Bars:
+    """One tqdm bar per shard, fed from the progress files the workers write."""
+
+    def __init__(self, run_dir: RunDir, plan: Plan, shards, enabled: bool):
+        self.run_dir, self.shards, self.bars = run_dir, shards, {}
+        self.closed = False
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        # On a terminal the bars redraw in place; in a log file a line every 30 s is plenty.
+        interval = 0.5 if sys.stderr.isatty() else 30.0
+        for pos, s in enumerate(shards):
+            total = sum(b.num_tokens for b in plan.for_shard(s))
+            self.bars[s] = tqdm(
+                total=total,
+                desc=f"shard {s}",
+                unit="tok",
+                unit_scale=True,
+                position=pos,
+                dynamic_ncols=True,
+                leave=True,
+                mininterval=interval,
+            )
+        self.seen = {s: (0, "") for s in shards}
+
+    def update(self, progress: dict[int, ShardProgress | None] | None = None) -> None:
+        """Redraw from ``progress`` (each shard's, as the launcher's loop read it), or from the files."""
+        for s, bar in self.bars.items():
+            p = progress[s] if progress is not None else ShardProgress.load(self.run_dir, s)
+            if p is None or (p.tokens_done, p.state) == self.seen[s]:
+                continue
+            self.seen[s] = (p.tokens_done, p.state)
+            bar.set_postfix_str(f"{p.state} {p.tokens_per_s:,.0f} tok/s", refresh=False)
+            bar.update(p.tokens_done - bar.n)
+
+    def write_with(self, echo):
+        """``echo`` that first clears the bars from a terminal, so that a line printed between redraws stays. Not
+        in a log file: there the bars are plain lines, and clearing them would write escape codes."""
+        if not self.bars or not sys.stderr.isatty():
+            return echo
+
+        def write(message: str) -> None:
+            from tqdm import tqdm
+
+            with tqdm.external_write_mode():
+                echo(message)
+
+        return write
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.update()
+        for bar in self.bars.values():
+            bar.close()

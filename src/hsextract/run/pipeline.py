@@ -1,0 +1,218 @@
+"""The GPU pipeline: padded batches through the hooked model, copies overlapped with compute, tensors to a writer.
+
+The GPU never waits for host work:
+
+1. The main thread builds a padded batch (``build_batch``) and runs the forward; the hooks (capture.py) gather the
+   captured layers' valid tokens into a device buffer laid out as the file stores them ([tokens, slots, hidden]),
+   quantized to fp8 on the device when the run stores fp8 (with a [tokens, slots] float32 scale buffer beside).
+2. A side CUDA stream copies that buffer into a reused pinned host buffer as soon as the forward is done, while
+   the main thread already launches the next batch.
+3. A writer thread waits for the copy and hands the host tensors to ``on_batch`` (the worker writes the file).
+
+A fixed set of buffer slots bounds host and device memory and how far the GPU runs ahead: when ``on_batch`` is
+slow (the worker waits for the uploader to drain staging), slots stop coming back and the GPU loop waits too.
+The dry run drives the same ``Extractor`` so that its proof covers the production path.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hsextract.model.capture import GatherTarget, LayerCapture
+from hsextract.prepare.plan import BatchSpec
+from hsextract.prepare.tokenize import TokenizedSamples
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [rows, padded_length] int64, right-padded
+    attention_mask: torch.Tensor  # [rows, padded_length] int64
+    flat_index: torch.Tensor  # [tokens] positions of valid tokens in the flattened batch
+    tokens_ids: torch.Tensor  # [tokens] int32, what the file stores
+    tokens_mask: torch.Tensor  # [tokens] uint8
+    cu_seqlens: torch.Tensor  # [rows + 1] int64
+    sample_index: torch.Tensor  # [rows] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.flat_index.numel())
+
+
+def build_batch(samples: TokenizedSamples, batch: BatchSpec, pad_token_id: int) -> BatchInputs:
+    """Right-padded rows and the index of their valid tokens. Padding on the right keeps every valid token's
+    state equal to the unpadded forward's (causal attention and the linear-attention recurrence never see it)."""
+    rows, width = batch.rows, batch.padded_length
+    ids = np.full((rows, width), pad_token_id, dtype=np.int64)
+    mask = np.zeros((rows, width), dtype=np.int64)
+    lengths = np.empty(rows, dtype=np.int64)
+    flat_ids, flat_mask, flat_index = [], [], []
+    for r, i in enumerate(batch.sample_indices):
+        s_ids, s_mask = samples.sample(i)
+        n = len(s_ids)
+        ids[r, :n] = s_ids
+        mask[r, :n] = 1
+        lengths[r] = n
+        flat_ids.append(s_ids)
+        flat_mask.append(s_mask)
+        flat_index.append(np.arange(r * width, r * width + n, dtype=np.int64))
+    cu = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return BatchInputs(
+        input_ids=torch.from_numpy(ids),
+        attention_mask=torch.from_numpy(mask),
+        flat_index=torch.from_numpy(np.concatenate(flat_index)),
+        tokens_ids=torch.from_numpy(np.concatenate(flat_ids).astype(np.int32)),
+        tokens_mask=torch.from_numpy(np.concatenate(flat_mask).astype(np.uint8)),
+        cu_seqlens=torch.from_numpy(cu),
+        sample_index=torch.tensor(batch.sample_indices, dtype=torch.int64),
+    )
+
+
+class Slot:
+    """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU), and with
+    fp8 storage the same pair for the scales."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scale_numel: int = 0):
+        self.device_buf = torch.empty(numel, dtype=dtype, device=device)
+        self.device_scale = torch.empty(scale_numel, dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
+            self.copied = torch.cuda.Event()
+        else:
+            self.host_buf = self.device_buf
+            self.host_scale = self.device_scale
+            self.copied = None
+
+
+class Extractor:
+    """Runs batches through the hooked model and hands each batch's tensors, on the host, to ``on_batch``
+    in a writer thread, overlapping the copy and the write with the next forward.
+
+    ``layer_ids`` are the layers whose outputs fill the slots, in slot order (``StateLayout.slot_layers``: the
+    captured ids, then the last layer for the final state). ``storage_dtype="float8_e4m3fn"`` stores fp8 values and
+    adds ``hidden_states_scale`` [tokens, slots] to the tensors handed to ``on_batch``."""
+
+    def __init__(
+        self,
+        lm,
+        layer_ids,
+        *,
+        device: torch.device,
+        max_tokens: int,
+        num_slots: int,
+        pad_token_id: int,
+        storage_dtype: str | None = None,
+        _shift: int = 0,
+    ):
+        # ``_shift`` only lets the dry run's tests prove that a capture off by one layer is caught.
+        self._shift = _shift
+        self.lm = lm
+        self.layer_ids = tuple(layer_ids)
+        self.device = device
+        self.pad_token_id = pad_token_id
+        self.hidden = lm.config.get_text_config().hidden_size
+        self.scaled = storage_dtype is not None
+        self.dtype = getattr(torch, storage_dtype) if self.scaled else next(lm.parameters()).dtype
+        numel = max_tokens * len(self.layer_ids) * self.hidden
+        scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
+        self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def run(self, batches, samples: TokenizedSamples, on_batch, on_forward=None, should_stop=None):
+        """``on_batch(batch, tensors)`` runs in the writer thread; its tensors alias a slot that is reused once it
+        returns. ``on_forward(batch, seconds)`` runs in this thread after each forward is launched."""
+        free: queue.Queue = queue.Queue()
+        for s in self.slots:
+            free.put(s)
+        work: queue.Queue = queue.Queue()
+        failure: list[BaseException] = []
+
+        def writer():
+            while (item := work.get()) is not None:
+                slot, batch, inputs = item
+                try:
+                    if failure:
+                        continue
+                    if slot.copied is not None:
+                        slot.copied.synchronize()
+                    n, slots = inputs.num_tokens, len(self.layer_ids)
+                    states = slot.host_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
+                    scales = (
+                        {"hidden_states_scale": slot.host_scale[: n * slots].view(n, slots)}
+                        if self.scaled
+                        else {}
+                    )
+                    on_batch(
+                        batch,
+                        {
+                            "hidden_states": states,
+                            **scales,
+                            "input_ids": inputs.tokens_ids,
+                            "loss_mask": inputs.tokens_mask,
+                            "cu_seqlens": inputs.cu_seqlens,
+                            "sample_index": inputs.sample_index,
+                        },
+                    )
+                except BaseException as e:  # surfaced in the main thread
+                    failure.append(e)
+                finally:
+                    free.put(slot)
+
+        thread = threading.Thread(target=writer, name="batch-writer", daemon=True)
+        thread.start()
+        try:
+            with LayerCapture(self.lm, self.layer_ids, shift=self._shift) as cap, torch.inference_mode():
+                for batch in batches:
+                    slot = self._take(free, failure, should_stop)
+                    inputs = build_batch(samples, batch, self.pad_token_id)
+                    t0 = time.perf_counter()
+                    n, slots = inputs.num_tokens, len(self.layer_ids)
+                    out = slot.device_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
+                    scale = slot.device_scale[: n * slots].view(n, slots) if self.scaled else None
+                    cap.forward(
+                        inputs.input_ids.to(self.device, non_blocking=True),
+                        inputs.attention_mask.to(self.device, non_blocking=True),
+                        GatherTarget(
+                            flat_index=inputs.flat_index.to(self.device, non_blocking=True),
+                            out=out,
+                            scale=scale,
+                        ),
+                    )
+                    if self.copy_stream is not None:
+                        # The copy waits for this forward only; the next forward starts at once on the main stream.
+                        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                        with torch.cuda.stream(self.copy_stream):
+                            slot.host_buf[: out.numel()].copy_(out.view(-1), non_blocking=True)
+                            if scale is not None:
+                                slot.host_scale[: scale.numel()].copy_(scale.view(-1), non_blocking=True)
+                            slot.copied.record(self.copy_stream)
+                    work.put((slot, batch, inputs))
+                    if on_forward is not None:
+                        on_forward(batch, time.perf_counter() - t0)
+        except BaseException as e:
+            failure.append(e)  # the writer skips the batches still queued instead of writing them
+            raise
+        finally:
+            work.put(None)
+            thread.join()
+        if failure:
+            raise failure[0]
+
+    @staticmethod
+    def _take(free: queue.Queue, failure: list, should_stop):
+        while True:
+            if failure:
+                raise failure[0]
+            if should_stop is not None:
+                should_stop()
+            try:
+                return free.get(timeout=0.5)
+            except queue.Empty:
+                continue

@@ -1,0 +1,87 @@
+"""Process plumbing shared by the launcher, the workers and the uploaders: children that die with their parent,
+per-process log files that never hold a credential, and stop signals turned into an exception.
+
+A worker killed with SIGKILL (by a user, the OOM killer or a preempted node) cannot clean up, so its children must
+not outlive it: an orphaned worker would keep its GPU busy, an orphaned uploader would race the rerun's uploader.
+Linux delivers a chosen signal to a child when its parent dies (``PR_SET_PDEATHSIG``), once the child asks for it.
+
+SIGTERM (a scheduler's preemption, ``kill``, ``timeout``) and SIGINT (Ctrl-C) can be handled: ``stop_on_signals``
+makes them raise ``Terminated`` in the main thread, so that the launcher stops its workers and says how to resume,
+and a worker stops its uploader and records that it was stopped, instead of vanishing without a word.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from hsextract.errors import redact
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies. Call it in the child (``preexec_fn`` or first
+    thing in a spawned process). With ``parent_pid``, also exit at once if the parent died before the request was
+    made: the signal only covers deaths after it."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"hsextract: prctl(PR_SET_PDEATHSIG) failed, errno {ctypes.get_errno()}", file=sys.stderr)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))  # messages and tracebacks alike
+
+
+def log_to_file(path: Path, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
+    """Send this process's logging to ``path`` (appending), URLs' credentials redacted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(_RedactingFormatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+class Terminated(BaseException):
+    """A stop signal arrived. A BaseException, like KeyboardInterrupt: ``except Exception`` must not swallow it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {self.signal_name}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by this signal."""
+        return 128 + self.signum
+
+
+def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT), on_stop=None) -> None:
+    """Make each of ``signals`` raise ``Terminated`` in the main thread; only the first one: later ones (Ctrl-C
+    twice, a SIGTERM forwarded after a SIGINT to the whole group) are ignored while the process stops.
+    ``on_stop(signum)`` runs first, e.g. to tell other threads to stop waiting. Call it from the main thread."""
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        if fired:
+            return
+        fired.append(signum)
+        if on_stop is not None:
+            on_stop(signum)
+        raise Terminated(signum)
+
+    for sig in signals:
+        signal.signal(sig, handler)

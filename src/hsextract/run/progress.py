@@ -1,0 +1,338 @@
+"""Progress markers and per-shard progress files: what resume trusts and what ``hsextract status`` shows.
+
+- Markers (``RunDir.marker``): written by the uploader after the batch is durable in the output (renamed into
+  place locally, or confirmed in the bucket). The only thing resume trusts: a batch with a marker is never
+  recomputed, a batch without one is (or is re-uploaded from staging).
+- Progress files (``RunDir.progress_file``): counters, rates, ETA and state of each shard, replaced atomically by
+  its worker. Informational; ``status`` recomputes the done counts from the markers.
+
+Heartbeats and stalls. A worker's main thread rewrites its progress file at least every second, also while it
+waits (for a free buffer slot, for staging space, for the last uploads), so ``updated_at`` is the worker's
+heartbeat: a live worker whose file is older than its ``stall_timeout_s`` is stuck (stopped with SIGSTOP, hung in
+a call). The uploader process sends the worker a heartbeat every second; the worker records when it last heard
+one (``uploader_heartbeat_at``) and, when it sees a stall itself (an uploader silent for the timeout, or no batch
+finished or uploaded for the timeout), names the stalled process in ``stalled_process`` / ``stalled_pid``. The
+launcher prints both kinds of stall and ``status`` shows them as ``stalled`` with the age of the last progress.
+
+A progress file that does not hold what a worker writes (``null``, garbage, an unknown key, a wrong type) is
+reported as damaged, never a traceback: the markers still give the done counts.
+
+``shard_status`` combines the two for ``hsextract status``; it lives here, not in the launcher, so that status
+imports neither torch nor transformers and answers in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hsextract.config import DEFAULT_STALL_TIMEOUT_S
+from hsextract.errors import HsextractError
+from hsextract.prepare.plan import Plan
+from hsextract.run.rundir import RunDir
+from hsextract.storage.fileio import atomic_write
+
+LIVE_STATES = ("starting", "loading", "running", "waiting-for-uploader", "draining")
+
+
+FINAL_STATES = ("done", "failed", "stopped")
+
+
+class DamagedProgress(ValueError):
+    """A progress file that does not hold a shard's progress; the message names the file and the problem."""
+
+
+HISTORY_POINTS = 400
+
+"""Bound on a shard's rate history. When it is full every other point goes and the spacing doubles: a short run
+keeps a point every few seconds, a week-long one a point every half hour, and the file stays under 16 kB."""
+
+
+@dataclass
+class ShardProgress:
+    shard: int
+    state: str = "starting"
+    """starting | loading | running | waiting-for-uploader | draining | done | failed | stopped (by a signal)"""
+    pid: int = 0
+    host: str = ""
+    batches_total: int = 0
+    batches_done: int = 0
+    samples_total: int = 0
+    samples_done: int = 0
+    tokens_total: int = 0
+    tokens_done: int = 0
+    tokens_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    eta_s: float | None = None
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    staged_bytes: int = 0
+    error: str = ""
+    progress_at: float | None = None
+    """When this session's tokens last advanced (a batch written or uploaded); None before the first."""
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    """The run's stall timeout, so that ``status`` judges this file without the run's config."""
+    uploader_pid: int = 0
+    uploader_heartbeat_at: float | None = None
+    """When the worker last heard from its uploader process (None: no uploader running)."""
+    stalled_process: str = ""
+    """``uploader`` or ``worker`` while the worker sees a stall itself, else empty."""
+    stalled_pid: int = 0
+    stalled_since: float | None = None
+    stall_reason: str = ""
+    """What is stalled, in words: ``no heartbeat for 12 s``, ``no batch uploaded for 200 s``."""
+    history: list = field(default_factory=list)
+    """``[time, tokens_done, staged_bytes]`` points, oldest first, ``history_step_s`` apart but for the last, which
+    is the latest save; the status page charts rates from it. A resumed shard carries it on."""
+    history_step_s: float = 2.0
+
+    def save(self, run_dir: RunDir | Path) -> None:
+        self.updated_at = time.time()
+        self._record_history(self.updated_at)
+        # Rewritten every second and only ever reported: no fsync, but a reader still sees a whole file.
+        atomic_write(RunDir(run_dir).progress_file(self.shard), json.dumps(asdict(self)), durable=False)
+
+    def _record_history(self, now: float) -> None:
+        point = [round(now, 3), self.tokens_done, self.staged_bytes]
+        if len(self.history) >= 2 and self.history[-1][0] - self.history[-2][0] < self.history_step_s:
+            self.history[-1] = point  # the latest point moves on until it is a step past the one before
+            return
+        self.history.append(point)
+        if len(self.history) > HISTORY_POINTS:  # HISTORY_POINTS + 1 points, an odd count: first and last stay
+            self.history = self.history[::2]
+            self.history_step_s *= 2
+
+    @classmethod
+    def load(cls, run_dir: RunDir | Path, shard: int) -> ShardProgress | None:
+        """The shard's progress; None if there is no progress file or it is damaged (``read`` tells which)."""
+        try:
+            return cls.read(run_dir, shard)
+        except DamagedProgress:
+            return None
+
+    @classmethod
+    def read(cls, run_dir: RunDir | Path, shard: int) -> ShardProgress | None:
+        """The shard's progress, None if it has no progress file; ``DamagedProgress`` if the file holds anything
+        but a progress record of this shard (keys this version does not know included)."""
+        path = RunDir(run_dir).progress_file(shard)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise DamagedProgress(f"{path}: cannot be read ({e.strerror or e})") from None
+        try:
+            record = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise DamagedProgress(f"{path}: not JSON ({len(raw)} bytes)") from None
+        if not isinstance(record, dict):
+            raise DamagedProgress(f"{path}: holds {_json_kind(record)}, not a progress record") from None
+        types = _field_types()
+        unknown = sorted(set(record) - set(types))
+        if unknown:
+            raise DamagedProgress(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}")
+        for name, value in record.items():
+            if not _has_type(value, types[name]):
+                raise DamagedProgress(
+                    f"{path}: {name} is {_json_kind(value)} {value!r:.40}, not {_type_name(types[name])}"
+                )
+        if record.get("shard") != shard:
+            raise DamagedProgress(f"{path}: shard is {record.get('shard')!r}, expected {shard}")
+        return cls(**record)
+
+    @property
+    def last_progress_at(self) -> float:
+        """When the shard last advanced, or its worker started if it has not yet."""
+        return self.progress_at if self.progress_at is not None else self.started_at
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    return {list: "a list", str: "a string", bool: "a boolean", dict: "an object"}.get(
+        type(value), "a number"
+    )
+
+
+def _type_name(annotation) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation)
+
+
+def _field_types() -> dict[str, typing.Any]:
+    hints = typing.get_type_hints(ShardProgress)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ShardProgress)}
+
+
+def _has_type(value, annotation) -> bool:
+    """Whether a JSON value fits a field's annotation (int, float, str, bool, None, unions, lists, dicts)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or type(annotation).__name__ == "UnionType":
+        return any(_has_type(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        return isinstance(value, list)
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True  # an annotation this check does not model: accepted as written
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of a process on this host (R, S, D, T, Z...) from /proc; None if unknown or gone."""
+    if pid <= 0 or not sys.platform.startswith("linux"):
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]  # the state field follows the parenthesized name
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host. A zombie does not: a worker killed with its launcher stays one
+    until init reaps it, which some container inits do late or never."""
+    if pid <= 0:
+        return False
+    if sys.platform.startswith("linux"):
+        state = _proc_state(pid)
+        return state is not None and state not in "ZXx"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stall_note(pid: int) -> str:
+    """`` (the process is stopped, SIGSTOP?)`` for a process of this host stopped by a signal, else empty."""
+    return " (the process is stopped: SIGSTOP?)" if _proc_state(pid) in ("T", "t") else ""
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A stalled process of a shard: which, its pid, since when, and what was seen."""
+
+    process: str
+    """``worker`` or ``uploader``."""
+    pid: int
+    since: float
+    reason: str
+
+
+def find_stall(p: ShardProgress, now: float | None = None, worker_alive: bool = True) -> Stall | None:
+    """The stall a live shard's progress file shows: the worker itself when its file has not been refreshed for
+    the stall timeout while it is alive (its main thread refreshes it every second), else what the worker
+    reported (its uploader silent, or no batch finished for the timeout)."""
+    now = time.time() if now is None else now
+    if p.state not in LIVE_STATES or not worker_alive:
+        return None
+    silent = now - p.updated_at
+    if silent > p.stall_timeout_s:
+        return Stall("worker", p.pid, p.updated_at, "progress file not refreshed")
+    if p.stalled_process:
+        since = p.stalled_since if p.stalled_since is not None else p.updated_at
+        return Stall(p.stalled_process, p.stalled_pid, since, p.stall_reason)
+    return None
+
+
+def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list[dict], bool]:
+    """Per-shard rows for ``hsextract status``: done counts from the markers, rates and state from progress.
+
+    A shard whose progress says it is live but whose worker process is gone is ``crashed``; one whose worker or
+    uploader has stalled (``find_stall``) is ``stalled``. Process liveness is only known for workers on this host;
+    a shard on another host (``--only-shards`` there, a shared run dir) keeps its state. A damaged progress file
+    is reported in ``damaged`` (and as the state, unless the markers show the shard done).
+    ``plan`` spares reading plan.json again (the status server keeps it between requests).
+    """
+    run_dir = RunDir(run_dir)
+    if not run_dir.is_run_dir():
+        raise HsextractError(
+            f"{run_dir.root} is not an hsextract run directory (no {run_dir.plan_file.name})"
+        )
+    plan = plan or Plan.load(run_dir.plan_file)
+    done = run_dir.done_keys()
+    complete = run_dir.complete_file.exists()
+    host = socket.gethostname()
+    now = time.time()
+    rows = []
+    for s in _local_shards(run_dir, plan):
+        batches = plan.for_shard(s)
+        n_done = sum(b.key in done for b in batches)
+        tokens_done = sum(b.num_tokens for b in batches if b.key in done)
+        tokens_total = sum(b.num_tokens for b in batches)
+        try:
+            p, damaged = ShardProgress.read(run_dir, s), ""
+        except DamagedProgress as e:
+            p, damaged = None, str(e)
+        state = p.state if p else ("damaged" if damaged else "not started")
+        stall = None
+        if n_done == len(batches):
+            state = "done"
+        elif p and state not in FINAL_STATES:
+            local = p.host == host
+            if local and not pid_alive(p.pid):
+                state = "crashed"
+            elif stall := find_stall(p, now, worker_alive=True):
+                state = "stalled"
+                if local:
+                    stall = dataclasses.replace(stall, reason=stall.reason + stall_note(stall.pid))
+        live = p is not None and state not in ("done", "crashed", "failed", "stopped")
+        rows.append(
+            {
+                "shard": s,
+                "state": state,
+                "batches_done": n_done,
+                "batches_total": len(batches),
+                "tokens_done": tokens_done,
+                "tokens_total": tokens_total,
+                "tokens_per_s": p.tokens_per_s if live else 0.0,
+                "eta_s": p.eta_s if p and state == "running" else None,
+                "updated_at": p.updated_at if p else None,
+                "last_progress_at": p.last_progress_at if p else None,
+                "progress_age_s": round(now - p.last_progress_at, 1) if p else None,
+                "pid": p.pid if p else 0,
+                "uploader_pid": p.uploader_pid if p else 0,
+                "stalled_process": stall.process if stall else "",
+                "stalled_pid": stall.pid if stall else 0,
+                "stalled_for_s": round(now - stall.since, 1) if stall else None,
+                "stall_reason": stall.reason if stall else "",
+                "host": p.host if p else "",
+                "error": p.error if p else "",
+                "damaged": damaged,
+                "log": str(run_dir.log_file(s)),
+            }
+        )
+    return rows, complete
+
+
+def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
+    """The shards this run dir's node runs (all of them on a single node)."""
+    try:
+        cfg = json.loads(run_dir.config_file.read_text())
+        nodes, rank = int(cfg.get("nodes", 1)), int(cfg.get("node_rank", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return list(range(plan.shards))
+    per_node = plan.shards // max(nodes, 1)
+    return list(range(rank * per_node, (rank + 1) * per_node)) or list(range(plan.shards))
+
+
+def format_duration(seconds: float) -> str:
+    """``1h02m`` or ``3m05s``: ETAs in the status table and the dry run."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

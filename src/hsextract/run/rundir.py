@@ -1,0 +1,220 @@
+"""The run directory: every path in it, the shard and batch naming, and the one way hsextract writes a file.
+
+A run directory is what a rerun resumes from. Layout::
+
+    config.json          the resolved RunConfig (what the workers read instead of command-line options)
+    run.json             RunInfo: what preparation learned (layer ids and types, hidden size, pad id, metadata)
+    plan.json            the Plan: batches and shards (resume trusts it only if a new plan hashes the same)
+    data_report.json     rows skipped, truncated, renamed
+    tokens.safetensors   the tokenized samples the workers read
+    cache/               tokenization cache (reused by dry-run and reruns)
+    markers/shard-SSSSS/batch-BBBBBB.safetensors.done   a batch durable in the output (what resume trusts)
+    progress/shard-SSSSS.json                           counters and state of a shard (what status shows)
+    logs/shard-SSSSS[.role].log                         each process's log
+    locks/shard-SSSSS.lock                              held by the process running the shard
+    triton-cache/        compiled kernels shared by every process of the run
+    COMPLETE             written after the manifest: the run is finished
+
+Output keys are ``shard-SSSSS/batch-BBBBBB.safetensors``; staging uses the same shard directory names. A run given
+no ``--run-dir`` gets ``runs/<output>-<hash>`` (``default_run_dir``).
+
+``atomic_write`` is how every file is written: a temporary name beside the target, flush, fsync, rename over the
+target, fsync of the directory. A file under its final name is therefore complete, and a crash leaves at most a
+``*.tmp-*`` file that nothing reads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hsextract.errors import HsextractError
+from hsextract.format.keys import shard_name
+from hsextract.storage.fileio import load_json, write_json
+
+MARKER_SUFFIX = ".done"
+
+
+def default_run_dir(output: str, node_rank: int | None = None) -> Path:
+    """The run dir of a run given none: ``runs/<output's name>-<hash of the output>`` under the current directory,
+    with ``-node<R>`` for node R of a job of several nodes (whose current directory may be shared).
+
+    The same command rerun from the same directory finds the same run dir, so it resumes; two outputs never share
+    one. The hash covers the output in full (a local path made absolute); the name is only for people.
+    """
+    remote = "://" in output
+    full = output.rstrip("/") if remote else str(Path(output).expanduser().resolve())
+    tail = output.split("://", 1)[1] if remote else Path(full).name
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", tail).strip("-.")[-60:] or "output"
+    node = "" if node_rank is None else f"-node{node_rank}"
+    return Path.cwd() / "runs" / f"{name}-{hashlib.sha256(full.encode()).hexdigest()[:8]}{node}"
+
+
+def marker_path(marker_dir: Path, key: str) -> Path:
+    """Where the marker of an uploaded key lives; it exists only once the key is durable in the output."""
+    return Path(marker_dir) / f"{key}{MARKER_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path in a run directory. Nothing else in hsextract spells these names."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]):
+        object.__setattr__(self, "root", Path(root))
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def info_file(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def plan_file(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def data_report_file(self) -> Path:
+        return self.root / "data_report.json"
+
+    @property
+    def tokens_file(self) -> Path:
+        return self.root / "tokens.safetensors"
+
+    @property
+    def complete_file(self) -> Path:
+        return self.root / "COMPLETE"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def markers_dir(self) -> Path:
+        return self.root / "markers"
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.root / "progress"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def locks_dir(self) -> Path:
+        return self.root / "locks"
+
+    @property
+    def triton_cache(self) -> Path:
+        return self.root / "triton-cache"
+
+    def progress_file(self, shard: int) -> Path:
+        return self.progress_dir / f"{shard_name(shard)}.json"
+
+    def lock_file(self, shard: int) -> Path:
+        return self.locks_dir / f"{shard_name(shard)}.lock"
+
+    def log_file(self, shard: int, role: str = "") -> Path:
+        """``role`` is "" for the worker, or ``uploader``, ``stderr``, ``warmup``."""
+        suffix = f".{role}" if role else ""
+        return self.logs_dir / f"{shard_name(shard)}{suffix}.log"
+
+    def marker(self, key: str) -> Path:
+        return marker_path(self.markers_dir, key)
+
+    def done_keys(self) -> set[str]:
+        """Output keys of every batch recorded durable, listed once."""
+        if not self.markers_dir.exists():
+            return set()
+        keys = set()
+        for shard_dir in self.markers_dir.iterdir():
+            if shard_dir.is_dir():
+                for entry in os.scandir(shard_dir):
+                    if entry.name.endswith(MARKER_SUFFIX):
+                        keys.add(f"{shard_dir.name}/{entry.name[: -len(MARKER_SUFFIX)]}")
+        return keys
+
+    def is_run_dir(self) -> bool:
+        return self.plan_file.exists()
+
+    @contextmanager
+    def launcher_lock(self, *, exclusive: bool):
+        """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (shards are
+        locked one by one by their workers), exclusive for ``--restart``, which must not clear progress, markers
+        and staging under a run that is still going."""
+        if self.root.exists() and not self.root.is_dir():
+            raise HsextractError(f"--run-dir {self.root} is a file, not a directory: choose a directory path")
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.locks_dir / "launcher.lock", "a+") as f:
+            try:
+                fcntl.flock(f, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise HsextractError(
+                    f"run dir {self.root} is in use by another hsextract run"
+                    + (
+                        ": --restart would clear its progress under it"
+                        if exclusive
+                        else " started with --restart"
+                    )
+                    + "; wait for it to finish (hsextract status) or stop it first"
+                ) from None
+            yield
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunInfo:
+    """What preparation learned about the run, written to ``run.json`` for the workers, warm-up and manifest."""
+
+    layer_ids: tuple[int, ...]
+    """Captured decoder-layer ids (output of layer k), sorted."""
+    layer_types: tuple[str, ...]
+    """The architecture's type of each captured layer (``linear_attention``, ``full_attention``...)."""
+    num_layers: int
+    hidden_size: int
+    pad_token_id: int
+    plan_hash: str
+    file_metadata: dict
+    """Run-wide string metadata every batch file carries (output.py builds it)."""
+    final_state: bool = False
+    """The last decoder layer's output is stored too (``--final-state``)."""
+    storage_dtype: str | None = None
+    """``float8_e4m3fn``, or None: states stored in the run dtype."""
+    vocab_size: int | None = None
+    """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
+
+    @property
+    def layout(self):
+        """What the run's batch files hold, slot by slot (output.StateLayout)."""
+        from hsextract.format.batch import (
+            StateLayout,  # output.py imports storage.py, which imports this module
+        )
+
+        return StateLayout(self.layer_ids, self.num_layers, self.final_state, self.storage_dtype)
+
+    def save(self, run_dir: RunDir) -> None:
+        write_json(run_dir.info_file, asdict(self))
+
+    @classmethod
+    def load(cls, run_dir: RunDir) -> RunInfo:
+        return cls.from_json(
+            load_json(run_dir.info_file, "what preparation learned"), where=str(run_dir.info_file)
+        )
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "run.json") -> RunInfo:
+        try:
+            return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
+        except (TypeError, KeyError) as e:
+            raise HsextractError(f"{where} is damaged ({e!r}): rerun with --restart") from None

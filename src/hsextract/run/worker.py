@@ -1,0 +1,500 @@
+"""The per-shard worker: resume bookkeeping, the GPU pipeline, files to staging, the uploader process.
+
+One process per shard (``main`` with RUN_DIR SHARD), started by the launcher with ``CUDA_VISIBLE_DEVICES``
+already set. ``ShardRun`` locks the shard, works out what is left (batches with a marker are done; complete files
+left in staging are uploaded, not recomputed; ``*.tmp-*`` files, writes cut short, are deleted), loads the model
+and drives the pipeline (pipeline.py) over the remaining batches. Its writer callback writes each batch file into
+the staging directory and hands it to the uploader process (uploader.py), which marks it done once it is durable.
+
+Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; the pipeline's slots then
+stop coming back and the GPU waits too, without failing, until the uploader drains the staging directory.
+
+Heartbeats and stalls: the main thread ``_tick``s at least every second, also while it waits (for a free slot,
+for staging space, for the last uploads; a helper thread ticks for it through blocking calls such as the model
+load): it reads the uploader's messages, looks for a stall and rewrites the progress file, which is therefore the
+worker's own heartbeat (progress.py). A stall (the uploader silent for ``stall_timeout_s``, or no batch written or
+uploaded for that long) is logged once when it starts and once when it ends, and recorded in the progress file
+for the launcher and ``status``. Nothing is stopped: a stall may end (a slow endpoint, a process continued).
+
+SIGTERM or SIGINT stop the shard: the uploader is killed (what it has not marked stays staged), the progress file
+says ``stopped`` by that signal, and the process exits with 128 + the signal number. A rerun resumes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from hsextract.config import RunConfig
+from hsextract.errors import HsextractError, redact
+from hsextract.format.batch import batch_metadata
+from hsextract.format.final_norm import write_final_norm
+from hsextract.format.keys import shard_name
+from hsextract.format.records import check_batches, done_in_output
+from hsextract.model.capture import model_final_norm
+from hsextract.model.load import load_model_for, torch_device
+from hsextract.prepare.plan import BatchSpec, Plan
+from hsextract.prepare.tokenize import TokenizedSamples
+from hsextract.run.pipeline import Extractor
+from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
+from hsextract.run.progress import ShardProgress, stall_note
+from hsextract.run.rundir import RunDir, RunInfo
+from hsextract.run.uploader import Uploader
+from hsextract.run.writer import read_metadata, write_batch_file
+from hsextract.storage import open_sink
+from hsextract.storage.fileio import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+REFRESH_S = 0.5
+
+"""The progress file is rewritten when it is this old at a tick; ticks come at least every 0.5 s (the pipeline's
+wait for a slot, the drain loop, the helper thread), so it is never more than about a second old."""
+
+
+def staged_bytes(staging: Path) -> int:
+    total = 0
+    for entry in os.scandir(staging):
+        if entry.name.endswith(".safetensors"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # uploaded and removed meanwhile
+                pass
+    return total
+
+
+class ShardRun:
+    """Everything one shard does, from resume bookkeeping to the last confirmed upload."""
+
+    def __init__(self, run_dir: Path, shard: int):
+        self.run_dir = RunDir(run_dir)
+        self.shard = shard
+        self.cfg = RunConfig.load(self.run_dir.config_file)
+        self.info = RunInfo.load(self.run_dir)
+        self.plan = Plan.load(self.run_dir.plan_file)
+        self.batches = self.plan.for_shard(shard)
+        self.by_key = {b.key: b for b in self.batches}
+        self.staging = self.cfg.staging_dir / shard_name(shard)
+        self.budget = int(self.cfg.staging_max_gb * 1e9)
+        self.progress = ShardProgress(
+            shard=shard,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            batches_total=len(self.batches),
+            samples_total=sum(b.rows for b in self.batches),
+            tokens_total=sum(b.num_tokens for b in self.batches),
+            stall_timeout_s=self.cfg.stall_timeout_s,
+        )
+        self.done: set[str] = set()
+        self.submitted: set[str] = set()
+        self.session_tokens = 0
+        self.t_start = time.time()
+        self.uploader: Uploader | None = None
+        self.locked = False
+        self.stopping = threading.Event()
+        """Set by a stop signal: the writer thread gives up waiting for staging space."""
+        self.stop_signum = signal.SIGTERM
+        self._saved_at = 0.0
+        self._idle_from = time.time()
+        """Start of the current stretch in which a batch is expected (running, draining)."""
+        self._stall: tuple[str, int, str] | None = None
+        self._stall_since = 0.0
+
+    # -- progress -------------------------------------------------------------------------------------------
+    def _mark_done(self, keys) -> None:
+        for key in keys:
+            if key in self.by_key and key not in self.done:
+                self.done.add(key)
+                b = self.by_key[key]
+                self.progress.batches_done += 1
+                self.progress.samples_done += b.rows
+                self.progress.tokens_done += b.num_tokens
+                self.progress.progress_at = time.time()
+                self.session_tokens += b.num_tokens
+
+    def _save_progress(self, state: str | None = None) -> None:
+        if state:
+            self.progress.state = state
+        elapsed = max(time.time() - self.t_start, 1e-6)
+        p = self.progress
+        p.tokens_per_s = self.session_tokens / elapsed
+        p.samples_per_s = p.tokens_per_s * (p.samples_total / max(p.tokens_total, 1))
+        remaining = p.tokens_total - p.tokens_done
+        p.eta_s = remaining / p.tokens_per_s if p.tokens_per_s > 0 else None
+        try:
+            p.staged_bytes = staged_bytes(self.staging)
+        except FileNotFoundError:
+            p.staged_bytes = 0
+        p.save(self.run_dir)
+
+    def _poll_uploader(self) -> None:
+        self.uploader.check_alive()
+        self._mark_done(self.uploader.poll_done())
+        self.progress.uploader_heartbeat_at = self.uploader.heartbeat_at
+
+    def _tick(self, *_) -> None:
+        """Hear from the uploader, look for a stall, refresh the progress file if it is due. At least every
+        second, from the main thread (or the helper thread of ``_ticking``, while the main thread is blocked)."""
+        if self.uploader is not None:
+            self._poll_uploader()
+        now = time.time()
+        if now - self._saved_at >= REFRESH_S:
+            self._check_stall(now)
+            self._save_progress()
+            self._saved_at = now
+
+    @contextmanager
+    def _ticking(self, state: str):
+        """Tick from a helper thread while the main thread is in a long blocking call (loading the model)."""
+        self._save_progress(state)
+        done = threading.Event()
+
+        def tick():
+            while not done.wait(REFRESH_S / 2):
+                try:
+                    self._tick()
+                except Exception:  # the main thread meets the same failure at its next tick
+                    return
+
+        thread = threading.Thread(target=tick, name="progress-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def _check_stall(self, now: float) -> None:
+        """Name the stalled process, if any: the uploader when it sends no heartbeat, or when batches wait for it
+        and none was uploaded for the timeout; the worker when none was computed for the timeout."""
+        timeout = self.cfg.stall_timeout_s
+        stall, since = None, now
+        up = self.uploader
+        if up is not None and up.heartbeat_at is not None and now - up.heartbeat_at > timeout:
+            stall, since = ("uploader", up.pid, "no heartbeat"), up.heartbeat_at
+        elif self.progress.state in ("running", "waiting-for-uploader", "draining") and len(self.done) < len(
+            self.batches
+        ):
+            last = max(self.progress.progress_at or 0.0, self._idle_from)
+            if now - last > timeout:
+                waiting = len(self.submitted - self.done)
+                if waiting and up is not None:
+                    stall = ("uploader", up.pid, f"no batch uploaded ({waiting} waiting)")
+                else:
+                    stall = ("worker", os.getpid(), "no batch computed")
+                since = last
+        if stall == self._stall:
+            return
+        if self._stall is not None:
+            process, pid, _ = self._stall
+            log.info(
+                "shard %d: %s pid %d recovered after %.0f s",
+                self.shard,
+                process,
+                pid,
+                now - self._stall_since,
+            )
+        if stall is not None:
+            process, pid, reason = stall
+            log.warning(
+                "shard %d: %s pid %d stalled: %s for %.0f s (stall timeout %g s)%s",
+                self.shard,
+                process,
+                pid,
+                reason,
+                now - since,
+                timeout,
+                stall_note(pid) if pid != os.getpid() else "",
+            )
+        self._stall, self._stall_since = stall, since
+        p = self.progress
+        p.stalled_process, p.stalled_pid, p.stall_reason = stall if stall else ("", 0, "")
+        p.stalled_since = since if stall else None
+
+    # -- staging ----------------------------------------------------------------------------------------------
+    def _adopt_output_records(self, sink) -> None:
+        """Batches the output records as done for this plan count as done even without a local marker (a run dir
+        lost or recreated, a rerun on another node): their markers are written back, nothing is recomputed."""
+        missing = [k for k in done_in_output(sink, f"{shard_name(self.shard)}/") if k in self.by_key]
+        missing = [k for k in missing if k not in self.done]
+        if not missing:
+            return
+        problems, records = check_batches(sink, missing, self.plan.plan_hash)
+        for key in missing:
+            if key not in problems:
+                atomic_write(self.run_dir.marker(key), json.dumps(records[key]))
+        self._mark_done(k for k in missing if k not in problems)
+        log.info("adopted %d batch(es) recorded done in the output", len(missing) - len(problems))
+
+    def _recover_staging(self) -> list[str]:
+        """Drop cut-short writes and files that are not this plan's; return keys of complete staged files that
+        still need uploading. A staged file is trusted only if its own header names this plan and its key."""
+        self.staging.mkdir(parents=True, exist_ok=True)
+        pending = []
+        for entry in sorted(os.scandir(self.staging), key=lambda e: e.name):
+            key = f"{shard_name(self.shard)}/{entry.name}"
+            if ".tmp" in entry.name:  # a write cut short: temporary names hold .tmp
+                os.unlink(entry.path)
+                log.info("discarded partial staged file %s", entry.name)
+            elif key in self.done or key not in self.by_key:
+                os.unlink(entry.path)
+            elif (why := self._foreign(Path(entry.path), self.by_key[key])) is not None:
+                os.unlink(entry.path)
+                log.warning("discarded staged file %s: %s; it will be recomputed", entry.name, why)
+            else:
+                pending.append(key)
+        return pending
+
+    def _foreign(self, path: Path, batch: BatchSpec) -> str | None:
+        """Why a staged file does not belong to this plan's ``batch``, or None if its header proves it does."""
+        try:
+            meta = read_metadata(path)
+        except (OSError, HsextractError) as e:
+            return f"unreadable header ({e})"
+        if meta.get("plan_hash") != self.plan.plan_hash:
+            return f"written for another plan ({meta.get('plan_hash')})"
+        if (meta.get("shard"), meta.get("batch_id")) != (str(batch.shard), str(batch.batch_id)):
+            return f"holds shard {meta.get('shard')} batch {meta.get('batch_id')}"
+        return None
+
+    def _wait_for_budget(self, need: int) -> None:
+        waited = False
+        while True:
+            staged = staged_bytes(self.staging)
+            if staged == 0 or staged + need <= self.budget:
+                break
+            if not waited:
+                log.info(
+                    "staging holds %.2f GB (budget %.2f GB): waiting for the uploader",
+                    staged / 1e9,
+                    self.budget / 1e9,
+                )
+                self.progress.state = "waiting-for-uploader"
+                waited = True
+            self.uploader.check_alive()
+            if self.stopping.is_set():
+                raise Terminated(self.stop_signum)
+            time.sleep(0.05)
+        if waited:
+            self.progress.state = "running"
+            log.info("staging drained; continuing")
+
+    def _write_batch(self, batch: BatchSpec, tensors: dict) -> None:
+        """Writer thread: file into staging (tmp + rename), then to the uploader."""
+        self._wait_for_budget(sum(t.numel() * t.element_size() for t in tensors.values()))
+        sample_ids = [self.sample_ids[i] for i in batch.sample_indices]
+        meta = batch_metadata(
+            run_meta=self.info.file_metadata,
+            batch_id=batch.batch_id,
+            shard=batch.shard,
+            sample_ids=sample_ids,
+        )
+        path = self.staging / Path(batch.key).name
+        t0 = time.perf_counter()
+        try:
+            size = write_batch_file(path, tensors, meta)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise HsextractError(
+                f"staging directory {self.staging} is full (no space left on device) while writing {path.name}: "
+                "free space there or lower --staging-max-gb, then rerun the same command to resume"
+            ) from None
+        self.progress.progress_at = time.time()
+        log.info(
+            "batch %d written: %d rows, %d tokens, %.1f MB in %.3f s",
+            batch.batch_id,
+            batch.rows,
+            batch.num_tokens,
+            size / 1e6,
+            time.perf_counter() - t0,
+        )
+        self._submit(path, batch.key)
+
+    def _submit(self, path: Path, key: str) -> None:
+        self.submitted.add(key)
+        self.uploader.submit(path, key)
+
+    # -- main -------------------------------------------------------------------------------------------------
+    def _lock_shard(self) -> None:
+        """Hold an exclusive lock on this shard for the life of the process: two processes running one shard
+        would race on its staging directory and output keys. The kernel drops the lock when the process dies."""
+        path = self.run_dir.lock_file(self.shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(path, "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "another process"
+            raise HsextractError(
+                f"shard {self.shard} of {self.run_dir} is already being run by {holder}; "
+                "wait for it (hsextract status) or stop it before rerunning"
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self._lock_file.flush()
+        self.locked = True
+
+    def run(self) -> None:
+        self._lock_shard()
+        previous = ShardProgress.load(self.run_dir, self.shard)
+        if previous is not None:  # the rate history goes on across restarts; the gap shows the downtime
+            self.progress.history, self.progress.history_step_s = previous.history, previous.history_step_s
+        log.info(
+            "shard %d: %d batches, %d tokens; staging %s",
+            self.shard,
+            len(self.batches),
+            self.progress.tokens_total,
+            self.staging,
+        )
+        sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
+        all_done = self.run_dir.done_keys()
+        self._mark_done(k for k in self.by_key if k in all_done)
+        self._adopt_output_records(sink)
+        self.session_tokens = 0
+        staged = self._recover_staging()
+        if len(self.done) < len(self.batches):
+            # A killed uploader can leave a half-copied file (local) or an open multipart upload (S3) in the output.
+            partials = sink.discard_partials(f"{shard_name(self.shard)}/")
+            if partials:
+                log.info(
+                    "discarded %d unfinished upload(s) left in the output by an earlier attempt", partials
+                )
+        todo = [b for b in self.batches if b.key not in self.done and b.key not in staged]
+        log.info(
+            "resume: %d batches done, %d staged to upload, %d to compute",
+            len(self.done),
+            len(staged),
+            len(todo),
+        )
+        self._save_progress("starting")
+
+        self.uploader = Uploader(
+            output=self.cfg.output,
+            endpoint_url=self.cfg.s3_endpoint_url,
+            marker_dir=self.run_dir.markers_dir,
+            log_file=self.run_dir.log_file(self.shard, "uploader"),
+            plan_hash=self.plan.plan_hash,
+        )
+        # From here on a failure leaves the uploader to die with this process (parent-death signal); staged files
+        # stay for the rerun.
+        self.uploader.start()
+        self.progress.uploader_pid = self.uploader.pid
+        for key in staged:
+            self._submit(self.staging / Path(key).name, key)
+        if todo:
+            self._compute(todo)
+        self._save_progress("draining")
+        self._idle_from = time.time()
+        while len(self.done) < len(self.batches):
+            self._tick()
+            time.sleep(0.1)
+        self._check_stall(time.time())  # a stall that ended within the last refresh is logged as recovered
+        self._mark_done(self.uploader.close())
+        self.uploader = None
+        self.progress.uploader_pid, self.progress.uploader_heartbeat_at = 0, None
+        self._save_progress("done")
+        try:
+            self.staging.rmdir()  # empty now: every staged file was uploaded and removed
+        except OSError:
+            pass
+        log.info("shard %d done", self.shard)
+
+    def _compute(self, todo: list[BatchSpec]) -> None:
+        cfg = self.cfg
+        samples = TokenizedSamples.load(self.run_dir.tokens_file)
+        self.sample_ids = samples.sample_ids
+        device = torch_device(cfg)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        t0 = time.time()
+        with self._ticking("loading"):
+            lm = load_model_for(cfg, device)
+        log.info("model loaded in %.1f s", time.time() - t0)
+        layout = self.info.layout
+        if layout.final_state:
+            # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.
+            write_final_norm(open_sink(cfg.output, cfg.s3_endpoint_url), model_final_norm(lm))
+        extractor = Extractor(
+            lm,
+            layout.slot_layers,
+            device=device,
+            max_tokens=max(b.num_tokens for b in todo),
+            num_slots=cfg.pinned_buffers,
+            pad_token_id=self.info.pad_token_id,
+            storage_dtype=layout.storage_dtype,
+        )
+        self.t_start = self._idle_from = time.time()
+        self._save_progress("running")
+        # Both callbacks run in this thread: after each forward, and every 0.5 s while it waits for a free slot.
+        extractor.run(todo, samples, self._write_batch, on_forward=self._tick, should_stop=self._tick)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir, shard = Path(argv[0]), int(argv[1])
+    log_to_file(RunDir(run_dir).log_file(shard))
+    shard_run = None
+    stop_signal: list[int] = []
+    stop_on_signals(on_stop=lambda signum: _note_stop(signum, stop_signal, shard_run))
+    state = "failed"
+    try:
+        shard_run = ShardRun(run_dir, shard)
+        shard_run.run()
+        return 0
+    except Terminated as e:
+        code, message, state = e.exit_code, str(e), "stopped"
+    except BaseException as e:
+        if not stop_signal:
+            code, message = _failure(shard, e)
+        else:  # a failure caused by the stop itself (the uploader got the group's SIGTERM first)
+            e = Terminated(stop_signal[0])
+            code, message, state = e.exit_code, str(e), "stopped"
+    if state == "stopped":
+        log.warning("shard %d %s; finished batches are kept, unfinished ones stay staged", shard, message)
+        print(f"shard {shard}: {message}", file=sys.stderr)
+    if shard_run is not None and shard_run.uploader is not None:
+        shard_run.uploader.kill()
+    # Only the process holding the shard's lock may write its progress (another may be running it right now).
+    if shard_run is not None and shard_run.locked:
+        shard_run.progress.error = message
+        shard_run._save_progress(state)
+    return code
+
+
+def _note_stop(signum: int, stop_signal: list[int], shard_run: ShardRun | None) -> None:
+    stop_signal.append(signum)
+    if shard_run is not None:
+        shard_run.stop_signum = signum
+        shard_run.stopping.set()
+
+
+def _failure(shard: int, e: BaseException) -> tuple[int, str]:
+    """Log and print why the shard failed; the exit code and the message its progress file records."""
+    if isinstance(e, HsextractError):
+        log.error("%s", e)
+        print(f"shard {shard}: {e}", file=sys.stderr)
+        return 2, str(e)
+    log.error("shard %d failed", shard, exc_info=e)
+    message = redact(repr(e))
+    print(f"shard {shard} failed: {message}", file=sys.stderr)
+    return 1, message
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Batch files: safetensors written straight from the host buffer, under a temporary name, then renamed.
+
+A batch file holds, for the B samples of one batch and their N valid tokens in total (docs/FORMAT.md):
+
+- ``hidden_states`` [N, L, H]: the L captured layers, token-major, so one sample's states are one contiguous
+  byte range (a reader fetches a sample with one ranged read).
+- ``input_ids`` [N] int32, ``loss_mask`` [N] uint8, ``cu_seqlens`` [B+1] int64 (sample i is rows
+  cu_seqlens[i]:cu_seqlens[i+1]), ``sample_index`` [B] int64 (row in the tokenized dataset).
+- metadata (strings): layer ids and their convention, pre/post norm, model, dtype, tokenizer and chat-template
+  hashes, plan hash, batch id, shard, sample ids (JSON), hsextract version, and the checksums (``write_batch_file``:
+  one per sample over its rows of every per-token tensor, one over the index tensors; output.py defines them).
+
+The checksums are computed here, in the writer thread, from the host tensors about to be written: that is the last
+moment the bytes are known good, and the thread overlaps with the GPU's next forward anyway.
+
+The serializer is ours rather than ``safetensors.torch.save_file`` because that one first copies every tensor into
+a bytes object; here the pinned host buffer is written to the file as it is. The files are standard safetensors
+(the tests read them back with the safetensors library). Nothing time-dependent goes in, so a batch recomputed
+after a crash is byte-identical to the first attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+from hsextract.errors import HsextractError
+from hsextract.format.batch import (
+    HEADER_LENGTH_BYTES,
+    checksum_order,
+    checksums_metadata,
+    new_checksum,
+    read_file_head,
+    update_checksum,
+)
+from hsextract.storage.fileio import atomic_write
+
+SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The ``checksums`` metadata of a batch: per sample (rows ``cu_seqlens[i]:cu_seqlens[i+1]``), one checksum
+    of its rows of every per-token tensor in name order; one of the index tensors. Generic: a per-token tensor
+    added to the batch later (scales, a final-state slot) is covered without a change here."""
+    per_token, index = checksum_order(tensors)
+    bounds = tensors["cu_seqlens"].tolist()
+    num_tokens = bounds[-1]
+    rows = {}
+    for name in per_token:
+        t = tensors[name]
+        if t.dim() == 0 or t.shape[0] != num_tokens:
+            raise ValueError(
+                f"per-token tensor {name!r} has shape {tuple(t.shape)}, expected {num_tokens} rows (cu_seqlens)"
+            )
+        rows[name] = (_bytes(t), t.numel() // num_tokens * t.element_size() if num_tokens else 0)
+    samples = []
+    for start, stop in pairwise(bounds):
+        checksum = new_checksum()
+        for data, row_bytes in rows.values():
+            update_checksum(checksum, data[start * row_bytes : stop * row_bytes])
+        samples.append(checksum.hexdigest())
+    checksum = new_checksum()
+    for name in index:
+        update_checksum(checksum, _bytes(tensors[name]))
+    return checksums_metadata(
+        per_token=per_token, samples=samples, index_tensors=index, index=checksum.hexdigest()
+    )
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write ``tensors`` (CPU, contiguous) to ``path`` atomically; returns the file size.
+
+    Renamed into place only after flush and fsync: a file under its final name is complete.
+    """
+    path = Path(path)
+    header = safetensors_header(tensors, metadata)
+
+    def write(f) -> None:
+        f.write(header)
+        for t in tensors.values():
+            if t.numel():
+                f.write(_bytes(t))
+
+    atomic_write(path, write)
+    return path.stat().st_size
+
+
+def write_batch_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write a batch file: per-token tensors then index tensors, each group in name order, and ``metadata``
+    plus the checksums of the tensors. Returns the file size."""
+    per_token, index = checksum_order(tensors)
+    ordered = {name: tensors[name] for name in per_token + index}
+    return write_safetensors(path, ordered, {**metadata, **batch_checksums(ordered)})
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a local batch file, read from its header alone (``HsextractError`` if damaged)."""
+    head = read_file_head(path)
+    try:
+        return json.loads(head[HEADER_LENGTH_BYTES:]).get("__metadata__", {})
+    except (ValueError, AttributeError) as e:
+        raise HsextractError(f"{path} has a garbled header ({e})") from None

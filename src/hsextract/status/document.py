@@ -1,0 +1,264 @@
+"""What ``hsextract status`` reports, as one document: ``status --json``, ``/api/status``, the page and ``/metrics``
+all read ``status_document``, so they never disagree.
+
+Built from the run directory alone on each call, without torch, in well under a second:
+
+- one row per shard: the rows of ``progress.shard_status`` (done counts from the markers, state, stalls, rate,
+  ETA, how long ago it last progressed, a damaged progress file), plus what uploads look like: the bytes the worker
+  last saw in staging, the files waiting there and the age of the oldest (the upload lag; only where staging is on
+  this host);
+- totals, the plan summary (model, layer ids and what each means, the data report's counts);
+- on a node with NVML (``pip install nvidia-ml-py``; optional) each GPU's utilization and memory, matched to the
+  shard whose worker process it runs, else to the shard's configured GPU.
+
+``history`` returns each shard's rate history (``[time, tokens_done, staged_bytes]`` points the worker appends to
+its progress file) for the charts; it is kept out of the document so that ``status --json`` stays short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from hsextract.config import RunConfig
+from hsextract.errors import HsextractError
+from hsextract.format.batch import CONVENTION
+from hsextract.format.keys import shard_name
+from hsextract.prepare.plan import Plan
+from hsextract.run.progress import LIVE_STATES, ShardProgress, shard_status
+from hsextract.run.rundir import RunDir
+
+ACTIVE_STATES = (*LIVE_STATES, "stalled")
+
+"""States in which a worker process is there: its staging directory and rate mean something."""
+
+
+def status_document(run_dir: RunDir | Path, *, with_gpus: bool = True) -> dict:
+    """The status of a run, live or finished: ``{"complete", "shards": [row...], "totals", "plan", "gpus"}``."""
+    run_dir = RunDir(run_dir)
+    rows, complete = shard_status(run_dir, _load_plan(run_dir))
+    now = time.time()
+    cfg = _load_config(run_dir)
+    for row in rows:
+        active = row["state"] in ACTIVE_STATES
+        progress = ShardProgress.load(run_dir, row["shard"]) if active else None
+        row["staged_bytes"] = progress.staged_bytes if progress else 0
+        row.update(_uploads(cfg, row["shard"], now) if active else _NO_UPLOADS)
+    gpus = gpu_status() if with_gpus else []
+    _match_gpus(rows, gpus, cfg)
+    return {
+        "run_dir": str(run_dir.root),
+        "generated_at": now,
+        "complete": complete,
+        "shards": rows,
+        "totals": _totals(rows),
+        "plan": plan_summary(run_dir, cfg),
+        "gpus": gpus,
+    }
+
+
+def history(run_dir: RunDir | Path) -> dict[int, list[list[float]]]:
+    """Each shard's ``[time, tokens_done, staged_bytes]`` points, oldest first, for the shards with a progress file
+    in this run dir (this node's); empty for a damaged file."""
+    run_dir = RunDir(run_dir)
+    out = {}
+    for s in range(_load_plan(run_dir).shards):
+        if run_dir.progress_file(s).exists():
+            progress = ShardProgress.load(run_dir, s)
+            out[s] = [p for p in progress.history if isinstance(p, list) and len(p) >= 3] if progress else []
+    return out
+
+
+# -- rows -----------------------------------------------------------------------------------------------------------
+_NO_UPLOADS = {"uploads_waiting": None, "upload_lag_s": None}
+
+
+def _uploads(cfg: RunConfig | None, shard: int, now: float) -> dict:
+    """Files waiting in the shard's staging directory and the age of the oldest, where staging is on this host."""
+    if cfg is None:
+        return dict(_NO_UPLOADS)
+    staging = cfg.staging_dir / shard_name(shard)
+    oldest, waiting = None, 0
+    try:
+        entries = list(os.scandir(staging))
+    except OSError:
+        return dict(_NO_UPLOADS)
+    for entry in entries:
+        if entry.name.endswith(".safetensors"):
+            try:
+                mtime = entry.stat().st_mtime
+            except FileNotFoundError:  # uploaded meanwhile
+                continue
+            waiting += 1
+            oldest = mtime if oldest is None else min(oldest, mtime)
+    return {"uploads_waiting": waiting, "upload_lag_s": 0.0 if oldest is None else max(0.0, now - oldest)}
+
+
+def _totals(rows: list[dict]) -> dict:
+    live = [r for r in rows if r["state"] in ACTIVE_STATES]
+    rate = sum(r["tokens_per_s"] for r in live)
+    tokens_done = sum(r["tokens_done"] for r in rows)
+    tokens_total = sum(r["tokens_total"] for r in rows)
+    states: dict[str, int] = {}
+    for r in rows:
+        states[r["state"]] = states.get(r["state"], 0) + 1
+    return {
+        "batches_done": sum(r["batches_done"] for r in rows),
+        "batches_total": sum(r["batches_total"] for r in rows),
+        "tokens_done": tokens_done,
+        "tokens_total": tokens_total,
+        "tokens_per_s": rate,
+        "eta_s": (tokens_total - tokens_done) / rate if rate > 0 and live else None,
+        "staged_bytes": sum(r["staged_bytes"] for r in rows),
+        "states": states,
+    }
+
+
+# -- plan -----------------------------------------------------------------------------------------------------------
+_plan_cache: dict[Path, tuple[tuple, Plan]] = {}
+
+
+def _load_plan(run_dir: RunDir) -> Plan:
+    """The plan, parsed again only when its file changed: a week-long run's plan is tens of MB."""
+    path = run_dir.plan_file
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise HsextractError(f"{run_dir.root} is not an hsextract run directory (no {path.name})") from None
+    stamp = (st.st_mtime_ns, st.st_size)
+    cached = _plan_cache.get(path)
+    if cached is None or cached[0] != stamp:
+        _plan_cache[path] = cached = (stamp, Plan.load(path))
+    return cached[1]
+
+
+def _load_config(run_dir: RunDir) -> RunConfig | None:
+    try:
+        return RunConfig.load(run_dir.config_file)
+    except (OSError, ValueError, TypeError, HsextractError):
+        return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
+    """Model, layers and what each id means, sizes, and the data report's counts."""
+    plan = _load_plan(run_dir)
+    meta = _read_json(run_dir.info_file)
+    report = _read_json(run_dir.data_report_file)
+    layer_ids = meta.get("layer_ids") or plan.fingerprint.get("layer_ids") or []
+    types = meta.get("layer_types") or [""] * len(layer_ids)
+    return {
+        "model": plan.fingerprint.get("model", cfg.model if cfg else ""),
+        "output": cfg.output if cfg else "",
+        "device": cfg.device if cfg else "",
+        "dtype": plan.fingerprint.get("dtype", ""),
+        "plan_hash": plan.plan_hash,
+        "shards": plan.shards,
+        "batches": len(plan.batches),
+        "samples": plan.num_samples,
+        "tokens": plan.num_tokens,
+        "padding_waste": plan.padding_waste,
+        "num_layers": meta.get("num_layers"),
+        "hidden_size": meta.get("hidden_size"),
+        "layer_convention": CONVENTION,
+        "layers": [
+            {
+                "id": k,
+                "type": t,
+                "captures": f"output of decoder layer {k}",
+                "hf_output_hidden_states_index": k + 1,
+                "vllm_speculators_id": k + 1,
+            }
+            for k, t in zip(layer_ids, types, strict=False)
+        ],
+        "data_report": {
+            key: report[key]
+            for key in (
+                "rows",
+                "kept",
+                "truncated",
+                "skipped_empty",
+                "skipped_malformed",
+                "skipped_too_long",
+                "duplicate_ids_renamed",
+                "tokens",
+                "max_length",
+            )
+            if key in report
+        },
+        "staging_max_bytes": int(cfg.staging_max_gb * 1e9) if cfg else None,
+    }
+
+
+# -- GPUs -----------------------------------------------------------------------------------------------------------
+_nvml: object | None = None
+
+
+_nvml_failed = False
+
+
+def _nvml_module():
+    """pynvml, initialised once per process; None where it is not installed or there is no NVIDIA driver."""
+    global _nvml, _nvml_failed
+    if _nvml is None and not _nvml_failed:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _nvml = pynvml
+        except Exception:  # not installed, no driver, no device: the page simply has no GPU columns
+            _nvml_failed = True
+    return _nvml
+
+
+def gpu_status() -> list[dict]:
+    """Utilization (percent over the driver's last sample period) and memory of each GPU on this node."""
+    nvml = _nvml_module()
+    if nvml is None:
+        return []
+    gpus = []
+    try:
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                pids = sorted({p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)})
+            except nvml.NVMLError:
+                pids = []
+            name = nvml.nvmlDeviceGetName(handle)
+            gpus.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "utilization_pct": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                    "memory_used_bytes": int(mem.used),
+                    "memory_total_bytes": int(mem.total),
+                    "pids": pids,
+                }
+            )
+    except nvml.NVMLError:
+        return gpus
+    return gpus
+
+
+def _match_gpus(rows: list[dict], gpus: list[dict], cfg: RunConfig | None) -> None:
+    """The GPU whose process list holds the shard's worker, else (on the worker's host) its configured index."""
+    host = socket.gethostname()
+    by_pid = {pid: g for g in gpus for pid in g["pids"]}
+    by_index = {g["index"]: g for g in gpus}
+    for row in rows:
+        gpu = by_pid.get(row["pid"]) if row["pid"] else None
+        if gpu is None and cfg is not None and cfg.device == "cuda" and row.get("host") in ("", host):
+            index = (cfg.gpus or tuple(range(cfg.shards)))[row["shard"]]
+            gpu = by_index.get(index) if row["state"] in ACTIVE_STATES else None
+        row["gpu"] = None if gpu is None else {k: v for k, v in gpu.items() if k != "pids"}

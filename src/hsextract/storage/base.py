@@ -1,0 +1,138 @@
+"""Where output lives: a local directory or an S3 prefix, behind one small interface.
+
+A ``Sink`` stores objects under keys such as ``shard-00000/batch-000123.safetensors``. ``LocalSink(root)`` maps a
+key to ``root/key``; ``S3Sink(bucket, prefix)`` to ``s3://bucket/prefix/key``. ``open_sink`` picks one from the
+output string (``s3://...`` or a path) and ``preflight`` checks, before any model loads, that the output can be
+written, so that a typo in a bucket name costs seconds, not a model load.
+
+Durability contract: when ``put_file`` returns, the object is complete and verified under its final key, and it
+returns a ``StoredObject`` (key, size, CRC32) that the uploader records in its marker. Writing the same key again
+is allowed and replaces the object, so a rerun after a crash may upload a batch twice but never leaves half of one.
+
+- Local: the file is copied to ``root/key.tmp-<pid>-<tid>`` while its CRC32 is computed, fsynced, renamed over the
+  final name and the directory fsynced; a file under its final name is complete. Leftover ``.tmp-`` files from a
+  crash are invisible to ``list_keys``.
+- S3: see s3.py (multipart upload with a full-object CRC32, verified with head_object, retried).
+
+This module must not import torch: it runs in the light uploader process.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import logging
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+log = logging.getLogger(__name__)
+
+PROBE_PREFIX = ".hsextract-probe-"
+PROBE_CONTENT = b"hsextract preflight probe\n"
+
+
+MiB = 1 << 20
+
+
+DEFAULT_RETRY_DEADLINE_S = 30 * 60.0
+
+
+FIRST_BACKOFF_S = 0.5
+
+
+MAX_BACKOFF_S = 30.0
+
+
+_READ_CHUNK = 8 * MiB
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """An object in the output: its key, size in bytes and CRC32 (as zlib computes it; None where unknown)."""
+
+    key: str
+    size: int
+    crc32: int | None
+
+
+def read_with_crc32(path: Path, copy_to: BinaryIO | None = None) -> tuple[int, int]:
+    """Size and CRC32 of a file's content in one pass, writing the content to ``copy_to`` on the way if given."""
+    crc = 0
+    size = 0
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+            if copy_to is not None:
+                copy_to.write(view[:n])
+            size += n
+    return size, crc
+
+
+def crc32_base64(crc: int) -> str:
+    """The encoding S3 uses for CRC32 checksums: the 4 big-endian bytes, base64."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+class Sink(abc.ABC):
+    """Where output objects go. Keys are relative, '/'-separated paths; ``url`` names the sink's root."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put_file(self, local_path: Path, key: str) -> StoredObject:
+        """Store a complete local file under ``key``; when this returns the object is durable and verified.
+
+        The local file is left in place: the caller deletes it once it has recorded the upload.
+        """
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, replacing any object there, as durably as ``put_file``."""
+
+    @abc.abstractmethod
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` only if no object is there, atomically (of two racing callers exactly one
+        wins); returns whether this call created it."""
+
+    @abc.abstractmethod
+    def stored(self, key: str) -> StoredObject | None:
+        """Size and, where the store keeps one cheaply, the full-object CRC32 (else ``crc32`` is None) of the
+        object under ``key``; None if there is none."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """The whole object; ``FileNotFoundError`` if there is none."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset`` (fewer at the end of the object)."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size of the object in bytes; ``FileNotFoundError`` if there is none."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+
+    @abc.abstractmethod
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix``, relative to the sink root, sorted; incomplete uploads are not listed."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; removing a missing one is not an error."""
+
+    @abc.abstractmethod
+    def discard_partials(self, prefix: str) -> int:
+        """Remove uploads under ``prefix`` that a killed uploader left unfinished; returns how many.
+
+        Only safe while no uploader writes under ``prefix``: a worker calls it on resume, before starting its
+        uploader, for its own shard's prefix."""

@@ -1,0 +1,82 @@
+"""Durable local writes: temp name, fsync, rename, fsync of the directory. Every file hsextract writes goes through here."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from hsextract.errors import HsextractError
+
+TMP_MARK = ".tmp-"
+
+"""In the name of every temporary file hsextract writes; such files are never read and are safe to delete."""
+
+
+def tmp_path(path: Path) -> Path:
+    """A temporary name beside ``path``, unique per process and thread."""
+    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_native_id()}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems (e.g. certain network mounts) do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    content: bytes | str | Callable[[BinaryIO], Any],
+    *,
+    durable: bool = True,
+) -> Any:
+    """Write ``content`` (bytes, text, or a function that writes to the open file and returns a value) to ``path``.
+
+    Temporary name, flush, fsync, rename, fsync of the directory: a file under its final name is complete. With
+    ``durable=False`` (files rewritten every second that only report, never decide) the two fsyncs are skipped;
+    the rename still makes every reader see a whole file. Returns what the writing function returned.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            if callable(content):
+                result = content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+                result = None
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+    return result
+
+
+def write_json(path: str | os.PathLike[str], value: Any, *, durable: bool = True) -> None:
+    atomic_write(path, json.dumps(value, indent=2), durable=durable)
+
+
+def load_json(path: str | os.PathLike[str], what: str) -> Any:
+    """A JSON file hsextract wrote; a clear error naming it if it is missing or damaged."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HsextractError(f"{path} ({what}) is missing: the run dir is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise HsextractError(
+            f"{path} ({what}) is damaged ({e}): rerun the same command with --restart to start this run over"
+        ) from None

@@ -1,0 +1,114 @@
+"""A local directory as an output."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from hsextract.errors import HsextractError
+from hsextract.format.keys import check_key
+from hsextract.storage.base import PROBE_PREFIX, Sink, StoredObject, read_with_crc32
+from hsextract.storage.fileio import TMP_MARK, atomic_write, fsync_dir, tmp_path
+
+
+class LocalSink(Sink):
+    """Objects as files under a directory (local disk or a shared file system)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        return self.root / key
+
+    def put_file(self, local_path: Path, key: str) -> StoredObject:
+        dest = self._path(key)
+        expected = os.stat(local_path).st_size
+        size, crc = self._write_atomically(dest, lambda out: read_with_crc32(Path(local_path), copy_to=out))
+        if size != expected:
+            raise HsextractError(f"copying {local_path} to {dest} wrote {size} bytes, expected {expected}")
+        return StoredObject(key, size, crc)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        def write(out: BinaryIO) -> tuple[int, int]:
+            out.write(data)
+            return len(data), zlib.crc32(data)
+
+        self._write_atomically(self._path(key), write)
+
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_path(dest)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(tmp, dest)  # fails if dest exists: a complete file appears under the name, or nothing
+            except FileExistsError:
+                return False
+            fsync_dir(dest.parent)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def stored(self, key: str) -> StoredObject | None:
+        try:
+            return StoredObject(key, self._path(key).stat().st_size, None)
+        except FileNotFoundError:
+            return None
+
+    def _write_atomically(self, dest: Path, write: Callable[[BinaryIO], tuple[int, int]]) -> tuple[int, int]:
+        """Write through ``write(file) -> (size, crc32)``; renamed into place only after fsync."""
+        try:
+            return atomic_write(dest, write)
+        except OSError as e:
+            raise HsextractError(f"could not write {dest}: {e}") from e
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        with open(self._path(key), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def size(self, key: str) -> int:
+        return self._path(key).stat().st_size
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        # Walk only the directory the prefix names, not the whole tree.
+        start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        keys = []
+        for dirpath, _dirnames, filenames in os.walk(start):
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+            for name in filenames:
+                if TMP_MARK in name or name.startswith(PROBE_PREFIX):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def discard_partials(self, prefix: str) -> int:
+        start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        removed = 0
+        for dirpath, _dirnames, filenames in os.walk(start):
+            for name in filenames:
+                path = Path(dirpath) / name
+                if TMP_MARK in name and path.relative_to(self.root).as_posix().startswith(prefix):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        return removed

@@ -1,0 +1,463 @@
+"""Output on S3 (or an S3-compatible store): the ``S3Sink`` behind storage.py's ``Sink`` interface.
+
+boto3's transfer manager uploads the file (multipart above ``multipart_threshold``, parts in parallel). The
+  CRC32 of the local file is computed first and sent as a *full-object* checksum (``ChecksumCRC32`` with
+  ``ChecksumType=FULL_OBJECT``, each part also carrying its own CRC32), so S3 itself rejects an object whose bytes
+  differ from the file. Then ``head_object`` must report the local size and, when the server returns a full-object
+  CRC32, the local CRC32. Trade-off: the file is read twice (checksum, upload); zlib's CRC32 runs at GB/s and
+  releases the GIL, and this runs in the uploader process anyway. Servers that reject checksum headers (some
+  S3-compatible stores) are served by botocore's standard switch ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``:
+  then no checksum is sent and only the size is verified. Moto, used by the tests, stores a single-part checksum as
+  sent without validating it but computes full-object CRC32s of multipart uploads itself; AWS validates both.
+
+Retries: botocore retries a few times on its own ("standard" mode). Around that, every S3 operation runs in one
+loop (``S3Sink._retrying``) that retries transient failures (connection refused/reset, unreachable endpoint,
+timeouts, 5xx, throttling, a checksum or size mismatch) with exponential backoff and jitter, 0.5 s doubling up to
+30 s, until a deadline (``retry_deadline_s``, 30 min by default) counted from the start of the operation. Failures
+that waiting cannot fix (refused or missing credentials, access denied, missing bucket) raise ``HsextractError`` at
+once, with the same messages ``preflight`` gives. A multipart upload interrupted by an outage may leave orphaned
+parts on the server when its abort fails too; a bucket lifecycle rule ("abort incomplete multipart uploads after N
+days") cleans those up.
+
+The endpoint comes from the ``endpoint_url`` argument, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``
+(boto3 reads those too; resolving them here lets error messages name the endpoint); credentials and region come
+from boto3's standard chain. This module must not import torch: it runs in the light uploader process.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import random
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from hsextract.errors import HsextractError, redact
+from hsextract.format.keys import check_key
+from hsextract.storage.base import (
+    DEFAULT_RETRY_DEADLINE_S,
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    PROBE_PREFIX,
+    MiB,
+    Sink,
+    StoredObject,
+    crc32_base64,
+    read_with_crc32,
+)
+
+log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+
+def resolve_endpoint(endpoint_url: str | None) -> str | None:
+    """The S3 endpoint to use: the argument, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
+    if endpoint_url:
+        return endpoint_url
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+class _VerificationFailed(Exception):
+    """The stored object does not match the local file (size or checksum); the upload is repeated."""
+
+
+_CREDENTIAL_CODES = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidClientTokenId"}
+)
+
+
+_ACCESS_DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "403"})
+
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "NoSuchUpload",  # a multipart upload aborted under us; upload_file starts a fresh one
+        "BadDigest",  # bytes damaged in transit; the local file is intact
+        "XAmzContentSHA256Mismatch",
+        "IncompleteBody",
+    }
+)
+
+
+def _find_cause(exc: BaseException) -> BaseException:
+    """The botocore error behind ``exc``: boto3's upload_file wraps ClientErrors in S3UploadFailedError."""
+    from boto3.exceptions import S3UploadFailedError
+
+    seen = set()
+    while isinstance(exc, S3UploadFailedError) and id(exc) not in seen:
+        seen.add(id(exc))
+        inner = exc.__cause__ or exc.__context__
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+def _is_transient(exc: BaseException) -> bool:
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionError,
+        HTTPClientError,
+        IncompleteReadError,
+        SSLError,
+    )
+
+    if isinstance(exc, _VerificationFailed):
+        return True
+    if isinstance(exc, SSLError):
+        return "CERTIFICATE_VERIFY_FAILED" not in str(exc)
+    if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
+        return True
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code", "")
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return code in _TRANSIENT_CODES or status >= 500 or status == 429 or code in {"500", "503"}
+    return False
+
+
+class S3Sink(Sink):
+    """Objects in an S3 bucket (or an S3-compatible store) under an optional prefix."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        *,
+        retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+        multipart_threshold: int = 64 * MiB,
+        multipart_chunksize: int = 64 * MiB,
+        max_concurrency: int = 16,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 120.0,
+        botocore_max_attempts: int = 3,
+    ) -> None:
+        """``max_concurrency`` bounds the requests in flight across all uploads of this sink together.
+
+        ``botocore_max_attempts`` is botocore's own quick retrying; ``retry_deadline_s`` is how long this sink keeps
+        retrying a transient failure on top of that.
+        """
+        import boto3
+        from boto3.s3.transfer import S3Transfer, TransferConfig
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.retry_deadline_s = retry_deadline_s
+        config = Config(
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            retries={"mode": "standard", "max_attempts": botocore_max_attempts},
+            max_pool_connections=max(10, 2 * max_concurrency),
+            tcp_keepalive=True,
+        )
+        # A session per sink: boto3's default session is shared module state, not meant for several threads.
+        session = boto3.session.Session()
+        self._client = session.client("s3", endpoint_url=resolve_endpoint(endpoint_url), config=config)
+        self.endpoint = redact(self._client.meta.endpoint_url)  # for messages: never a credential
+        # One transfer manager for the sink: max_concurrency then bounds all uploads in flight together.
+        self._transfer = S3Transfer(
+            client=self._client,
+            config=TransferConfig(
+                multipart_threshold=multipart_threshold,
+                multipart_chunksize=multipart_chunksize,
+                max_concurrency=max_concurrency,
+                use_threads=True,
+                # Not the CRT client even where awscrt is installed: the arguments and errors used here are the
+                # classic manager's.
+                preferred_transfer_client="classic",
+            ),
+        )
+        self._send_checksums = self._client.meta.config.request_checksum_calculation != "when_required"
+
+    def _object_key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put_file(self, local_path: Path, key: str) -> StoredObject:
+        local_path = Path(local_path)
+        size, crc = read_with_crc32(local_path)
+        extra_args = {}
+        if self._send_checksums:
+            extra_args = {
+                "ChecksumAlgorithm": "CRC32",
+                "ChecksumCRC32": crc32_base64(crc),
+                "ChecksumType": "FULL_OBJECT",
+            }
+
+        def upload_and_verify() -> StoredObject:
+            self._transfer.upload_file(
+                str(local_path), self.bucket, self._object_key(key), extra_args=extra_args
+            )
+            self._verify(key, size, crc)
+            return StoredObject(key, size, crc)
+
+        return self._retrying(f"upload of {key}", upload_and_verify)
+
+    def _verify(self, key: str, size: int, crc: int) -> None:
+        head = self._client.head_object(Bucket=self.bucket, Key=self._object_key(key), ChecksumMode="ENABLED")
+        if head["ContentLength"] != size:
+            raise _VerificationFailed(
+                f"{self.url}/{key} has {head['ContentLength']} bytes, the local file {size}"
+            )
+        remote = head.get("ChecksumCRC32")
+        # A composite checksum ("...-N", a checksum of part checksums) cannot be compared with the file's CRC32.
+        if self._send_checksums and remote and "-" not in remote and remote != crc32_base64(crc):
+            raise _VerificationFailed(
+                f"{self.url}/{key} has CRC32 {remote}, the local file {crc32_base64(crc)}"
+            )
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        extra = {"ChecksumCRC32": crc32_base64(zlib.crc32(data))} if self._send_checksums else {}
+        self._retrying(
+            f"write of {key}",
+            lambda: self._client.put_object(
+                Bucket=self.bucket, Key=self._object_key(key), Body=data, **extra
+            ),
+        )
+
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        def put() -> bool:
+            try:
+                self._client.put_object(
+                    Bucket=self.bucket, Key=self._object_key(key), Body=data, IfNoneMatch="*"
+                )
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                    return False
+                raise
+            return True
+
+        # A retry after a lost response may find the object this call itself wrote: that is reported as absent
+        # then present, so callers read the object back and compare rather than trusting the flag alone.
+        return self._retrying(f"conditional write of {key}", put)
+
+    def stored(self, key: str) -> StoredObject | None:
+        head = self._retrying(f"lookup of {key}", lambda: self._head(key, checksum=True))
+        if head is None:
+            return None
+        remote = head.get("ChecksumCRC32")
+        crc = None
+        if remote and "-" not in remote:
+            crc = int.from_bytes(base64.b64decode(remote), "big")
+        return StoredObject(key, head["ContentLength"], crc)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._retrying(f"read of {key}", lambda: self._get(key).read())
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        return self._retrying(
+            f"read of {key}", lambda: self._get(key, f"bytes={offset}-{offset + length - 1}").read()
+        )
+
+    def _get(self, key: str, byte_range: str | None = None):
+        from botocore.exceptions import ClientError
+
+        kwargs = {"Range": byte_range} if byte_range else {}
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=self._object_key(key), **kwargs)["Body"]
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code in ("NoSuchKey", "404"):
+                raise FileNotFoundError(f"{self.url}/{key}") from e
+            if code == "InvalidRange":  # offset at or past the end, as a local read gives
+                return _Empty()
+            raise
+
+    def size(self, key: str) -> int:
+        head = self._retrying(f"size of {key}", lambda: self._head(key))
+        if head is None:
+            raise FileNotFoundError(f"{self.url}/{key}")
+        return head["ContentLength"]
+
+    def exists(self, key: str) -> bool:
+        return self._retrying(f"lookup of {key}", lambda: self._head(key)) is not None
+
+    def _head(self, key: str, checksum: bool = False) -> dict | None:
+        from botocore.exceptions import ClientError
+
+        extra = {"ChecksumMode": "ENABLED"} if checksum else {}
+        try:
+            return self._client.head_object(Bucket=self.bucket, Key=self._object_key(key), **extra)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+
+        def list_all() -> list[str]:
+            paginator = self._client.get_paginator("list_objects_v2")
+            keys = []
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
+                for item in page.get("Contents", []):
+                    key = item["Key"][len(base) :]
+                    if not key.startswith(PROBE_PREFIX):
+                        keys.append(key)
+            return keys
+
+        return sorted(self._retrying(f"listing of {self.url}/{prefix}", list_all))
+
+    def delete(self, key: str) -> None:
+        self._retrying(
+            f"delete of {key}",
+            lambda: self._client.delete_object(Bucket=self.bucket, Key=self._object_key(key)),
+        )
+
+    def discard_partials(self, prefix: str) -> int:
+        """Abort multipart uploads a killed uploader left open (their parts are billed until aborted)."""
+
+        def abort_all() -> int:
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            aborted = 0
+            base = f"{self.prefix}/" if self.prefix else ""  # as list_keys: "" is the whole sink
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
+                for upload in page.get("Uploads", []):
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    aborted += 1
+            return aborted
+
+        return self._retrying(f"clean-up of unfinished uploads under {self.url}/{prefix}", abort_all)
+
+    def _retrying(self, what: str, operation: Callable[[], T]) -> T:
+        """Run ``operation``, retrying transient failures with backoff until ``retry_deadline_s`` has passed."""
+        start = time.monotonic()
+        failures = 0
+        while True:
+            try:
+                return operation()
+            except Exception as exc:
+                cause = _find_cause(exc)
+                refusal = _explain_refusal(cause, self)
+                if refusal is not None:
+                    raise HsextractError(refusal) from exc
+                if not _is_transient(cause):
+                    rejection = _explain_rejection(cause, what, self)
+                    if rejection is not None:
+                        raise HsextractError(rejection) from exc
+                    raise
+                failures += 1
+                backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (failures - 1))
+                pause = backoff / 2 + random.uniform(0, backoff / 2)
+                elapsed = time.monotonic() - start
+                if elapsed + pause > self.retry_deadline_s:
+                    raise HsextractError(
+                        f"gave up on the {what} in {self.url} after {failures} attempts in {elapsed:.0f} s: "
+                        f"{_describe_transient(cause, self)}"
+                    ) from exc
+                log.warning(
+                    "retry %d of the %s in %.1f s: %s",
+                    failures,
+                    what,
+                    pause,
+                    _describe_transient(cause, self),
+                )
+                time.sleep(pause)
+
+
+class _Empty:
+    def read(self) -> bytes:
+        return b""
+
+
+def _explain_refusal(exc: BaseException, sink: S3Sink) -> str | None:
+    """The user-facing message for a failure that retrying cannot fix, or None if ``exc`` is not one."""
+    from botocore.exceptions import (
+        ClientError,
+        CredentialRetrievalError,
+        NoAuthTokenError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ProfileNotFound,
+        SSLError,
+        SSOError,
+        TokenRetrievalError,
+    )
+
+    if isinstance(exc, ProfileNotFound):
+        return f"{exc}: check AWS_PROFILE and ~/.aws/config"
+    if isinstance(
+        exc,
+        (
+            NoCredentialsError,
+            PartialCredentialsError,
+            CredentialRetrievalError,
+            TokenRetrievalError,
+            SSOError,
+            NoAuthTokenError,
+        ),
+    ):
+        return (
+            f"no usable AWS credentials to write {sink.url} ({exc}): set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/pod role provides them"
+        )
+    if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return f"the TLS certificate of {sink.endpoint} was not trusted ({exc}): check the endpoint URL or AWS_CA_BUNDLE"
+    if not isinstance(exc, ClientError):
+        return None
+    error = exc.response.get("Error", {})
+    code = error.get("Code", "")
+    if code == "NoSuchBucket":
+        return f"bucket '{sink.bucket}' does not exist at {sink.endpoint}: create it, or fix the output URL {sink.url}"
+    if code in _CREDENTIAL_CODES:
+        return (
+            f"credentials were refused by {sink.endpoint} ({code}: {error.get('Message', '')}): "
+            "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+        )
+    if code in _ACCESS_DENIED_CODES:
+        return (
+            f"access to {sink.url} was denied by {sink.endpoint} ({code}): the credentials in use need "
+            "s3:PutObject, s3:GetObject, s3:DeleteObject and s3:ListBucket on it"
+        )
+    if code == "InvalidBucketName":
+        return f"'{sink.bucket}' is not a valid bucket name (from the output URL {sink.url})"
+    return None
+
+
+def _explain_rejection(exc: BaseException, what: str, sink: S3Sink) -> str | None:
+    """The message for any other request the server refused (a 4xx that retrying does not change)."""
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return None
+    error = exc.response.get("Error", {})
+    code = error.get("Code", "")
+    message = f"{sink.endpoint} refused the {what} in {sink.url}: {code}: {error.get('Message', '')}"
+    if code in {"InvalidArgument", "InvalidRequest", "NotImplemented", "XAmzContentChecksumMismatch"}:
+        message += (
+            ". If this S3-compatible store does not support checksums, set "
+            "AWS_REQUEST_CHECKSUM_CALCULATION=when_required"
+        )
+    return message
+
+
+def _describe_transient(exc: BaseException, sink: S3Sink) -> str:
+    from botocore.exceptions import ConnectionError
+
+    if isinstance(exc, ConnectionError):
+        return f"could not reach {sink.endpoint} ({exc})"
+    return f"{type(exc).__name__}: {exc}"
