@@ -21,11 +21,11 @@ python3 -c "import torch, transformers, fla, triton; from importlib.metadata imp
 date -u
 case "${1:-all}" in
   tests|all)
-    python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
     python3 scripts/bench.py --startup --modes none --json-out "$OUT/startup.json" 2>&1 | tee "$OUT/startup.log"
     ;;&
   bench|all)
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fla 2>&1 | tail -3
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k fla 2>&1 | tail -3
     python3 scripts/bench.py --tokens "${BENCH_TOKENS:-700000}" --max-tokens "${BENCH_BATCH:-32768}" \
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
@@ -36,7 +36,7 @@ esac
 # the Triton cache that run left (the warm start a real run has after its pre-warm), fused and stock.
 # Each step runs under a time limit (seconds, from the environment) so one call of the GPU machine holds them all.
 if [[ "${1:-}" == "kernels" || "${1:-}" == "issue13" ]]; then
-  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/unit/test_kernels.py 2>&1 | tee "$OUT/kernels_tests.log"
   timeout "${PROFILE_TIMEOUT:-300}" python3 scripts/bench.py --kernel-profile --json-out "$OUT/kernel_profile.json" 2>&1 | tee "$OUT/kernel_profile.log"
 fi
 if [[ "${1:-}" == "fused" || "${1:-}" == "issue13" ]]; then

@@ -19,11 +19,11 @@ if [[ -n "$extras" ]] && ! command -v chromium >/dev/null; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
   else
-    echo "note: no chromium; tests/test_serve.py skips its browser checks (sudo apt-get install chromium)" >&2
+    echo "note: no chromium; tests/scenarios/test_serve.py skips its browser checks (sudo apt-get install chromium)" >&2
   fi
 fi
 if [[ -n "$extras" ]]; then
-  # Trainers whose offline loaders tests/test_export.py runs. Without their declared dependencies: speculators' pull
+  # Trainers whose offline loaders tests/scenarios/test_export.py runs. Without their declared dependencies: speculators' pull
   # torchvision/torchaudio built for another torch (which replace the CPU torch), specforge's pin torch 2.11 and
   # sglang. What their data loaders import is in the test extra.
   .venv/bin/python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"

@@ -1,16 +1,9 @@
 """Shared fixtures: the tiny random qwen3_5 model and tokenizer, built once per test session."""
 
-import os
-import subprocess
-import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
-
 import pytest
+from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest_plugins = ["support.s3server"]
 
 
 @pytest.fixture(scope="session")
@@ -25,57 +18,6 @@ def tiny_lm(tiny_model):
     from hsextract.model.load import load_model
 
     return load_model(str(tiny_model), dtype="float32", device="cpu")
-
-
-TINY_LIMITS = {"max_length": 300, "max_tokens_per_batch": 600, "max_rows": 16}
-"""Batch limits for the tiny model: samples up to 300 tokens, a few of them per batch, many batches per run."""
-
-RUN_TIMEOUT_S = 180
-POLL_S = 0.02
-
-
-def run_cli(*args, timeout=300, env=None, check=True, cwd=None):
-    """``hsextract ARGS`` in a real subprocess; returns the CompletedProcess."""
-    full_env = dict(os.environ, **(env or {}))
-    r = subprocess.run(
-        [sys.executable, "-m", "hsextract.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=cwd,
-    )
-    if check and r.returncode != 0:
-        raise AssertionError(
-            f"hsextract {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
-        )
-    return r
-
-
-def cli_run_args(root, model, data, **options) -> list:
-    """``hsextract run`` on CPU in float32 with output, run dir and staging under ``root``. ``options`` add or
-    override ``--name value`` (underscores become dashes); ``True`` gives a bare flag, ``None`` drops an option."""
-    opts = {
-        "model": model,
-        "data": data,
-        "output": root / "out",
-        "run-dir": root / "run",
-        "staging": root / "staging",
-        "device": "cpu",
-        "dtype": "float32",
-    }
-    opts.update({key.replace("_", "-"): value for key, value in options.items()})
-    args = ["run"]
-    for key, value in opts.items():
-        if value is True:
-            args.append(f"--{key}")
-        elif value is not None:
-            args += [f"--{key}", str(value)]
-    return args
-
-
-E2E_LAYERS = (0, 3, 7)
-"""Layers of the shared finished run: first, middle (a full-attention layer), last of the 8-layer tiny model."""
 
 
 @pytest.fixture(scope="session")
@@ -98,80 +40,8 @@ def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
     return root, data, result, args
 
 
-def write_mixed_dataset(path, tokenizer, n_chat=40, seed=0):
-    """Chat rows from the demo generator plus pre-tokenized rows from 1 token up, with explicit ids."""
-    import json
-    import random
-
-    from hsextract.demo import make_conversations
-
-    rng = random.Random(seed)
-    rows = make_conversations(n_chat, seed=seed)
-    vocab = len(tokenizer)
-    for i, n in enumerate([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 300, 1, 7, 64, 65, 127]):
-        rows.append(
-            {
-                "id": f"tok-{i}",
-                "input_ids": [rng.randrange(1, vocab) for _ in range(n)],
-                "loss_mask": [1] + [rng.randint(0, 1) for _ in range(n - 1)],
-            }
-        )
-    rng.shuffle(rows)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
-
-
-# -- a CLI started in the background and killed for real -------------------------------------------------------------
-@contextmanager
-def launched(args, root: Path, env=None, cwd=None):
-    """``hsextract ARGS`` in the background, its output in ``root/launcher.out``; killed (its workers die with it)
-    if it is still running when the block ends."""
-    with open(root / "launcher.out", "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsextract.cli", *map(str, args)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=cwd,
-        )
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-
-
-def launcher_output(root: Path) -> str:
-    return (root / "launcher.out").read_text()
-
-
-def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN_TIMEOUT_S):
-    """Poll ``condition`` until it is truthy; fail naming ``what`` if the run exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(
-                f"the run exited ({proc.returncode}) before {what}:\n{launcher_output(root)}"
-            )
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(POLL_S)
-    return value
-
-
-def marker_count(run_dir: Path, shard: int | None = None) -> int:
-    from hsextract.format.keys import shard_name
-    from hsextract.run.rundir import RunDir
-
-    keys = RunDir(run_dir).done_keys()
-    return len(keys) if shard is None else sum(k.startswith(f"{shard_name(shard)}/") for k in keys)

@@ -38,7 +38,7 @@ elementwise kernels and copies (``docs/PERFORMANCE.md``). Each swap below remove
   (left padding, holes) is kept and honoured as in the stock forward.
 
 Numerics: every fused kernel computes in float32 and rounds once, where the stock bf16 forward rounds after each
-torch op, so its states should sit at least as close to a float32 forward; ``tests/test_kernels_gpu.py`` checks
+torch op, so its states should sit at least as close to a float32 forward; ``tests/gpu/test_kernels_gpu.py`` checks
 that per module and per layer. Forwards with a KV cache (generation) keep the stock path. A proof that compares a
 capture against "a plain HF forward" must run that reference inside ``stock_forward(lm)``, or it compares the
 fused forward with itself.

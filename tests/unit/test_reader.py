@@ -8,7 +8,7 @@ checksums, so the same flips come back as altered values (which proves each flip
 
 import pytest
 import torch
-from damage import (
+from support.damage import (
     DAMAGED_ROW,
     DAMAGES,
     copy_output,

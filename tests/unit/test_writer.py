@@ -20,7 +20,7 @@ def test_batch_file_is_standard_safetensors(tmp_path):
     path = tmp_path / "batch-000005.safetensors"
     size = write_safetensors(path, tensors, meta)
     assert size == path.stat().st_size
-    assert not list(tmp_path.glob("*.tmp"))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file (*.tmp-PID-TID) left
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata()["batch_id"] == "5"
         assert json.loads(f.metadata()["sample_ids"]) == ["a", "b"]

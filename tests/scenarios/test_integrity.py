@@ -4,18 +4,16 @@ Each test reproduces one finding of the integrity review with real processes and
 swapped behind a run's back, a real full file system, concurrent launchers, damaged run files), on the tiny model.
 """
 
-# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from support.cli import (
     TINY_LIMITS,
     cli_run_args,
     launched,
@@ -25,7 +23,8 @@ from conftest import (
     wait_for,
     write_mixed_dataset,
 )
-from s3server import aws_test_env, cli_env, s3, s3_bucket  # noqa: F401  (fixtures)
+from support.procs import freeze
+from support.s3server import cli_env
 
 from hsextract.config import run_staging_dir
 from hsextract.format.records import JOB
@@ -84,14 +83,6 @@ def reference(tmp_path_factory, tiny_model, dataset):
     root = tmp_path_factory.mktemp("integrity-reference")
     run_cli(*args_for(root, tiny_model, dataset))
     return root
-
-
-def freeze(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while (stat := Path(f"/proc/{pid}/stat").read_text())[stat.rindex(")") + 2] != "T":
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.005)
 
 
 # -- 1. runs never share staged files ---------------------------------------------------------------------------

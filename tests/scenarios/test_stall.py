@@ -16,16 +16,19 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import (
+from support.cli import (
     RUN_TIMEOUT_S,
+    crash_run_args,
     launched,
     launcher_output,
     marker_count,
     run_cli,
+    status,
+    status_json,
     wait_for,
     write_mixed_dataset,
 )
-from test_resume import descendants, run_args, status, status_json, wait_dead
+from support.procs import descendants, wait_dead
 
 from hsextract.config import run_staging_dir
 from hsextract.prepare.plan import Plan
@@ -50,7 +53,7 @@ def dataset(tmp_path_factory, tiny_tokenizer):
 
 
 def stall_args(root: Path, model, data) -> list[str]:
-    return run_args(root, model, data, stall_timeout=STALL_TIMEOUT_S)
+    return crash_run_args(root, model, data, stall_timeout=STALL_TIMEOUT_S)
 
 
 def progress(run_dir: Path, shard: int) -> ShardProgress | None:

@@ -6,8 +6,8 @@ test_s3_end_to_end.py."""
 import json
 
 import pytest
-from conftest import run_cli
-from damage import DAMAGES, copy_output, manifest_batches, manifest_without_batches, truncate_manifest
+from support.cli import run_cli
+from support.damage import DAMAGES, copy_output, manifest_batches, manifest_without_batches, truncate_manifest
 
 
 @pytest.fixture

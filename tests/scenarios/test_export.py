@@ -4,7 +4,6 @@ through each trainer's own loading code (SpecForge 0.2.0, speculators 0.9.0, nvi
 hsextract's reader; sample order comes from the manifest file itself.
 """
 
-# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 from __future__ import annotations
 
 import json
@@ -13,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
-from s3server import S3Endpoint, aws_test_env, s3, s3_bucket  # noqa: F401
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.s3server import S3Endpoint
 
 from hsextract.errors import HsextractError
 from hsextract.export.formats import FORMATS, vocab_mapping

@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import (
+from prometheus_client.parser import text_string_to_metric_families
+from support.cli import (
     cli_run_args,
     launched,
     launcher_output,
@@ -31,7 +32,6 @@ from conftest import (
     wait_for,
     write_mixed_dataset,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 from hsextract.prepare.plan import Plan
 from hsextract.run.progress import ShardProgress

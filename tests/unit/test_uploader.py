@@ -1,6 +1,5 @@
 """The uploader process against a local directory and a real (moto) S3 endpoint: outages, kills, markers."""
 
-# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 from __future__ import annotations
 
 import json
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from s3server import S3Endpoint, aws_test_env, free_port, s3, s3_bucket  # noqa: F401  (fixtures)
+from support.s3server import S3Endpoint, free_port
 
 from hsextract.errors import UploaderDied
 from hsextract.run.rundir import marker_path

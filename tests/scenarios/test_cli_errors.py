@@ -4,7 +4,7 @@ import os
 import time
 
 import pytest
-from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 
 @pytest.fixture(scope="module")

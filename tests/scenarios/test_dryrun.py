@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 from hsextract.config import RunConfig
 from hsextract.dryrun import dry_run, format_report

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 from safetensors import safe_open
+from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 from hsextract.reader import open_output
 
@@ -59,11 +59,12 @@ def test_reader_states_equal_unbatched_hf_forward(finished_run, tiny_lm, tiny_to
 def test_pretokenized_rows_keep_ids_and_mask_by_sample_id(finished_run):
     root, data, _, _ = finished_run
     out = open_output(root / "out")
-    for row in map(json.loads, open(data)):
-        if "input_ids" in row:
-            s = out[row["id"]]
-            assert s["input_ids"].tolist() == row["input_ids"]
-            assert s["loss_mask"].int().tolist() == row["loss_mask"]
+    pretokenized = [row for row in map(json.loads, open(data)) if "input_ids" in row]
+    assert pretokenized, "the mixed dataset must hold pre-tokenized rows for this test to check anything"
+    for row in pretokenized:
+        s = out[row["id"]]
+        assert s["input_ids"].tolist() == row["input_ids"]
+        assert s["loss_mask"].int().tolist() == row["loss_mask"]
 
 
 def test_output_has_several_batches_over_two_shards_and_clean_staging(finished_run):

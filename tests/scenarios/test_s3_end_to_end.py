@@ -11,7 +11,6 @@ Every run uses small batches (300 tokens, 4 rows: ~17 batches per shard) so that
 mid-run; the kill point is pinned by freezing the uploader (SIGSTOP) first, not raced.
 """
 
-# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 from __future__ import annotations
 
 import json
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from support.cli import (
     RUN_TIMEOUT_S,
     TINY_LIMITS,
     cli_run_args,
@@ -34,8 +33,9 @@ from conftest import (
     wait_for,
     write_mixed_dataset,
 )
-from damage import DAMAGED_ROW, flip_in_states
-from s3server import S3Endpoint, aws_test_env, cli_env, free_port, s3, s3_bucket  # noqa: F401
+from support.damage import DAMAGED_ROW, flip_in_states
+from support.procs import freeze
+from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
 from hsextract.errors import CorruptOutputError
@@ -109,15 +109,6 @@ def uploader_pid(worker_pid: int) -> int:
     pids = [pid for pid, cmdline in children if "spawn_main" in cmdline]
     assert len(pids) == 1, f"expected one uploader child of worker {worker_pid}, found {children}"
     return pids[0]
-
-
-def frozen(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until it has stopped: from then on it changes nothing on disk."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while (stat := Path(f"/proc/{pid}/stat").read_text())[stat.rindex(")") + 2] != "T":
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.005)
 
 
 def shard_log(run_dir: Path, shard: int) -> Path:
@@ -353,7 +344,7 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
         uploader = uploader_pid(ShardProgress.load(run_dir, 0).pid)
         # Frozen, the uploader marks nothing more while its worker goes on staging batches: the kill then leaves
         # complete batch files in staging that no marker covers.
-        frozen(uploader)
+        freeze(uploader)
         marked = marker_count(run_dir, 0)
         assert 0 < marked < shard0_total, "the kill did not fall mid-run"
         wait_for(unmarked_staged, "a staged batch not yet uploaded", proc=proc, root=tmp_path)

@@ -1,7 +1,6 @@
 """Several nodes, one job: separate launcher processes, each with its own run dir, staging and two CPU shards,
 writing one S3 output on a loopback moto server, as SLURM would start them (one ``srun`` task per node)."""
 
-# ruff: noqa: F811  (test parameters named after the fixtures imported from s3server)
 import json
 import signal
 import subprocess
@@ -9,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_LIMITS, cli_run_args, launched, marker_count, wait_for, write_mixed_dataset
-from s3server import aws_test_env, cli_env, s3, s3_bucket  # noqa: F401
+from support.cli import TINY_LIMITS, cli_run_args, launched, marker_count, wait_for, write_mixed_dataset
+from support.s3server import cli_env
 
 from hsextract.errors import HsextractError
 from hsextract.format.manifest import MANIFEST

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

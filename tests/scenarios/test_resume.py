@@ -19,19 +19,21 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import (
+from safetensors import safe_open
+from support.cli import (
     POLL_S,
     RUN_TIMEOUT_S,
-    TINY_LIMITS,
-    cli_run_args,
+    crash_run_args,
     launched,
     launcher_output,
     marker_count,
     run_cli,
+    status,
+    status_json,
     wait_for,
     write_mixed_dataset,
 )
-from safetensors import safe_open
+from support.procs import alive, descendants, wait_dead
 
 from hsextract.config import run_staging_dir
 from hsextract.format.records import JOB, JOB_FILES, done_key
@@ -48,20 +50,6 @@ LIVE_STATES = {"starting", "loading", "running", "waiting-for-uploader", "draini
 
 
 # -- runs ---------------------------------------------------------------------------------------------------------
-def run_args(root: Path, model, data, **overrides) -> list[str]:
-    """``hsextract run`` with small batches (many of them, so kill points fall mid-run) under ``root``."""
-    options = {
-        "layers": "0,3,7",
-        "shards": SHARDS,
-        **TINY_LIMITS,
-        "max_tokens_per_batch": 300,
-        "max_rows": 8,
-        "num_proc": 1,
-        **overrides,
-    }
-    return cli_run_args(root, model, data, **options)
-
-
 def partial_uploads(out: Path) -> list[Path]:
     return [p for p in out.rglob("*") if p.is_file() and ".tmp" in p.name]
 
@@ -90,52 +78,6 @@ def uploader_pid(run_dir: Path, shard: int) -> int:
         return 0
     starts = [line for line in log.read_text().splitlines() if "uploader started: pid" in line]
     return int(starts[-1].split("pid ")[1].split(",")[0]) if starts else 0
-
-
-# -- processes ------------------------------------------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) from /proc, None once the process is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped; a zombie (dead, not yet reaped by its parent) counts as dead."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] not in "ZXx"
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))):
-            children.setdefault(stat[1], []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def wait_dead(pids, timeout: float = 15) -> list[int]:
-    """The pids still alive after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
-def status(run_dir: Path, *extra, check=True):
-    return run_cli("status", run_dir, *extra, timeout=60, check=check)
-
-
-def status_json(run_dir: Path) -> dict:
-    return json.loads(status(run_dir, "--json").stdout)
 
 
 # -- the output ---------------------------------------------------------------------------------------------------
@@ -184,7 +126,7 @@ def dataset(tmp_path_factory, tiny_tokenizer):
 def reference(tmp_path_factory, tiny_model, dataset):
     """The uninterrupted run every crashed-and-resumed run must equal."""
     root = tmp_path_factory.mktemp("reference")
-    result = run_cli(*run_args(root, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
+    result = run_cli(*crash_run_args(root, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
     assert "done:" in result.stdout
     manifest = json.loads((root / "out" / "manifest.json").read_text())
     # The reference itself: each batch file holds the samples the manifest says, and every sample once.
@@ -210,7 +152,7 @@ def copy_finished_run(reference: Path, root: Path) -> None:
 def worker_killed(tmp_path_factory, tiny_model, dataset):
     root = tmp_path_factory.mktemp("kill-worker")
     run_dir = root / "run"
-    args = run_args(root, tiny_model, dataset[0])
+    args = crash_run_args(root, tiny_model, dataset[0])
     seen: dict = {}
     with launched(args, root) as proc:
         wait_for(
@@ -275,7 +217,7 @@ def test_resume_after_worker_kill_writes_each_batch_once_byte_identical(worker_k
 # -- (b) the uploader killed while batches remain ------------------------------------------------------------------
 def test_uploader_killed_stops_its_worker_and_the_rerun_completes(tmp_path, tiny_model, dataset, reference):
     run_dir = tmp_path / "run"
-    args = run_args(tmp_path, tiny_model, dataset[0])
+    args = crash_run_args(tmp_path, tiny_model, dataset[0])
     with launched(args, tmp_path) as proc:
         wait_for(lambda: marker_count(run_dir, 0), "a first batch of shard 0", proc=proc, root=tmp_path)
         worker, uploader = worker_pid(run_dir, 0), uploader_pid(run_dir, 0)
@@ -309,7 +251,7 @@ def test_uploader_killed_stops_its_worker_and_the_rerun_completes(tmp_path, tiny
 # -- (c) the launcher killed: its workers die with it ---------------------------------------------------------------
 def test_launcher_killed_takes_its_workers_and_the_rerun_completes(tmp_path, tiny_model, dataset, reference):
     run_dir = tmp_path / "run"
-    args = run_args(tmp_path, tiny_model, dataset[0])
+    args = crash_run_args(tmp_path, tiny_model, dataset[0])
 
     def started_uploaders():
         pids = [uploader_pid(run_dir, s) for s in range(SHARDS)]
@@ -357,7 +299,7 @@ def test_rerun_uploads_complete_staged_file_and_discards_partial_one(
     log = run_dir / "logs" / "shard-00000.log"
     log_start = log.stat().st_size
 
-    rerun = run_cli(*run_args(tmp_path, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
+    rerun = run_cli(*crash_run_args(tmp_path, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
     assert "shards already complete: [1]" in rerun.stdout and "done:" in rerun.stdout
     with open(log) as f:
         f.seek(log_start)
@@ -381,7 +323,7 @@ def test_rerun_removes_partial_upload_left_in_output(tmp_path, tiny_model, datas
     (out / batch.key).unlink()
     (out / f"{batch.key}.tmp-4242-4243").write_bytes(full[: len(full) // 2])  # as LocalSink names it
 
-    run_cli(*run_args(tmp_path, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
+    run_cli(*crash_run_args(tmp_path, tiny_model, dataset[0]), timeout=RUN_TIMEOUT_S)
     assert_same_output_as_reference(tmp_path, reference, dataset[1])
     assert "discarded 1 unfinished upload" in (run_dir / "logs" / "shard-00001.log").read_text()
 
@@ -393,12 +335,14 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     kept = {name: (run_dir / name).read_bytes() for name in ("plan.json", "config.json", "data_report.json")}
     markers_before = RunDir(run_dir).done_keys()
 
-    r = run_cli(*run_args(tmp_path, tiny_model, dataset[0], layers="0,3"), check=False, timeout=RUN_TIMEOUT_S)
+    r = run_cli(
+        *crash_run_args(tmp_path, tiny_model, dataset[0], layers="0,3"), check=False, timeout=RUN_TIMEOUT_S
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "holds a different plan" in r.stderr and "layer_ids: [0, 3, 7] -> [0, 3]" in r.stderr
     assert "--restart" in r.stderr
     # Fewer, larger batches: a restart must not leave the previous plan's extra batch files behind.
-    changed = run_args(tmp_path, tiny_model, dataset[0], max_rows=16, max_tokens_per_batch=600)
+    changed = crash_run_args(tmp_path, tiny_model, dataset[0], max_rows=16, max_tokens_per_batch=600)
     r = run_cli(*changed, check=False, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "max_rows: 8 -> 16" in r.stderr and "max_tokens_per_batch: 300 -> 600" in r.stderr
@@ -429,7 +373,7 @@ def test_only_shards_runs_the_chosen_shards_and_the_last_writes_the_manifest(
     tmp_path, tiny_model, dataset, reference
 ):
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    args = run_args(tmp_path, tiny_model, dataset[0])
+    args = crash_run_args(tmp_path, tiny_model, dataset[0])
     r = run_cli(*args, "--only-shards", "1", timeout=RUN_TIMEOUT_S)
     assert "batches still to do" in r.stdout and "no manifest written yet" in r.stdout
     plan = Plan.load(run_dir / "plan.json")
@@ -476,7 +420,7 @@ def test_a_shard_already_being_run_is_refused(tmp_path, tiny_model, dataset):
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("pid 4242 on elsewhere")
         held.flush()
-        r = run_cli(*run_args(tmp_path, tiny_model, dataset[0]), check=False, timeout=RUN_TIMEOUT_S)
+        r = run_cli(*crash_run_args(tmp_path, tiny_model, dataset[0]), check=False, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 1
     assert "shard 1" in r.stdout and "already being run by pid 4242 on elsewhere" in r.stdout
     assert (
