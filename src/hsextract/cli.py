@@ -7,15 +7,18 @@ the command line override it. User errors print one message and exit with status
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from hsextract.config import RunConfig, load_yaml
+from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError
 from hsextract.run.procs import Terminated, stop_on_signals
 from hsextract.run.rundir import default_run_dir
@@ -50,75 +53,55 @@ def _int_list(value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
 
 
-def job_options(fn):
-    options = [
-        click.option(
+def _help(doc: str, default) -> str:
+    text = " ".join(doc.replace("``", "").split())
+    return text if default is None else f"{text} [default: {default}]"
+
+
+def _config_option(f: dataclasses.Field) -> Callable:
+    """The click option of one RunConfig field: flag, type, choices and help from the field itself. Every option
+    defaults to None, so that a value from --config is overridden only by an option actually given."""
+    flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    help = _help(config_field_docs().get(f.name, ""), f.default)
+    kind = str(f.type)
+    if kind == "bool":
+        return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help)
+    if f.metadata["choices"]:
+        return click.option(flag, f.name, type=click.Choice(f.metadata["choices"]), default=None, help=help)
+    if kind.startswith("tuple[int, ...] | None"):
+        return click.option(flag, f.name, callback=lambda _ctx, _p, v: _int_list(v), default=None, help=help)
+    types = {"int": int, "int | None": int, "float": float}
+    return click.option(flag, f.name, type=types.get(kind, str), default=None, help=help)
+
+
+def config_options(*commands: str) -> Callable:
+    """The RunConfig fields whose ``cli`` metadata is one of ``commands``, as click options, plus --config."""
+
+    def decorate(fn):
+        fields = [f for f in dataclasses.fields(RunConfig) if f.metadata.get("cli") in commands]
+        for f in reversed(fields):
+            fn = _config_option(f)(fn)
+        return click.option(
             "--config",
             "config_file",
             type=click.Path(dir_okay=False),
             help="YAML file of options (configs/).",
-        ),
-        click.option("--model", help="Checkpoint directory or hub id of the target model."),
-        click.option("--data", help="JSONL / JSON / Parquet file or datasets.save_to_disk directory."),
-        click.option(
-            "--layers", help="Decoder-layer ids whose OUTPUT is captured (e.g. 1,16,31), or dflash / eagle3."
-        ),
-        click.option("--max-length", type=int, help="Longer samples are truncated or skipped (--too-long)."),
-        click.option("--too-long", type=click.Choice(["truncate", "skip"])),
-        click.option("--max-tokens-per-batch", type=int, help="Bound on rows x longest row."),
-        click.option(
-            "--max-rows", type=int, help="Bound on rows per batch (<= 512 for linear-attention kernels)."
-        ),
-        click.option("--device", type=click.Choice(["cuda", "cpu"])),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"])),
-        click.option("--attn-implementation"),
-        click.option(
-            "--kernels",
-            type=click.Choice(["fused", "stock"]),
-            help="Fused CUDA kernels for qwen3_5 (default on CUDA) or transformers' stock forward (default on CPU).",
-        ),
-        click.option(
-            "--final-state/--no-final-state",
-            default=None,
-            help="Also store the last layer's output before the final norm (EAGLE-3 trainers need it); "
-            "implied by --layers eagle3.",
-        ),
-        click.option(
-            "--storage-dtype",
-            type=click.Choice(["float8_e4m3fn"]),
-            help="Store states in fp8 with a float32 scale per token per layer (default: --dtype).",
-        ),
-        click.option(
-            "--num-proc",
-            type=int,
-            help="Processes that tokenize the dataset (default: 1 below 16 MB of data or 4 cores, else up to 16).",
-        ),
-    ]
-    for opt in reversed(options):
-        fn = opt(fn)
-    return fn
+        )(fn)
+
+    return decorate
 
 
 def _build_config(**opts) -> RunConfig:
     values = load_yaml(opts.pop("config_file")) if opts.get("config_file") else {}
     opts.pop("config_file", None)
-    for key, value in opts.items():
-        if value is not None:
-            values[key] = value
-    for key in ("gpus",):
-        if key in values:
-            values[key] = _int_list(values[key])
-    missing = [k for k in ("model", "data", "output") if not values.get(k)]
-    if missing:
-        raise HsextractError("missing " + ", ".join("--" + m for m in missing))
-    if not values.get("run_dir"):
+    values.update({key: value for key, value in opts.items() if value is not None})
+    if "gpus" in values:
+        values["gpus"] = _int_list(values["gpus"])
+    if values.get("output") and not values.get("run_dir"):
         node_rank = values.get("node_rank", 0) if values.get("nodes", 1) > 1 else None
         values["run_dir"] = str(default_run_dir(values["output"], node_rank))
         click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
-    try:
-        return RunConfig(**values)
-    except TypeError as e:
-        raise HsextractError(str(e)) from None
+    return RunConfig(**values)
 
 
 @click.group()
@@ -128,28 +111,7 @@ def main():
 
 
 @main.command()
-@job_options
-@click.option("--output", help="Local directory or s3://bucket/prefix for the batch files.")
-@click.option(
-    "--run-dir",
-    help="Local directory for plan, token cache, logs and progress (resume from it); default "
-    "./runs/<output name>-<hash of --output>.",
-)
-@click.option("--shards", type=int, help="Worker processes on this node, one per GPU.")
-@click.option("--gpus", help="GPU indices for the shards, e.g. 0,1,2,3.")
-@click.option("--staging", help="Staging directory (default /dev/shm/hsextract/<run>).")
-@click.option(
-    "--staging-max-gb", type=float, help="Staged GB per shard at which the worker waits for uploads."
-)
-@click.option("--s3-endpoint-url", help="S3-compatible endpoint (AWS_ENDPOINT_URL_S3 works too).")
-@click.option("--nodes", type=int, help="Nodes running this job (default: from SLURM / NNODES, else 1).")
-@click.option("--node-rank", type=int, help="This node's rank, 0..nodes-1 (default: from SLURM / NODE_RANK).")
-@click.option(
-    "--stall-timeout",
-    "stall_timeout_s",
-    type=float,
-    help="Seconds without a heartbeat or a finished batch before a shard is reported stalled (default 180).",
-)
+@config_options("job", "run")
 @click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
 @click.option(
     "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."
@@ -186,7 +148,7 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
 
 
 @main.command("dry-run")
-@job_options
+@config_options("job")
 @click.option("--num-samples", default=8, show_default=True, help="Samples run through both paths.")
 @click.option("--shards", type=int, help="Shards the ETA assumes (default 1).")
 @click.option("--run-dir", help="Reuse this run dir's token cache (default: a temporary one).")
@@ -224,7 +186,7 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     from hsextract.run.rundir import RunDir
     from hsextract.status.document import status_document
 
-    if not RunDir(run_dir).is_run_dir() and _is_output(run_dir, s3_endpoint_url):
+    if not RunDir(run_dir).is_run_dir() and _is_output(run_dir):
         if serve:
             raise HsextractError(
                 f"--serve reads a run dir and {run_dir} is an output: give this node's run dir (runs/...)"
@@ -273,7 +235,7 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     )
 
 
-def _is_output(target: str, endpoint: str | None) -> bool:
+def _is_output(target: str) -> bool:
     return "://" in target or (Path(target) / "hsextract").is_dir()
 
 
@@ -385,7 +347,7 @@ def export(output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpo
 def demo(root, shards, conversations):
     """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
     stop_on_signals()
-    from hsextract.demo import build_demo
+    from hsextract.demo import build_demo, demo_config
     from hsextract.prepare.steps import prepare_run
     from hsextract.reader import open_output
     from hsextract.run.launcher import launch
@@ -393,20 +355,7 @@ def demo(root, shards, conversations):
     root = Path(root).resolve()
     click.echo(f"building the tiny model and {conversations} conversations under {root}")
     model_dir, data = build_demo(root, conversations)
-    cfg = RunConfig(
-        model=str(model_dir),
-        data=str(data),
-        output=str(root / "output"),
-        run_dir=str(root / "run"),
-        layers="dflash",
-        device="cpu",
-        dtype="float32",
-        shards=shards,
-        max_length=1024,
-        max_tokens_per_batch=4096,
-        max_rows=64,
-        staging=str(root / "staging"),
-    )
+    cfg = demo_config(root, model_dir, data, shards)
     plan = prepare_run(cfg, echo=click.echo)
     code = launch(cfg, plan, echo=click.echo)
     if code:

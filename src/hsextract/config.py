@@ -1,16 +1,21 @@
-"""The run configuration: one dataclass that the CLI fills and that YAML files in ``configs/`` load into.
+"""The run configuration: one dataclass that the CLI is built from and that YAML files in ``configs/`` load into.
 
-Every default lives here and nowhere else. The launcher writes the resolved config to ``<run_dir>/config.json``;
+Every default, every option's vocabulary and every option's help text lives here and nowhere else: the docstring
+under a field is its ``--help`` text, and ``metadata`` says which commands take it (``job``: run and dry-run;
+``run``: run only; none: YAML and code only), as torchtitan builds its CLI from its config dataclasses. The launcher writes the resolved config to ``<run_dir>/config.json``;
 workers read it back from there, so a worker process never re-parses command-line options.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
+import inspect
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -25,110 +30,112 @@ ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
 DTYPES = tuple(DTYPE_BYTES)
-
-
 STORAGE_DTYPES = ("float8_e4m3fn",)
-
-
 TOO_LONG_POLICIES = ("truncate", "skip")
-
-
+DEVICES = ("cuda", "cpu")
+KERNEL_MODES = ("fused", "stock")
 DEFAULT_STALL_TIMEOUT_S = 180.0
+
+
+def _opt(default, cli: str | None = "job", *, flag: str | None = None, choices: tuple | None = None):
+    """A field with a default; ``cli`` names the commands that take it, ``flag`` overrides ``--field-name``."""
+    return field(default=default, metadata={"cli": cli, "flag": flag, "choices": choices})
 
 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
-    model: str
+    model: str = _opt(None)
     """Local checkpoint directory or hub id of the target model (any transformers causal LM)."""
 
-    data: str
+    data: str = _opt(None)
     """JSONL, JSON, Parquet file or a `datasets.save_to_disk` directory."""
 
-    output: str
+    output: str = _opt(None, "run")
     """Local directory or ``s3://bucket/prefix`` that receives the batch files."""
 
-    run_dir: str
+    run_dir: str = _opt(None, "run")
     """Local directory for the plan, token cache, logs and progress markers. Reruns resume from it."""
 
-    layers: tuple[int, ...] | str = "dflash"
+    layers: tuple[int, ...] | str = _opt("dflash")
     """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or a
     preset: ``dflash`` (5 evenly spaced layers, 1..N-3) or ``eagle3`` (1, N//2-1, N-4)."""
 
-    max_length: int = 4096
+    max_length: int = _opt(4096)
     """Samples longer than this many tokens are truncated or skipped (``too_long``)."""
 
-    too_long: str = "truncate"
+    too_long: str = _opt("truncate", choices=TOO_LONG_POLICIES)
     """``truncate`` keeps the first ``max_length`` tokens, ``skip`` drops the sample. Both are counted."""
 
-    max_tokens_per_batch: int = 65536
+    max_tokens_per_batch: int = _opt(65536)
     """Bound on rows x longest row of a batch (padded tokens)."""
 
-    max_rows: int = 512
+    max_rows: int = _opt(512)
     """Bound on rows per batch: flash-linear-attention's launch grid breaks at a few thousand rows."""
 
-    shards: int = 1
+    shards: int = _opt(1, "run")
     """Worker processes on this node, one per GPU. The plan has ``nodes x shards`` shards."""
 
-    nodes: int = 1
+    nodes: int = _opt(1, "run")
     """Nodes running this job (``--nodes``, or the scheduler's environment: cluster.py)."""
 
-    node_rank: int = 0
+    node_rank: int = _opt(0, "run")
     """This node: it runs shards ``node_rank * shards`` .. ``node_rank * shards + shards - 1``."""
 
-    gpus: tuple[int, ...] | None = None
+    gpus: tuple[int, ...] | None = _opt(None, "run")
     """GPU indices for the shards (default 0..shards-1)."""
 
-    device: str = "cuda"
+    device: str = _opt("cuda", choices=DEVICES)
     """``cuda`` or ``cpu`` (tests and the embedded demo)."""
 
-    dtype: str = "bfloat16"
-    attn_implementation: str = "sdpa"
+    dtype: str = _opt("bfloat16", choices=DTYPES)
+    """The dtype the model runs and states are stored in (unless ``storage_dtype`` says otherwise)."""
 
-    kernels: str | None = None
-    """``fused`` (the default on CUDA: kernels.py swaps in fused norms, conv, gates and grouped-head linear
+    attn_implementation: str = _opt("sdpa")
+    """transformers' attention implementation for the full-attention layers (``sdpa``, ``eager``...)."""
+
+    kernels: str | None = _opt(None, choices=KERNEL_MODES)
+    """``fused`` (the default on CUDA: model/qwen3_5.py swaps in fused norms, conv, gates and grouped-head linear
     attention; closer to a float32 forward than stock, measured) or ``stock`` (transformers' own forward; the
     default on CPU)."""
 
-    final_state: bool = False
+    final_state: bool = _opt(False)
     """Also store the final hidden state: the last decoder layer's output before the final norm for every token
     (the forward then runs to the last layer), and the norm's weight and epsilon once per output. EAGLE-3
     trainers, and DFlash in speculators and ModelOpt, need it; ``layers: eagle3`` implies it."""
 
-    storage_dtype: str | None = None
+    storage_dtype: str | None = _opt(None, choices=STORAGE_DTYPES)
     """How states are stored: the run ``dtype`` (default), or ``float8_e4m3fn`` with a float32 scale per token
     per layer (absmax / 448), quantized on the device: about half the bytes of bfloat16."""
 
-    staging: str | None = None
+    staging: str | None = _opt(None, "run")
     """Root of the staging directories (default ``/dev/shm/hsextract``). Each run stages in its own directory
     under it, named after the run dir and a hash of its absolute path, so two runs never share staged files."""
 
-    staging_max_gb: float = 16.0
+    staging_max_gb: float = _opt(16.0, "run")
     """Staged bytes per shard at which its worker waits for the uploader to drain."""
 
-    s3_endpoint_url: str | None = None
+    s3_endpoint_url: str | None = _opt(None, "run")
     """For S3-compatible stores; ``AWS_ENDPOINT_URL_S3`` is honoured too."""
 
-    num_proc: int | None = None
+    num_proc: int | None = _opt(None)
     """Processes that tokenize the dataset; None chooses from the cores and the data's size: 1 below 16 MB or 4
     cores (starting a pool costs more than it saves there), else up to 16 (``data.auto_num_proc``)."""
 
-    pinned_buffers: int = 3
+    pinned_buffers: int = _opt(3, "run")
     """Host buffers per worker that device-to-host copies land in; bounds host memory and how far the GPU runs
     ahead of the writer."""
 
-    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    stall_timeout_s: float = _opt(DEFAULT_STALL_TIMEOUT_S, "run", flag="--stall-timeout")
     """Seconds without a heartbeat (worker or uploader) or without a finished batch after which a shard counts as
     stalled: its worker logs it, the launcher prints it naming the process, ``status`` shows it. Nothing is
     stopped; a stall that ends is reported as recovered."""
 
-    prewarm: bool = True
+    prewarm: bool = _opt(True, "run")
     """On GPUs with flash-linear-attention: compile its kernels once into a shared Triton cache before the shards
     start, instead of every shard compiling them at once."""
 
-    random_weights: bool = False
+    random_weights: bool = _opt(False, None)
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
     def __post_init__(self):
@@ -158,10 +165,13 @@ class RunConfig:
             raise HsextractError(f"node rank {self.node_rank} is not in 0..{self.nodes - 1}")
         if self.gpus is not None and len(self.gpus) < self.shards:
             raise HsextractError(f"--gpus lists {len(self.gpus)} GPUs for {self.shards} shards")
-        if self.kernels not in (None, "fused", "stock"):
-            raise HsextractError(f"--kernels must be fused or stock, got {self.kernels!r}")
-        if self.device not in ("cuda", "cpu"):
-            raise HsextractError(f"--device must be cuda or cpu, got {self.device!r}")
+        for name in ("model", "data", "output", "run_dir"):
+            if not getattr(self, name):
+                raise HsextractError(f"missing --{name.replace('_', '-')}")
+        if self.kernels not in (None, *KERNEL_MODES):
+            raise HsextractError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.device not in DEVICES:
+            raise HsextractError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):
             raise HsextractError(f"--staging-max-gb must be a positive number, got {self.staging_max_gb}")
         if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
@@ -228,6 +238,22 @@ class RunConfig:
         """Environment a worker needs beyond config.json: the endpoint with its credentials, if it has any."""
         url = self.s3_endpoint_url
         return {ENDPOINT_ENV: url} if url and redact(url) != url else {}
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each RunConfig field's docstring (the string literal under it), read from this module's source."""
+    body = ast.parse(inspect.getsource(RunConfig)).body[0].body
+    docs = {}
+    for node, doc in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(doc.value.value)
+    return docs
 
 
 def run_staging_dir(staging_root: str | None, run_dir: str | os.PathLike) -> Path:

@@ -13,6 +13,8 @@ import json
 import random
 from pathlib import Path
 
+from hsextract.config import RunConfig
+
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
@@ -203,3 +205,21 @@ def build_demo(root: str | Path, n_conversations: int = 300) -> tuple[Path, Path
     if not data_path.exists():
         write_jsonl(make_conversations(n_conversations, seed=2), data_path)
     return model_dir, data_path
+
+
+def demo_config(root: Path, model_dir: Path, data: Path, shards: int) -> RunConfig:
+    """The demo's job: the tiny model on CPU in float32, DFlash layers, small batches, everything under ``root``."""
+    return RunConfig(
+        model=str(model_dir),
+        data=str(data),
+        output=str(root / "output"),
+        run_dir=str(root / "run"),
+        layers="dflash",
+        device="cpu",
+        dtype="float32",
+        shards=shards,
+        max_length=1024,
+        max_tokens_per_batch=4096,
+        max_rows=64,
+        staging=str(root / "staging"),
+    )

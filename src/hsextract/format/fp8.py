@@ -29,9 +29,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 
-STORAGE_DTYPES = ("float8_e4m3fn",)
-
-
 def quantize_fp8_(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
     """``x`` [..., H] (any float dtype) into ``out`` [..., H] float8_e4m3fn and ``scale_out`` [...] float32."""
     xf = x.float()

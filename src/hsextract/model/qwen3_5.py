@@ -54,13 +54,14 @@ import contextlib
 import logging
 import types
 
+from hsextract.config import KERNEL_MODES
 from hsextract.errors import HsextractError
 from hsextract.model.triton_kernels import _triton_kernels, qk_norm_rope, sigmoid_gate
 
 log = logging.getLogger(__name__)
 
 
-MODES = ("fused", "stock")
+MODES = KERNEL_MODES
 
 
 _TAG = "_hsx_kernels"  # attribute on a patched module: the names of what was swapped on it
