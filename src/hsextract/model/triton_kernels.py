@@ -15,6 +15,13 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
+    def head_vectors(n_vec, T, H, BLOCK_V: tl.constexpr):
+        # This program's BLOCK_V head vectors v = (b * T + t) * H + h of a [B, T, H, D] tensor: v, its mask, b, t, h.
+        v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row = v // H
+        return v, v < n_vec, row // T, row % T, v % H
+
+    @triton.jit
     def qk_norm_rope_kernel(
         X,
         W,
@@ -36,12 +43,7 @@ def _triton_kernels():
     ):
         # One program: BLOCK_V head vectors v = (b * T + t) * H + h of length D. y = rope(x / rms(x) * (1 + w)),
         # RoPE on the first R dims (rotate-half convention), all in float32, written contiguous [B, T, H, D].
-        v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-        m_v = v < n_vec
-        row = v // H
-        h = v % H
-        b = row // T
-        t = row % T
+        v, m_v, b, t, h = head_vectors(n_vec, T, H, BLOCK_V)
         d = tl.arange(0, D)
         x_off = b * sxb + t * sxt + h * sxh
         x = tl.load(X + x_off[:, None] + d[None, :], mask=m_v[:, None], other=0.0).to(tl.float32)
@@ -80,12 +82,7 @@ def _triton_kernels():
         BLOCK_V: tl.constexpr,
     ):
         # y[b, t, h, :] = a[b, t, h, :] * sigmoid(g[b, t, h, :]) in float32, written contiguous [B, T, H * D].
-        v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-        m_v = v < n_vec
-        row = v // H
-        h = v % H
-        b = row // T
-        t = row % T
+        v, m_v, b, t, h = head_vectors(n_vec, T, H, BLOCK_V)
         d = tl.arange(0, D)
         a = tl.load(A + (b * sab + t * sat + h * sah)[:, None] + d[None, :], mask=m_v[:, None], other=0.0)
         g = tl.load(G + (b * sgb + t * sgt + h * sgh)[:, None] + d[None, :], mask=m_v[:, None], other=0.0)
@@ -101,6 +98,12 @@ def _triton_kernels():
 def _vec_block(d: int) -> int:
     """Head vectors per program: ~2048 elements per program keeps loads wide and the grid large."""
     return max(1, min(16, 2048 // d))
+
+
+def _launch(k, kernel, n_vec: int, D: int, *args, **meta) -> None:
+    """Run ``kernel`` over ``n_vec`` head vectors of length ``D``, ``_vec_block(D)`` of them per program."""
+    bv = _vec_block(D)
+    kernel[(k.triton.cdiv(n_vec, bv),)](*args, D=D, BLOCK_V=bv, num_warps=4, **meta)
 
 
 def qk_norm_rope(x, weight, cos, sin, eps: float):
@@ -119,26 +122,9 @@ def qk_norm_rope(x, weight, cos, sin, eps: float):
     R = cos.shape[-1]
     y = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     n_vec = B * T * H
-    bv = _vec_block(D)
-    k.qk_norm_rope[(k.triton.cdiv(n_vec, bv),)](
-        x,
-        weight,
-        cos,
-        sin,
-        y,
-        n_vec,
-        T,
-        H,
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        cos.stride(0),
-        cos.stride(1),
-        eps,
-        D=D,
-        R=R,
-        BLOCK_V=bv,
-        num_warps=4,
+    x_strides, c_strides = x.stride()[:3], cos.stride()[:2]
+    _launch(
+        k, k.qk_norm_rope, n_vec, D, x, weight, cos, sin, y, n_vec, T, H, *x_strides, *c_strides, eps, R=R
     )
     return y
 
@@ -156,22 +142,5 @@ def sigmoid_gate(attn, gate):
         gate = gate.contiguous()
     y = torch.empty((B, T, H * D), dtype=attn.dtype, device=attn.device)
     n_vec = B * T * H
-    bv = _vec_block(D)
-    k.sigmoid_gate[(k.triton.cdiv(n_vec, bv),)](
-        attn,
-        gate,
-        y,
-        n_vec,
-        T,
-        H,
-        attn.stride(0),
-        attn.stride(1),
-        attn.stride(2),
-        gate.stride(0),
-        gate.stride(1),
-        gate.stride(2),
-        D=D,
-        BLOCK_V=bv,
-        num_warps=4,
-    )
+    _launch(k, k.sigmoid_gate, n_vec, D, attn, gate, y, n_vec, T, H, *attn.stride()[:3], *gate.stride()[:3])
     return y
