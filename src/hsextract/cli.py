@@ -182,9 +182,9 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.
     Given an output (s3://bucket/prefix or a directory): every node's and shard's progress, from the output alone."""
-    from hsextract.run.progress import format_duration
     from hsextract.run.rundir import RunDir
     from hsextract.status.document import status_document
+    from hsextract.status.table import run_table
 
     if not RunDir(run_dir).is_run_dir() and _is_output(run_dir):
         if serve:
@@ -198,41 +198,7 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
         serve_status(Path(run_dir), host=host, port=port, echo=click.echo)
         return
     doc = status_document(Path(run_dir))
-    rows, complete = doc["shards"], doc["complete"]
-    if as_json:
-        click.echo(json.dumps(doc, indent=2))
-        return
-    click.echo(
-        f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}  {'last progress':>13}"
-    )
-    for r in rows:
-        eta = "" if r["eta_s"] is None else format_duration(r["eta_s"])
-        age = (
-            ""
-            if r["progress_age_s"] is None or r["state"] == "done"
-            else format_duration(r["progress_age_s"])
-        )
-        click.echo(
-            f"{r['shard']:>5}  {r['state']:<22}{r['batches_done']:>6}/{r['batches_total']:<6}  "
-            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {r['tokens_per_s']:>9,.0f}  {eta:>8}  "
-            f"{age + (' ago' if age else ''):>13}"
-        )
-        if r["state"] == "stalled":
-            click.echo(
-                f"       {r['stalled_process']} pid {r['stalled_pid']} stalled for "
-                f"{format_duration(r['stalled_for_s'])}: {r['stall_reason']}; log: {r['log']}"
-            )
-        elif r["state"] == "stopped":
-            click.echo(f"       {r['error'] or 'stopped'}; rerun the same command to resume; log: {r['log']}")
-        elif r["state"] in ("crashed", "failed"):
-            click.echo(f"       {r['error'] or 'no error recorded'}; log: {r['log']}")
-        if r["damaged"]:
-            click.echo(f"       progress file damaged: {r['damaged']} (the worker rewrites it while it runs)")
-    total = sum(r["tokens_done"] for r in rows), sum(r["tokens_total"] for r in rows)
-    click.echo(
-        f"total {total[0]}/{total[1]} tokens; "
-        + ("complete (manifest written)" if complete else "not complete")
-    )
+    click.echo(json.dumps(doc, indent=2) if as_json else run_table(doc))
 
 
 def _is_output(target: str) -> bool:
@@ -240,25 +206,12 @@ def _is_output(target: str) -> bool:
 
 
 def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
-    from hsextract.run.finalize import output_status
+    from hsextract.status.rows import output_status
+    from hsextract.status.table import output_table
     from hsextract.storage import open_sink
 
     doc = output_status(open_sink(target, endpoint, retry_deadline_s=120))
-    if as_json:
-        click.echo(json.dumps(doc, indent=2))
-        return
-    click.echo(f"{'node':>4} {'shard':>5}  {'state':<28}{'batches':>13}  {'tokens':>21}")
-    for r in doc["shards"]:
-        click.echo(
-            f"{r['node']:>4} {r['shard']:>5}  {r['state']:<28}{r['batches_done']:>6}/{r['batches_total']:<6}  "
-            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}"
-        )
-    done = sum(r["tokens_done"] for r in doc["shards"])
-    total = sum(r["tokens_total"] for r in doc["shards"])
-    click.echo(
-        f"total {done}/{total} tokens over {doc['nodes']} node(s); "
-        + ("complete (manifest written)" if doc["complete"] else "not complete")
-    )
+    click.echo(json.dumps(doc, indent=2) if as_json else output_table(doc))
 
 
 @main.command()

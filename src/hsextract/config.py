@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from hsextract.errors import HsextractError, redact
+from hsextract.run.cluster import node_shards
 from hsextract.storage.fileio import load_json, write_json
 
 DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
@@ -165,9 +166,9 @@ class RunConfig:
             raise HsextractError(f"node rank {self.node_rank} is not in 0..{self.nodes - 1}")
         if self.gpus is not None and len(self.gpus) < self.shards:
             raise HsextractError(f"--gpus lists {len(self.gpus)} GPUs for {self.shards} shards")
-        for name in ("model", "data", "output", "run_dir"):
-            if not getattr(self, name):
-                raise HsextractError(f"missing --{name.replace('_', '-')}")
+        missing = [name for name in ("model", "data", "output", "run_dir") if not getattr(self, name)]
+        if missing:
+            raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
         if self.kernels not in (None, *KERNEL_MODES):
             raise HsextractError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.device not in DEVICES:
@@ -200,7 +201,7 @@ class RunConfig:
     @property
     def local_shards(self) -> list[int]:
         """The plan's shards this node runs."""
-        return list(range(self.node_rank * self.shards, (self.node_rank + 1) * self.shards))
+        return node_shards(self.total_shards, self.nodes, self.node_rank)
 
     @property
     def staging_dir(self) -> Path:

@@ -61,3 +61,10 @@ def node_place(nodes: int | None = None, rank: int | None = None, environ=None) 
             f"node rank {place.rank} of {place.nodes} nodes (from {place.source}): the rank must be in 0..nodes-1"
         )
     return place
+
+
+def node_shards(total_shards: int, nodes: int, rank: int) -> list[int]:
+    """The plan's shards node ``rank`` of ``nodes`` runs: a contiguous block of ``total_shards // nodes``
+    (every node runs the same ``--shards``). The one place that maps nodes to shards."""
+    per_node = total_shards // max(nodes, 1)
+    return list(range(rank * per_node, (rank + 1) * per_node))

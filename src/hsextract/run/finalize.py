@@ -16,12 +16,11 @@ last, and a lost run dir loses nothing:
 from __future__ import annotations
 
 import json
-import time
 
 from hsextract.errors import HsextractError
 from hsextract.format.final_norm import read_final_norm_meta
 from hsextract.format.manifest import build_manifest, has_manifest, write_manifest
-from hsextract.format.records import JOB_FILES, check_batches, done_in_output, done_key, read_job
+from hsextract.format.records import JOB_FILES, check_batches, done_in_output, done_key
 from hsextract.prepare.plan import Plan
 from hsextract.run.rundir import RunInfo
 
@@ -41,10 +40,6 @@ def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
     plan = Plan.from_json(get("plan"), where=f"{sink.url}/{JOB_FILES['plan']}")
     info = RunInfo.from_json(get("info"), where=f"{sink.url}/{JOB_FILES['info']}")
     return plan, info, get("samples"), get("data_report")
-
-
-def is_complete(sink) -> bool:
-    return has_manifest(sink)
 
 
 def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
@@ -81,36 +76,3 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
         f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(keys)} batch files at {sink.url}"
     )
     return 0, set()
-
-
-def output_status(sink) -> dict:
-    """Per-shard and per-node progress of a job from its output alone (``hsextract status OUTPUT``)."""
-    job = read_job(sink)
-    if job is None:
-        raise HsextractError(f"{sink.url} holds no hsextract job (no {JOB_FILES['plan']} or claim)")
-    plan, _info, _ids, _report = load_job_files(sink)
-    done = done_in_output(sink)
-    nodes = max(1, int(job.get("nodes", 1)))
-    per_node = max(1, plan.shards // nodes)
-    rows = []
-    for s in range(plan.shards):
-        batches = plan.for_shard(s)
-        rows.append(
-            {
-                "shard": s,
-                "node": s // per_node,
-                "state": "done" if all(b.key in done for b in batches) else "in progress or not started",
-                "batches_done": sum(b.key in done for b in batches),
-                "batches_total": len(batches),
-                "tokens_done": sum(b.num_tokens for b in batches if b.key in done),
-                "tokens_total": sum(b.num_tokens for b in batches),
-            }
-        )
-    return {
-        "output": sink.url,
-        "plan_hash": plan.plan_hash,
-        "nodes": nodes,
-        "complete": has_manifest(sink),
-        "checked_at": time.time(),
-        "shards": rows,
-    }

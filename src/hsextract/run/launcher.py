@@ -30,19 +30,15 @@ from pathlib import Path
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
+from hsextract.format.manifest import has_manifest
 from hsextract.prepare.plan import Plan
-from hsextract.run.finalize import finalize_output, is_complete
+from hsextract.run.finalize import finalize_output
 from hsextract.run.procs import Terminated, die_with_parent
-from hsextract.run.progress import ShardProgress, Stall, find_stall, stall_note
+from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
+from hsextract.run.stalls import StallWatch
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
-
-STARTUP_GRACE_S = 120.0
-
-"""A worker writes its first progress file after importing torch and reading the tokens; until then it counts as
-stalled only after this long (or the stall timeout, if longer)."""
-
 
 STOP_GRACE_S = 30.0
 
@@ -151,7 +147,7 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
         prewarm(cfg, echo=echo)
     procs = {s: start_worker(cfg, s) for s in todo}
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
-    stalls = _StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
+    stalls = StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
     failed: dict[int, int] = {}
     try:
         while procs:
@@ -257,7 +253,7 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
         echo(
             f"{len(damaged - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"
         )
-    if code == 0 and damaged == set() and is_complete(open_sink(cfg.output, cfg.s3_endpoint_url)):
+    if code == 0 and damaged == set() and has_manifest(open_sink(cfg.output, cfg.s3_endpoint_url)):
         atomic_write(run_dir.complete_file, plan.plan_hash)
         remove_empty_staging(cfg, plan.shards)
     return code, mine
@@ -275,42 +271,6 @@ def remove_empty_staging(cfg: RunConfig, shards: int) -> None:
             d.rmdir()
         except OSError:  # absent, or not empty
             pass
-
-
-class _StallWatch:
-    """Prints a line when a shard's worker or uploader stalls and one when it recovers, once per stall."""
-
-    def __init__(self, run_dir: RunDir, timeout: float, echo):
-        self.run_dir, self.timeout, self.echo = run_dir, timeout, echo
-        self.started: dict[int, float] = {}
-        """When each shard was first checked, about when its worker started."""
-        self.current: dict[int, Stall] = {}
-        """The stall printed last for each shard, until it recovers."""
-
-    def check(self, shard: int, proc: subprocess.Popen, p: ShardProgress | None) -> None:
-        """Compare the shard's stall (none, or which process) with the last one printed; print a change."""
-        now = time.time()
-        started = self.started.setdefault(shard, now)
-        if p is None or p.pid != proc.pid:
-            # This worker has not written its progress yet: it imports torch and reads the tokens first.
-            late = now - started > max(self.timeout, STARTUP_GRACE_S)
-            stall = Stall("worker", proc.pid, started, "no progress file yet") if late else None
-        else:
-            stall = find_stall(p, now)
-        old = self.current.get(shard)
-        if (stall and (stall.process, stall.pid)) == (old and (old.process, old.pid)):
-            return
-        if old is not None:
-            self.echo(f"shard {shard}: {old.process} pid {old.pid} recovered after {now - old.since:.0f} s")
-        if stall is not None:
-            log = self.run_dir.log_file(shard, "uploader" if stall.process == "uploader" else "")
-            self.echo(
-                f"shard {shard}: {stall.process} pid {stall.pid} stalled: {stall.reason} for "
-                f"{now - stall.since:.0f} s{stall_note(stall.pid)}; log: {log}"
-            )
-            self.current[shard] = stall
-        else:
-            self.current.pop(shard, None)
 
 
 class _Bars:

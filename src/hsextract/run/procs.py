@@ -85,3 +85,31 @@ def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT), on_stop=None) -> No
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of a process on this host (R, S, D, T, Z...) from /proc; None if unknown or gone."""
+    if pid <= 0 or not sys.platform.startswith("linux"):
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]  # the state field follows the parenthesized name
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host. A zombie does not: a worker killed with its launcher stays one
+    until init reaps it, which some container inits do late or never."""
+    if pid <= 0:
+        return False
+    if sys.platform.startswith("linux"):
+        state = proc_state(pid)
+        return state is not None and state not in "ZXx"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -24,26 +24,46 @@ imports neither torch nor transformers and answers in a fraction of a second.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
-import os
-import socket
-import sys
 import time
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hsextract.config import DEFAULT_STALL_TIMEOUT_S
-from hsextract.errors import HsextractError
-from hsextract.prepare.plan import Plan
 from hsextract.run.rundir import RunDir
 from hsextract.storage.fileio import atomic_write
 
-LIVE_STATES = ("starting", "loading", "running", "waiting-for-uploader", "draining")
+
+class ShardState(str, enum.Enum):
+    """A shard's state: what its worker writes in its progress file (the first eight), and what ``status``
+    concludes from the markers and the processes (``crashed``, ``stalled``, ``damaged``, ``not started``)."""
+
+    STARTING = "starting"
+    LOADING = "loading"
+    RUNNING = "running"
+    WAITING_FOR_UPLOADER = "waiting-for-uploader"
+    DRAINING = "draining"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    CRASHED = "crashed"
+    STALLED = "stalled"
+    DAMAGED = "damaged"
+    NOT_STARTED = "not started"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
-FINAL_STATES = ("done", "failed", "stopped")
+LIVE_STATES = tuple(
+    ShardState(s) for s in ("starting", "loading", "running", "waiting-for-uploader", "draining")
+)
+"""A worker process is at work."""
+FINAL_STATES = (ShardState.DONE, ShardState.FAILED, ShardState.STOPPED)
+"""The worker has ended and said how."""
 
 
 class DamagedProgress(ValueError):
@@ -189,147 +209,6 @@ def _has_type(value, annotation) -> bool:
     if isinstance(annotation, type):
         return isinstance(value, annotation)
     return True  # an annotation this check does not model: accepted as written
-
-
-def _proc_state(pid: int) -> str | None:
-    """The state letter of a process on this host (R, S, D, T, Z...) from /proc; None if unknown or gone."""
-    if pid <= 0 or not sys.platform.startswith("linux"):
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]  # the state field follows the parenthesized name
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host. A zombie does not: a worker killed with its launcher stays one
-    until init reaps it, which some container inits do late or never."""
-    if pid <= 0:
-        return False
-    if sys.platform.startswith("linux"):
-        state = _proc_state(pid)
-        return state is not None and state not in "ZXx"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stall_note(pid: int) -> str:
-    """`` (the process is stopped, SIGSTOP?)`` for a process of this host stopped by a signal, else empty."""
-    return " (the process is stopped: SIGSTOP?)" if _proc_state(pid) in ("T", "t") else ""
-
-
-@dataclass(frozen=True)
-class Stall:
-    """A stalled process of a shard: which, its pid, since when, and what was seen."""
-
-    process: str
-    """``worker`` or ``uploader``."""
-    pid: int
-    since: float
-    reason: str
-
-
-def find_stall(p: ShardProgress, now: float | None = None, worker_alive: bool = True) -> Stall | None:
-    """The stall a live shard's progress file shows: the worker itself when its file has not been refreshed for
-    the stall timeout while it is alive (its main thread refreshes it every second), else what the worker
-    reported (its uploader silent, or no batch finished for the timeout)."""
-    now = time.time() if now is None else now
-    if p.state not in LIVE_STATES or not worker_alive:
-        return None
-    silent = now - p.updated_at
-    if silent > p.stall_timeout_s:
-        return Stall("worker", p.pid, p.updated_at, "progress file not refreshed")
-    if p.stalled_process:
-        since = p.stalled_since if p.stalled_since is not None else p.updated_at
-        return Stall(p.stalled_process, p.stalled_pid, since, p.stall_reason)
-    return None
-
-
-def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list[dict], bool]:
-    """Per-shard rows for ``hsextract status``: done counts from the markers, rates and state from progress.
-
-    A shard whose progress says it is live but whose worker process is gone is ``crashed``; one whose worker or
-    uploader has stalled (``find_stall``) is ``stalled``. Process liveness is only known for workers on this host;
-    a shard on another host (``--only-shards`` there, a shared run dir) keeps its state. A damaged progress file
-    is reported in ``damaged`` (and as the state, unless the markers show the shard done).
-    ``plan`` spares reading plan.json again (the status server keeps it between requests).
-    """
-    run_dir = RunDir(run_dir)
-    if not run_dir.is_run_dir():
-        raise HsextractError(
-            f"{run_dir.root} is not an hsextract run directory (no {run_dir.plan_file.name})"
-        )
-    plan = plan or Plan.load(run_dir.plan_file)
-    done = run_dir.done_keys()
-    complete = run_dir.complete_file.exists()
-    host = socket.gethostname()
-    now = time.time()
-    rows = []
-    for s in _local_shards(run_dir, plan):
-        batches = plan.for_shard(s)
-        n_done = sum(b.key in done for b in batches)
-        tokens_done = sum(b.num_tokens for b in batches if b.key in done)
-        tokens_total = sum(b.num_tokens for b in batches)
-        try:
-            p, damaged = ShardProgress.read(run_dir, s), ""
-        except DamagedProgress as e:
-            p, damaged = None, str(e)
-        state = p.state if p else ("damaged" if damaged else "not started")
-        stall = None
-        if n_done == len(batches):
-            state = "done"
-        elif p and state not in FINAL_STATES:
-            local = p.host == host
-            if local and not pid_alive(p.pid):
-                state = "crashed"
-            elif stall := find_stall(p, now, worker_alive=True):
-                state = "stalled"
-                if local:
-                    stall = dataclasses.replace(stall, reason=stall.reason + stall_note(stall.pid))
-        live = p is not None and state not in ("done", "crashed", "failed", "stopped")
-        rows.append(
-            {
-                "shard": s,
-                "state": state,
-                "batches_done": n_done,
-                "batches_total": len(batches),
-                "tokens_done": tokens_done,
-                "tokens_total": tokens_total,
-                "tokens_per_s": p.tokens_per_s if live else 0.0,
-                "eta_s": p.eta_s if p and state == "running" else None,
-                "updated_at": p.updated_at if p else None,
-                "last_progress_at": p.last_progress_at if p else None,
-                "progress_age_s": round(now - p.last_progress_at, 1) if p else None,
-                "pid": p.pid if p else 0,
-                "uploader_pid": p.uploader_pid if p else 0,
-                "stalled_process": stall.process if stall else "",
-                "stalled_pid": stall.pid if stall else 0,
-                "stalled_for_s": round(now - stall.since, 1) if stall else None,
-                "stall_reason": stall.reason if stall else "",
-                "host": p.host if p else "",
-                "error": p.error if p else "",
-                "damaged": damaged,
-                "log": str(run_dir.log_file(s)),
-            }
-        )
-    return rows, complete
-
-
-def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
-    """The shards this run dir's node runs (all of them on a single node)."""
-    try:
-        cfg = json.loads(run_dir.config_file.read_text())
-        nodes, rank = int(cfg.get("nodes", 1)), int(cfg.get("node_rank", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return list(range(plan.shards))
-    per_node = plan.shards // max(nodes, 1)
-    return list(range(rank * per_node, (rank + 1) * per_node)) or list(range(plan.shards))
 
 
 def format_duration(seconds: float) -> str:

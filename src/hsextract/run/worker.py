@@ -49,8 +49,9 @@ from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.pipeline import Extractor
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
-from hsextract.run.progress import ShardProgress, stall_note
+from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir, RunInfo
+from hsextract.run.stalls import Stall, same_stall, stall_note, worker_stall
 from hsextract.run.uploader import Uploader
 from hsextract.run.writer import read_metadata, write_batch_file
 from hsextract.storage import open_sink
@@ -110,8 +111,7 @@ class ShardRun:
         self._saved_at = 0.0
         self._idle_from = time.time()
         """Start of the current stretch in which a batch is expected (running, draining)."""
-        self._stall: tuple[str, int, str] | None = None
-        self._stall_since = 0.0
+        self._stall: Stall | None = None
 
     # -- progress -------------------------------------------------------------------------------------------
     def _mark_done(self, keys) -> None:
@@ -178,50 +178,50 @@ class ShardRun:
             thread.join()
 
     def _check_stall(self, now: float) -> None:
-        """Name the stalled process, if any: the uploader when it sends no heartbeat, or when batches wait for it
-        and none was uploaded for the timeout; the worker when none was computed for the timeout."""
-        timeout = self.cfg.stall_timeout_s
-        stall, since = None, now
+        """Name the stalled process, if any (``stalls.worker_stall``), in the log and the progress file; log a
+        stall that ended as recovered."""
         up = self.uploader
-        if up is not None and up.heartbeat_at is not None and now - up.heartbeat_at > timeout:
-            stall, since = ("uploader", up.pid, "no heartbeat"), up.heartbeat_at
-        elif self.progress.state in ("running", "waiting-for-uploader", "draining") and len(self.done) < len(
-            self.batches
-        ):
-            last = max(self.progress.progress_at or 0.0, self._idle_from)
-            if now - last > timeout:
-                waiting = len(self.submitted - self.done)
-                if waiting and up is not None:
-                    stall = ("uploader", up.pid, f"no batch uploaded ({waiting} waiting)")
-                else:
-                    stall = ("worker", os.getpid(), "no batch computed")
-                since = last
-        if stall == self._stall:
+        stall, since = worker_stall(
+            now=now,
+            timeout=self.cfg.stall_timeout_s,
+            state=self.progress.state,
+            batches_left=len(self.batches) - len(self.done),
+            last_progress_at=max(self.progress.progress_at or 0.0, self._idle_from),
+            uploads_waiting=len(self.submitted - self.done),
+            uploader_pid=up.pid if up is not None else None,
+            uploader_heartbeat_at=up.heartbeat_at if up is not None else None,
+            worker_pid=os.getpid(),
+        )
+        if same_stall(stall, self._stall):
             return
         if self._stall is not None:
-            process, pid, _ = self._stall
+            old = self._stall
             log.info(
                 "shard %d: %s pid %d recovered after %.0f s",
                 self.shard,
-                process,
-                pid,
-                now - self._stall_since,
+                old.process,
+                old.pid,
+                now - old.since,
             )
         if stall is not None:
-            process, pid, reason = stall
+            note = stall_note(stall.pid) if stall.pid != os.getpid() else ""
             log.warning(
                 "shard %d: %s pid %d stalled: %s for %.0f s (stall timeout %g s)%s",
-                self.shard,
-                process,
-                pid,
-                reason,
-                now - since,
-                timeout,
-                stall_note(pid) if pid != os.getpid() else "",
+                *(
+                    self.shard,
+                    stall.process,
+                    stall.pid,
+                    stall.reason,
+                    now - since,
+                    self.cfg.stall_timeout_s,
+                    note,
+                ),
             )
-        self._stall, self._stall_since = stall, since
+        self._stall = stall
         p = self.progress
-        p.stalled_process, p.stalled_pid, p.stall_reason = stall if stall else ("", 0, "")
+        p.stalled_process, p.stalled_pid, p.stall_reason = (
+            (stall.process, stall.pid, stall.reason) if stall else ("", 0, "")
+        )
         p.stalled_since = since if stall else None
 
     # -- staging ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ all read ``status_document``, so they never disagree.
 
 Built from the run directory alone on each call, without torch, in well under a second:
 
-- one row per shard: the rows of ``progress.shard_status`` (done counts from the markers, state, stalls, rate,
+- one row per shard: the rows of ``rows.shard_status`` (done counts from the markers, state, stalls, rate,
   ETA, how long ago it last progressed, a damaged progress file), plus what uploads look like: the bytes the worker
   last saw in staging, the files waiting there and the age of the oldest (the upload lag; only where staging is on
   this host);
@@ -28,10 +28,11 @@ from hsextract.errors import HsextractError
 from hsextract.format.batch import CONVENTION
 from hsextract.format.keys import shard_name
 from hsextract.prepare.plan import Plan
-from hsextract.run.progress import LIVE_STATES, ShardProgress, shard_status
+from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir
+from hsextract.status.rows import shard_status
 
-ACTIVE_STATES = (*LIVE_STATES, "stalled")
+ACTIVE_STATES = (*LIVE_STATES, ShardState.STALLED)
 
 """States in which a worker process is there: its staging directory and rate mean something."""
 
