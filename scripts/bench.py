@@ -10,7 +10,7 @@ realistic length mix (median 221, mean ~330, p99 ~1800 tokens), and times on the
       writer thread saving safetensors files to /dev/shm (each file removed after it is written, as the uploader
       would);
   (c) a naive loop: hooks, GPU concat, one blocking ``.cpu()`` per layer, synchronous ``safetensors.save_file``;
-  (a') and (b'): (a) and (b) with hsextract.kernels' fused kernels swapped in (modes ``af`` and ``bf``);
+  (a') and (b'): (a) and (b) with hsextract.model.qwen3_5's fused kernels swapped in (modes ``af`` and ``bf``);
   (b8) and (b8'): (b) and (b') storing fp8 (``--storage-dtype float8_e4m3fn``): the capture hooks quantize each
       token's vector on the GPU (scale per token per layer) before the copy to the host.
 

@@ -78,7 +78,7 @@ class RunConfig:
     """Worker processes on this node, one per GPU. The plan has ``nodes x shards`` shards."""
 
     nodes: int = _opt(1, "run")
-    """Nodes running this job (``--nodes``, or the scheduler's environment: cluster.py)."""
+    """Nodes running this job (``--nodes``, or the scheduler's environment: run/cluster.py)."""
 
     node_rank: int = _opt(0, "run")
     """This node: it runs shards ``node_rank * shards`` .. ``node_rank * shards + shards - 1``."""

@@ -76,8 +76,8 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
     return picks
 
 
-def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift: int = 0) -> DryRunResult:
-    """Run the proof, the health check and the estimate. ``lm`` and ``_shift`` exist for tests."""
+def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> DryRunResult:
+    """Run the proof, the health check and the estimate. ``lm``: a model already loaded (tests)."""
     _config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
@@ -96,7 +96,6 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None, _shift
         cfg=cfg,
         pad_token_id=tokenizer.pad_token_id,
         norm=norm,
-        _shift=_shift,
     )
     layers_report, warnings = layer_health(proof, layout, layer_types(text), TOLERANCE[cfg.dtype], cfg.dtype)
     ok = all(e["ok"] for e in layers_report) and not warnings
@@ -139,7 +138,7 @@ class Proof:
 
 
 def prove_layers(
-    lm, layout: StateLayout, samples, *, device, num_samples, cfg, pad_token_id, norm=None, _shift=0
+    lm, layout: StateLayout, samples, *, device, num_samples, cfg, pad_token_id, norm=None
 ) -> Proof:
     """A few samples spread over the length distribution through the worker's Extractor (padded batch, hooks,
     early exit, on-device gather, host copy), and one at a time through a plain HF forward. ``norm`` (the final
@@ -166,7 +165,6 @@ def prove_layers(
             num_slots=1,
             pad_token_id=pad_token_id,
             storage_dtype=storage_dtype,
-            _shift=_shift,
         )
         extractor.run(
             [batch], samples, lambda b, tensors: captured.update({k: v.clone() for k, v in tensors.items()})

@@ -17,7 +17,7 @@ ones, never a whole batch file; each file's header and index tensors are read on
 
 Verification is on by default and costs no extra read: when a file is opened its header must match the checksum
 the manifest recorded, its index tensors their checksum, and its sample ids the manifest's; when a sample is read,
-its rows must match the sample's checksum (output.py defines the checksums). ``open_output(..., verify=False)``
+its rows must match the sample's checksum (format/batch.py defines the checksums). ``open_output(..., verify=False)``
 skips the checksums for speed (docs/PERFORMANCE.md has the cost); the structure is checked either way. Whatever is
 wrong with a file (missing, empty, truncated, a garbled or oversized header, a missing tensor, a checksum
 mismatch) raises ``CorruptOutputError`` naming the file and the problem; ``hsextract verify`` checks every file.
@@ -27,13 +27,12 @@ fp8 outputs (``--storage-dtype float8_e4m3fn``) are dequantized to bfloat16 (``d
 per layer (value = fp8 * scale), ``s["hidden_states_scale"]`` [T, layers] and
 ``s["final_hidden_state_prenorm_scale"]`` [T]; ``final_hidden_state`` is still derived from the dequantized state.
 The final state's slot is part of the sample's states (the same read); the normed final state is computed here from
-the stored one with the model's own norm rule (states.py).
+the stored one with the model's own norm rule (format/final_norm.py).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import pairwise
@@ -44,12 +43,12 @@ from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.format.batch import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS,
-    HEADER_LENGTH_BYTES,
     INDEX_TENSORS,
-    MAX_HEADER_BYTES,
     StateLayout,
     header_checksum,
+    header_json,
     new_checksum,
+    read_head,
     update_checksum,
 )
 from hsextract.format.final_norm import FinalNorm, read_final_norm
@@ -109,41 +108,13 @@ def _read(sink, key: str, offset: int, length: int, damaged) -> bytes:
     return raw
 
 
-def read_head(sink, key: str, damaged, header_size: int | None = None) -> bytes:
-    """A batch file's header bytes (8-byte length + JSON); ``header_size`` (from the manifest) saves a read."""
-    if (
-        header_size is not None
-        and HEADER_LENGTH_BYTES <= header_size <= HEADER_LENGTH_BYTES + MAX_HEADER_BYTES
-    ):
-        head = _read(sink, key, 0, header_size, damaged)
-    else:
-        head = _read(sink, key, 0, HEADER_LENGTH_BYTES, damaged)
-    (n,) = struct.unpack("<Q", head[:HEADER_LENGTH_BYTES])
-    if n > MAX_HEADER_BYTES:
-        raise damaged(
-            f"declares a header of {n} bytes, over the {MAX_HEADER_BYTES}-byte cap: the file is garbled"
-        )
-    if header_size is not None and header_size != HEADER_LENGTH_BYTES + n:
-        raise damaged(
-            f"declares a header of {n} bytes; the manifest recorded {header_size - HEADER_LENGTH_BYTES}"
-        )
-    if len(head) < HEADER_LENGTH_BYTES + n:
-        head += _read(sink, key, HEADER_LENGTH_BYTES, n, damaged)
-    return head
-
-
 class BatchHeader:
     """A batch file's header, parsed and checked: every tensor has a known dtype, a shape whose size matches its
     byte range, and lies after the header; the required tensors, the sample ids and (format 2) the checksums are
     there. Anything else raises ``damaged``."""
 
     def __init__(self, head: bytes, damaged):
-        try:
-            header = json.loads(head[HEADER_LENGTH_BYTES:])
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise damaged(f"has a garbled header (not JSON: {e})") from None
-        if not isinstance(header, dict):
-            raise damaged("has a garbled header (not a JSON object)")
+        header = header_json(head, damaged)
         metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict):
             raise damaged("has a garbled header (its metadata is not an object)")
@@ -242,7 +213,9 @@ class BatchFile:
     def __init__(self, sink, key: str, entry: dict | None = None, *, verify: bool = True):
         self.sink, self.key, self.verify = sink, key, verify
         entry = entry or {}
-        head = read_head(sink, key, self.damaged, entry.get("header_size"))
+        head = read_head(
+            lambda o, n: _read(sink, key, o, n, self.damaged), self.damaged, entry.get("header_size")
+        )
         if verify and "header_xxh3" in entry and header_checksum(head) != entry["header_xxh3"]:
             raise self.damaged(
                 f"its header ({len(head)} bytes) differs from the one the manifest recorded (checksum "

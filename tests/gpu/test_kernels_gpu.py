@@ -1,4 +1,4 @@
-"""The fused kernels (hsextract.kernels) against transformers' stock forward on the real Qwen3.6-27B layer shapes.
+"""The fused kernels (hsextract.model.qwen3_5) against transformers' stock forward on the real Qwen3.6-27B layer shapes.
 
 Random weights of the real shapes (4 layers: 3 Gated-DeltaNet + 1 full attention), norm weights, decays and gates
 randomised too so that every scaling path matters, and padded batches of ragged rows. The reference is a float32

@@ -5,10 +5,12 @@ import json
 import pytest
 import torch
 from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.faults import ShiftedCapture
 
 from hsextract.config import RunConfig
 from hsextract.dryrun import dry_run, format_report
 from hsextract.model.load import load_model
+from hsextract.run import pipeline
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,11 @@ def test_correct_setup_passes_with_layer_map(setup):
     assert "dry run passed" in text and "ETA" in text
 
 
-def test_capture_shifted_by_one_layer_fails_loudly(setup):
+def test_capture_shifted_by_one_layer_fails_loudly(setup, monkeypatch):
     _, cfg = setup
     cfg = RunConfig(**{**cfg.to_json(), "layers": (0, 3, 5)})
-    result = dry_run(cfg, num_samples=4, _shift=1)
+    monkeypatch.setattr(pipeline, "LayerCapture", ShiftedCapture)  # the bug planted in the capture path only
+    result = dry_run(cfg, num_samples=4)
     assert not result.ok
     assert any("off-by-one" in w for w in result.report["warnings"]), result.report["warnings"]
     assert "FAILED" in format_report(result.report)

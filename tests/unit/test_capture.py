@@ -1,5 +1,6 @@
 import pytest
 import torch
+from support.faults import ShiftedCapture
 
 from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
@@ -48,11 +49,11 @@ def _padded_batch(seqs):
     return ids, mask, flat
 
 
-def _capture(lm, seqs, layer_ids, shift=0):
+def _capture(lm, seqs, layer_ids, capture=LayerCapture):
     ids, mask, flat = _padded_batch(seqs)
     hidden = lm.config.get_text_config().hidden_size
     out = torch.full((len(flat), len(layer_ids), hidden), float("nan"))
-    with LayerCapture(lm, layer_ids, shift=shift) as cap, torch.inference_mode():
+    with capture(lm, layer_ids) as cap, torch.inference_mode():
         cap.forward(ids, mask, GatherTarget(flat, out))
     return out
 
@@ -103,7 +104,7 @@ def test_a_capture_shifted_by_one_layer_differs_beyond_tolerance(tiny_lm):
     """The tiny model's layers must differ enough that an off-by-one is visible (guards the test above)."""
     seq = torch.randint(1, 500, (30,))
     good = _capture(tiny_lm, [seq], (2,))
-    shifted = _capture(tiny_lm, [seq], (2,), shift=1)
+    shifted = _capture(tiny_lm, [seq], (2,), capture=ShiftedCapture)
     assert (good - shifted).norm() / good.norm() > 0.1
 
 

@@ -2,7 +2,7 @@
 
 An output (a local directory or ``s3://bucket/prefix``) holds:
 
-- ``shard-SSSSS/batch-BBBBBB.safetensors``: one file per batch (key format in rundir.py, bytes by writer.py);
+- ``shard-SSSSS/batch-BBBBBB.safetensors``: one file per batch (key format in keys.py, bytes by run/writer.py);
 - ``hsextract/job.json``: the claim. Created only if absent (a conditional put on S3), before any batch is
   written; it names the job (plan hash, fingerprint, shards, nodes) and who started it. A run whose plan differs is
   refused, and every uploader checks it before each upload, so two jobs can never mix in one output;
@@ -18,7 +18,7 @@ hashes) and its own identity (batch id, shard, sample ids), so a file read alone
 manifest lists every batch with its sample ids in plan order; the reader maps sample ids to files through it.
 
 Integrity (format 2): every batch file's metadata holds one checksum per sample, over that sample's rows of every
-per-token tensor, and one over the index tensors (``checksums``, built by writer.py in the writer thread from the
+per-token tensor, and one over the index tensors (``checksums``, built by run/writer.py in the writer thread from the
 tensors it is about to write). The uploader records each file's size, CRC32 and header checksum in its marker, and
 the manifest copies them per batch. So a reader checks a file's header against the manifest when it opens the
 file and a sample against its own checksum when it reads it (one ranged read still fetches one sample), and
@@ -227,19 +227,57 @@ def header_checksum(head: bytes) -> str:
     return checksum.hexdigest()
 
 
+def read_head(read, damaged, header_size: int | None = None) -> bytes:
+    """A safetensors file's header bytes (8-byte length + JSON), through ``read(offset, length)``, which raises on
+    a short read. ``damaged(why)`` makes the exception for a file that is not one; ``header_size`` (from the
+    manifest) saves a read. The one parser of the length prefix: the reader, the uploader's check of staged
+    files, verify and the final norm all come here."""
+    if (
+        header_size is not None
+        and HEADER_LENGTH_BYTES <= header_size <= HEADER_LENGTH_BYTES + MAX_HEADER_BYTES
+    ):
+        head = read(0, header_size)
+    else:
+        head = read(0, HEADER_LENGTH_BYTES)
+    (n,) = struct.unpack("<Q", head[:HEADER_LENGTH_BYTES])
+    if n > MAX_HEADER_BYTES:
+        raise damaged(
+            f"declares a header of {n} bytes, over the {MAX_HEADER_BYTES}-byte cap: the file is garbled"
+        )
+    if header_size is not None and header_size != HEADER_LENGTH_BYTES + n:
+        raise damaged(
+            f"declares a header of {n} bytes; the manifest recorded {header_size - HEADER_LENGTH_BYTES}"
+        )
+    if len(head) < HEADER_LENGTH_BYTES + n:
+        head += read(HEADER_LENGTH_BYTES, n)
+    return head[: HEADER_LENGTH_BYTES + n]
+
+
+def header_json(head: bytes, damaged) -> dict:
+    """The JSON object of a header read by ``read_head``."""
+    try:
+        header = json.loads(head[HEADER_LENGTH_BYTES:])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise damaged(f"has a garbled header (not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise damaged("has a garbled header (not a JSON object)")
+    return header
+
+
 def read_file_head(path: str | Path) -> bytes:
-    """The header bytes (8-byte length + JSON) of a local batch file; ``HsextractError`` if it has none."""
+    """The header bytes of a local batch file; ``HsextractError`` if it has none."""
     with open(path, "rb") as f:
-        raw = f.read(HEADER_LENGTH_BYTES)
-        if len(raw) < HEADER_LENGTH_BYTES:
-            raise HsextractError(f"{path} has no safetensors header ({len(raw)} bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES:
-            raise HsextractError(f"{path} declares a header of {n} bytes, over the {MAX_HEADER_BYTES} cap")
-        raw += f.read(n)
-    if len(raw) < HEADER_LENGTH_BYTES + n:
-        raise HsextractError(f"{path} ends inside its header ({len(raw)} of {HEADER_LENGTH_BYTES + n} bytes)")
-    return raw
+
+        def read(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            raw = f.read(length)
+            if len(raw) < length:
+                raise HsextractError(
+                    f"{path} ends inside its header ({offset + len(raw)} of {offset + length} bytes)"
+                )
+            return raw
+
+        return read_head(read, lambda why: HsextractError(f"{path} {why}"))
 
 
 def bytes_per_token(num_slots: int, hidden: int, itemsize: int, scale_bytes: int = 0) -> int:

@@ -4,13 +4,11 @@ No torch at import: finalize and the launcher read the file's metadata without i
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.format.batch import new_checksum, update_checksum
+from hsextract.format.batch import header_json, new_checksum, read_head, update_checksum
 
 if TYPE_CHECKING:
     import torch
@@ -90,12 +88,20 @@ def read_final_norm_meta(sink) -> dict:
 
 def describe_final_norm(sink, data: bytes) -> dict:
     """Epsilon, rule and dtype from the header metadata of ``final_norm.safetensors`` as read (``data``)."""
+
+    def damaged(why: str) -> CorruptOutputError:
+        return CorruptOutputError(sink.url, FINAL_NORM, f"is not a final norm hsextract wrote ({why})")
+
+    def read(offset: int, length: int) -> bytes:
+        if len(data) < offset + length:
+            raise damaged(f"it ends at byte {len(data)}, inside its header")
+        return data[offset : offset + length]
+
+    meta = header_json(read_head(read, damaged), damaged).get("__metadata__", {})
     try:
-        (n,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
         return {"eps": float(meta["eps"]), "rule": meta["rule"], "dtype": meta["dtype"]}
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptOutputError(sink.url, FINAL_NORM, f"is not a final norm hsextract wrote ({e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise damaged(f"its metadata lacks {e}") from None
 
 
 def read_checked_final_norm(sink, recorded: dict, *, verify: bool = True) -> bytes:

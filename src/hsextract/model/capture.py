@@ -11,7 +11,7 @@ tokens of its output straight into one preallocated buffer laid out as the batch
 ``[tokens, slots, hidden]``; the hook on the deepest wanted layer then raises ``_StopForward``, so later layers,
 the final norm and the lm_head never run. The final state (``--final-state``) is one more wanted layer, the last
 one: its slot holds the raw output, before the final norm. With fp8 storage the hooks quantize what they gather
-(states.py), so the buffer holds fp8 values and a float32 scale per token per slot.
+(format/fp8.py), so the buffer holds fp8 values and a float32 scale per token per slot.
 """
 
 from __future__ import annotations
@@ -49,22 +49,18 @@ class LayerCapture:
     Use as ``with LayerCapture(lm, layer_ids) as cap: cap.forward(input_ids, attention_mask, target)``.
     """
 
-    def __init__(self, lm, layer_ids: tuple[int, ...], shift: int = 0):
-        # ``shift`` exists only so the dry run's tests can prove a shifted capture is caught; never set it otherwise.
+    def __init__(self, lm, layer_ids: tuple[int, ...]):
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
         self.decoder = base_model(lm)
         self.layers = decoder_layers(lm)
-        self.deepest = max(self.layer_ids) + shift
-        self._shift = shift
+        self.deepest = max(self.layer_ids)
         self._target: GatherTarget | None = None
         self._handles = []
 
     def __enter__(self):
         for j, k in enumerate(self.layer_ids):
-            self._handles.append(
-                self.layers[k + self._shift].register_forward_hook(self._make_hook(j, k + self._shift))
-            )
+            self._handles.append(self.layers[k].register_forward_hook(self._make_hook(j, k)))
         return self
 
     def __exit__(self, *exc):

@@ -55,7 +55,7 @@ def load_model(
 
 def load_model_for(cfg, device) -> object:
     """The model a run's config names, on ``device`` (a torch.device), with the run's kernels swapped in
-    (kernels.py): what the worker and dry-run load."""
+    (qwen3_5.py): what the worker and dry-run load."""
     from hsextract.model import qwen3_5 as kernels
 
     lm = load_model(

@@ -3,7 +3,7 @@
 A row is pre-tokenized (``input_ids`` with an optional ``loss_mask``, kept exactly as given), chat
 (``messages`` with optional row-level ``tools``), or ShareGPT (``conversations``, mapped onto chat roles, with an
 optional row-level ``system``). ``RowEncoder.encode`` never raises: a row that cannot be encoded comes back with
-its skip kind (malformed, empty, too long) and the reason, and data.py counts it.
+its skip kind (malformed, empty, too long) and the reason, and tokenize.py counts it.
 
 The loss mask is 1 on what the assistant writes: the content of its turns (``<think>`` blocks and tool calls
 included) and the end-of-turn token (``<|im_end|>``), 0 on system, user and tool turns and on the assistant header

@@ -9,7 +9,7 @@ it was. So ``prepare_run`` goes:
 3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
 4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
    the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
-   output is claimed for this plan (output.py): an output held by another job is refused, naming it;
+   output is claimed for this plan (format/records.py): an output held by another job is refused, naming it;
 5. ``write_run_files``: data report, tokens, config, run info and, last, the plan.
 """
 

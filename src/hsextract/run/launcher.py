@@ -1,6 +1,6 @@
-"""Run the shards of a prepared run (prepare.py) to completion, then finish the output.
+"""Run the shards of a prepared run (prepare/steps.py) to completion, then finish the output.
 
-``launch`` starts one worker process per shard (``hsextract.worker.main`` with RUN_DIR SHARD) with
+``launch`` starts one worker process per shard (``hsextract.run.worker.main`` with RUN_DIR SHARD) with
 ``CUDA_VISIBLE_DEVICES`` set before torch is imported there, and a parent-death signal so a killed launcher takes
 its workers with it. On GPUs it first pre-warms flash-linear-attention's kernels into the run's shared Triton
 cache (warmup.py). It draws a progress bar per shard from the progress files, waits for every worker, and exits

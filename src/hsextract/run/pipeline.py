@@ -2,7 +2,7 @@
 
 The GPU never waits for host work:
 
-1. The main thread builds a padded batch (``build_batch``) and runs the forward; the hooks (capture.py) gather the
+1. The main thread builds a padded batch (``build_batch``) and runs the forward; the hooks (model/capture.py) gather the
    captured layers' valid tokens into a device buffer laid out as the file stores them ([tokens, slots, hidden]),
    quantized to fp8 on the device when the run stores fp8 (with a [tokens, slots] float32 scale buffer beside).
 2. A side CUDA stream copies that buffer into a reused pinned host buffer as soon as the forward is done, while
@@ -109,10 +109,7 @@ class Extractor:
         num_slots: int,
         pad_token_id: int,
         storage_dtype: str | None = None,
-        _shift: int = 0,
     ):
-        # ``_shift`` only lets the dry run's tests prove that a capture off by one layer is caught.
-        self._shift = _shift
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
         self.device = device
@@ -168,7 +165,7 @@ class Extractor:
         thread = threading.Thread(target=writer, name="batch-writer", daemon=True)
         thread.start()
         try:
-            with LayerCapture(self.lm, self.layer_ids, shift=self._shift) as cap, torch.inference_mode():
+            with LayerCapture(self.lm, self.layer_ids) as cap, torch.inference_mode():
                 for batch in batches:
                     slot = self._take(free, failure, should_stop)
                     inputs = build_batch(samples, batch, self.pad_token_id)

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError
+from hsextract.format.batch import StateLayout
 from hsextract.format.keys import shard_name
 from hsextract.storage.fileio import load_json, write_json
 
@@ -186,7 +187,7 @@ class RunInfo:
     pad_token_id: int
     plan_hash: str
     file_metadata: dict
-    """Run-wide string metadata every batch file carries (output.py builds it)."""
+    """Run-wide string metadata every batch file carries (format/batch.py builds it)."""
     final_state: bool = False
     """The last decoder layer's output is stored too (``--final-state``)."""
     storage_dtype: str | None = None
@@ -197,10 +198,6 @@ class RunInfo:
     @property
     def layout(self):
         """What the run's batch files hold, slot by slot (output.StateLayout)."""
-        from hsextract.format.batch import (
-            StateLayout,  # output.py imports storage.py, which imports this module
-        )
-
         return StateLayout(self.layer_ids, self.num_layers, self.final_state, self.storage_dtype)
 
     def save(self, run_dir: RunDir) -> None:

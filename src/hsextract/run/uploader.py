@@ -10,7 +10,7 @@ Per file, in this order (the invariants are what make a crash at any point safe 
    ``Sink`` (``put_file`` retries transient failures and verifies size and checksum), then write the batch's
    completion record into the output (output.write_done: the same record as the marker, with the plan hash);
 2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32 of the
-   file and the size and checksum of its header (output.py; the manifest copies them):
+   file and the size and checksum of its header (format/records.py; the manifest copies them):
    a marker exists only for a key that is durable in the output;
 3. delete the staged file: the staged file is removed only after its marker;
 4. report the key back (``poll_done``), so that the worker can stage more bytes.

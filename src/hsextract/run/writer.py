@@ -8,7 +8,7 @@ A batch file holds, for the B samples of one batch and their N valid tokens in t
   cu_seqlens[i]:cu_seqlens[i+1]), ``sample_index`` [B] int64 (row in the tokenized dataset).
 - metadata (strings): layer ids and their convention, pre/post norm, model, dtype, tokenizer and chat-template
   hashes, plan hash, batch id, shard, sample ids (JSON), hsextract version, and the checksums (``write_batch_file``:
-  one per sample over its rows of every per-token tensor, one over the index tensors; output.py defines them).
+  one per sample over its rows of every per-token tensor, one over the index tensors; format/batch.py defines them).
 
 The checksums are computed here, in the writer thread, from the host tensors about to be written: that is the last
 moment the bytes are known good, and the thread overlaps with the GPU's next forward anyway.
@@ -30,9 +30,9 @@ import torch
 
 from hsextract.errors import HsextractError
 from hsextract.format.batch import (
-    HEADER_LENGTH_BYTES,
     checksum_order,
     checksums_metadata,
+    header_json,
     new_checksum,
     read_file_head,
     update_checksum,
@@ -128,8 +128,8 @@ def write_batch_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
 
 def read_metadata(path: Path) -> dict[str, str]:
     """The ``__metadata__`` of a local batch file, read from its header alone (``HsextractError`` if damaged)."""
-    head = read_file_head(path)
-    try:
-        return json.loads(head[HEADER_LENGTH_BYTES:]).get("__metadata__", {})
-    except (ValueError, AttributeError) as e:
-        raise HsextractError(f"{path} has a garbled header ({e})") from None
+    header = header_json(read_file_head(path), lambda why: HsextractError(f"{path} {why}"))
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise HsextractError(f"{path} has a garbled header (its metadata is not an object)")
+    return metadata

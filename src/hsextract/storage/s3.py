@@ -1,4 +1,4 @@
-"""Output on S3 (or an S3-compatible store): the ``S3Sink`` behind storage.py's ``Sink`` interface.
+"""Output on S3 (or an S3-compatible store): the ``S3Sink`` behind base.py's ``Sink`` interface.
 
 boto3's transfer manager uploads the file (multipart above ``multipart_threshold``, parts in parallel). The
   CRC32 of the local file is computed first and sent as a *full-object* checksum (``ChecksumCRC32`` with
