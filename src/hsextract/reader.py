@@ -39,7 +39,7 @@ from itertools import pairwise
 
 import torch
 
-from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.errors import CorruptOutputError
 from hsextract.format.batch import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS,
@@ -53,7 +53,7 @@ from hsextract.format.batch import (
 )
 from hsextract.format.final_norm import FinalNorm, read_final_norm
 from hsextract.format.fp8 import dequantize_fp8
-from hsextract.format.manifest import MANIFEST, read_manifest
+from hsextract.format.manifest import read_manifest, require_checksums
 from hsextract.run.writer import SAFETENSORS_DTYPES
 from hsextract.storage import open_sink
 
@@ -366,10 +366,9 @@ class Output:
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
         self.manifest = read_manifest(self.sink)
         self.verify = verify
-        if verify and self.manifest["format_version"] < 2:
-            raise HsextractError(
-                f"{self.sink.url}/{MANIFEST} was written by an hsextract before checksums (format "
-                f"{self.manifest['format_version']}): it cannot be verified; open_output(..., verify=False) reads it"
+        if verify:
+            require_checksums(
+                self.sink, self.manifest, "it cannot be verified; open_output(..., verify=False) reads it"
             )
         self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest

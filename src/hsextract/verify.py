@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.errors import CorruptOutputError
 from hsextract.format.batch import new_checksum, update_checksum
 from hsextract.format.final_norm import read_checked_final_norm
-from hsextract.format.manifest import MANIFEST, read_manifest
+from hsextract.format.manifest import read_manifest, require_checksums
 from hsextract.reader import BatchFile
 from hsextract.storage import open_sink
 from hsextract.storage.base import Sink
@@ -132,11 +132,7 @@ def verify_output(
     ``HsextractError``. Bad batch files are collected in the report, in manifest order."""
     sink = open_sink(output, endpoint_url, retry_deadline_s=retry_deadline_s)
     manifest = read_manifest(sink)
-    if manifest["format_version"] < 2:
-        raise HsextractError(
-            f"{sink.url}/{MANIFEST} was written by an hsextract before checksums (format "
-            f"{manifest['format_version']}): there is nothing to verify its files against"
-        )
+    require_checksums(sink, manifest, "there is nothing to verify its files against")
     batches = manifest["batches"]
     report = VerifyReport(sink.url, len(batches), sum(b["size"] for b in batches))
     from tqdm import tqdm

@@ -140,3 +140,12 @@ def read_manifest(sink) -> dict:
         if version >= 2 and not all(isinstance(batch.get(f), t) for f, t in STORED_FIELDS.items()):
             raise damaged(f"batch entry {i} ({batch['key']}) lacks its size or checksums")
     return manifest
+
+
+def require_checksums(sink, manifest: dict, hint: str) -> None:
+    """Refuse to check an output written before checksums (format 1): there is nothing to check it against."""
+    if manifest["format_version"] < 2:
+        raise HsextractError(
+            f"{sink.url}/{MANIFEST} was written by an hsextract before checksums (format "
+            f"{manifest['format_version']}): {hint}"
+        )

@@ -90,9 +90,7 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
 
 def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The model config, the layer ids, the output and the staging space: fails fast, writes nothing."""
-    run_dir = Path(cfg.run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise HsextractError(f"--run-dir {run_dir} is a file, not a directory: choose a directory path")
+    RunDir(cfg.run_dir).check_is_dir()
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)

@@ -42,7 +42,7 @@ from hsextract.prepare.chat import SKIP_KINDS, RowEncoder
 from hsextract.prepare.rows import _data_format, _open_rows, data_fingerprint
 from hsextract.storage.fileio import atomic_write
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 FORMAT_VERSION = 1
@@ -376,7 +376,7 @@ def load_samples(
     _data_format(data_path)
     if num_proc is None:
         num_proc = auto_num_proc(data_path)
-        logger.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
+        log.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
 
     cache_path = None
     if cache_dir is not None:
@@ -386,9 +386,9 @@ def load_samples(
                 samples, metadata = TokenizedSamples._load(cache_path)
                 report = DataReport.from_json(json.loads(metadata["data_report"]))
             except Exception as e:  # a damaged cache file costs a re-tokenization, never the run
-                logger.warning("ignoring unreadable token cache %s (%s); tokenizing again", cache_path, e)
+                log.warning("ignoring unreadable token cache %s (%s); tokenizing again", cache_path, e)
             else:
-                logger.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
+                log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
                 return samples, report
 
     samples, report = _tokenize(data_path, tokenizer, max_length, too_long, num_proc, progress)

@@ -150,13 +150,17 @@ class RunDir:
     def is_run_dir(self) -> bool:
         return self.plan_file.exists()
 
+    def check_is_dir(self) -> None:
+        """Refuse a run dir path that names a file (before anything is written under it)."""
+        if self.root.exists() and not self.root.is_dir():
+            raise HsextractError(f"--run-dir {self.root} is a file, not a directory: choose a directory path")
+
     @contextmanager
     def launcher_lock(self, *, exclusive: bool):
         """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (shards are
         locked one by one by their workers), exclusive for ``--restart``, which must not clear progress, markers
         and staging under a run that is still going."""
-        if self.root.exists() and not self.root.is_dir():
-            raise HsextractError(f"--run-dir {self.root} is a file, not a directory: choose a directory path")
+        self.check_is_dir()
         self.locks_dir.mkdir(parents=True, exist_ok=True)
         with open(self.locks_dir / "launcher.lock", "a+") as f:
             try:
