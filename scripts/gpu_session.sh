@@ -5,7 +5,7 @@
 #   bash scripts/gpu_session.sh kernels  # fused kernels: GPU correctness tests, then each kernel alone (profile)
 #   bash scripts/gpu_session.sh fused    # (a), (b) against (a'), (b') with fused kernels; warm start-up after it
 #   bash scripts/gpu_session.sh issue13  # kernels, then fused
-#   bash scripts/gpu_session.sh fp8      # issue 15: (a), (b), (b8) with the final state; fp8 error on real states
+#   bash scripts/gpu_session.sh fp8      # (a), (b), (b8) with the final state; fp8 error on real states
 # flash-linear-attention and liger-kernel come from wheels in .whl/ (fla-core, flash-linear-attention,
 # liger-kernel) when they are not installed.
 set -uo pipefail
@@ -30,7 +30,7 @@ case "${1:-all}" in
       --json-out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
-# Fused kernels (issue 13). kernels: correctness (fused vs float32 at least as close as stock, per module and per
+# Fused kernels . kernels: correctness (fused vs float32 at least as close as stock, per module and per
 # layer), then each swapped module timed alone and the shallow forward's profile, stock against fused.
 # fused: the full forward, stock (a), (b) against fused (a'), (b'), one process; then fresh processes starting with
 # the Triton cache that run left (the warm start a real run has after its pre-warm), fused and stock.
@@ -46,7 +46,7 @@ if [[ "${1:-}" == "fused" || "${1:-}" == "issue13" ]]; then
   timeout "${STARTUP_TIMEOUT:-110}" python3 scripts/bench.py --startup --startup-cache "$TRITON_CACHE_DIR" --modes none \
     --startup-kernels fused,stock --max-tokens "${BENCH_BATCH:-32768}" --json-out "$OUT/startup_fused.json" 2>&1 | tee "$OUT/startup_fused.log"
 fi
-# fp8 storage and the final state (issue 15): the forward floor to the last layer against the worker loop storing
+# fp8 storage and the final state: the forward floor to the last layer against the worker loop storing
 # bfloat16 and fp8 quantized on the GPU, one process, with the fused kernels a CUDA run uses by default: (a'), (b'),
 # (b8'); (b8')/(a') must stay >= 0.97 (BENCH_MODES=a,b,b8 for the stock forward). Then the fp8 error per layer on
 # real-shaped states of the GPU forward (random weights; the dry run reports it on a real checkpoint).
@@ -57,7 +57,7 @@ if [[ "${1:-}" == "fp8" ]]; then
   timeout "${FP8_TIMEOUT:-300}" python3 scripts/fp8_error.py --gpu-config configs/qwen3.6-27b \
     --json-out "$OUT/fp8_error.json" 2>&1 | tee "$OUT/fp8_error.log"
 fi
-# Several shards on the GPUs this machine has (issue 7): random-weight checkpoint of the real layer shapes, then
+# Several shards on the GPUs this machine has: random-weight checkpoint of the real layer shapes, then
 # scripts/multi_shard.py (single vs N shards, kill + resume, exactly-once check). GPUS=0,0,0,0 shares one GPU.
 if [[ "${1:-}" == "multishard" ]]; then
   python3 scripts/make_checkpoint.py configs/qwen3.6-27b /tmp/ckpt --layers "${CKPT_LAYERS:-8}" | tee "$OUT/ckpt.json"
