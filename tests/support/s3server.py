@@ -26,9 +26,10 @@ import socket
 import uuid
 from collections.abc import Iterator
 
-import boto3
 import pytest
-from moto.server import ThreadedMotoServer
+
+# boto3 and moto are imported where a server starts: this plugin loads for every test, also on a GPU machine
+# that has neither.
 
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 REGION = "us-east-1"
@@ -60,6 +61,8 @@ class S3Endpoint:
 
     def __init__(self) -> None:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        from moto.server import ThreadedMotoServer
+
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         self.port = self._server.get_host_and_port()[1]
@@ -74,6 +77,8 @@ class S3Endpoint:
 
     def start(self) -> None:
         if not self.running:
+            from moto.server import ThreadedMotoServer
+
             self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
             self._server.start()
             self.running = True
@@ -84,6 +89,8 @@ class S3Endpoint:
             "aws_access_key_id": FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
             "aws_secret_access_key": FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         }
+        import boto3
+
         return boto3.session.Session().client(
             service, endpoint_url=self.url, region_name=REGION, **credentials
         )
