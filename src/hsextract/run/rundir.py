@@ -219,3 +219,27 @@ class RunInfo:
             return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
         except (TypeError, KeyError) as e:
             raise HsextractError(f"{where} is damaged ({e!r}): rerun with --restart") from None
+
+
+@dataclass(frozen=True)
+class StagedFiles:
+    """What a shard's staging directory holds: the complete batch files waiting for the uploader."""
+
+    count: int = 0
+    bytes: int = 0
+    oldest_mtime: float | None = None
+
+
+def scan_staging(staging: Path) -> StagedFiles:
+    """The batch files in ``staging`` (temporary files of the writer left out); raises ``OSError`` if it cannot be
+    listed. Files the uploader removes during the scan are skipped."""
+    count, size, oldest = 0, 0, None
+    for entry in os.scandir(staging):
+        if entry.name.endswith(".safetensors"):
+            try:
+                st = entry.stat()
+            except FileNotFoundError:  # uploaded and removed meanwhile
+                continue
+            count, size = count + 1, size + st.st_size
+            oldest = st.st_mtime if oldest is None else min(oldest, st.st_mtime)
+    return StagedFiles(count, size, oldest)

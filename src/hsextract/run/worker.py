@@ -50,7 +50,7 @@ from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.pipeline import Extractor
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress
-from hsextract.run.rundir import RunDir, RunInfo
+from hsextract.run.rundir import RunDir, RunInfo, scan_staging
 from hsextract.run.stalls import Stall, same_stall, stall_note, worker_stall
 from hsextract.run.uploader import Uploader
 from hsextract.run.writer import read_metadata, write_batch_file
@@ -64,17 +64,6 @@ REFRESH_S = 0.5
 
 """The progress file is rewritten when it is this old at a tick; ticks come at least every 0.5 s (the pipeline's
 wait for a slot, the drain loop, the helper thread), so it is never more than about a second old."""
-
-
-def staged_bytes(staging: Path) -> int:
-    total = 0
-    for entry in os.scandir(staging):
-        if entry.name.endswith(".safetensors"):
-            try:
-                total += entry.stat().st_size
-            except FileNotFoundError:  # uploaded and removed meanwhile
-                pass
-    return total
 
 
 class ShardRun:
@@ -135,7 +124,7 @@ class ShardRun:
         remaining = p.tokens_total - p.tokens_done
         p.eta_s = remaining / p.tokens_per_s if p.tokens_per_s > 0 else None
         try:
-            p.staged_bytes = staged_bytes(self.staging)
+            p.staged_bytes = scan_staging(self.staging).bytes
         except FileNotFoundError:
             p.staged_bytes = 0
         p.save(self.run_dir)
@@ -273,7 +262,7 @@ class ShardRun:
     def _wait_for_budget(self, need: int) -> None:
         waited = False
         while True:
-            staged = staged_bytes(self.staging)
+            staged = scan_staging(self.staging).bytes
             if staged == 0 or staged + need <= self.budget:
                 break
             if not waited:

@@ -18,7 +18,6 @@ its progress file) for the charts; it is kept out of the document so that ``stat
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from hsextract.format.batch import CONVENTION
 from hsextract.format.keys import shard_name
 from hsextract.prepare.plan import Plan
 from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState
-from hsextract.run.rundir import RunDir
+from hsextract.run.rundir import RunDir, scan_staging
 from hsextract.status.rows import shard_status
 
 ACTIVE_STATES = (*LIVE_STATES, ShardState.STALLED)
@@ -81,21 +80,12 @@ def _uploads(cfg: RunConfig | None, shard: int, now: float) -> dict:
     """Files waiting in the shard's staging directory and the age of the oldest, where staging is on this host."""
     if cfg is None:
         return dict(_NO_UPLOADS)
-    staging = cfg.staging_dir / shard_name(shard)
-    oldest, waiting = None, 0
     try:
-        entries = list(os.scandir(staging))
+        staged = scan_staging(cfg.staging_dir / shard_name(shard))
     except OSError:
         return dict(_NO_UPLOADS)
-    for entry in entries:
-        if entry.name.endswith(".safetensors"):
-            try:
-                mtime = entry.stat().st_mtime
-            except FileNotFoundError:  # uploaded meanwhile
-                continue
-            waiting += 1
-            oldest = mtime if oldest is None else min(oldest, mtime)
-    return {"uploads_waiting": waiting, "upload_lag_s": 0.0 if oldest is None else max(0.0, now - oldest)}
+    lag = 0.0 if staged.oldest_mtime is None else max(0.0, now - staged.oldest_mtime)
+    return {"uploads_waiting": staged.count, "upload_lag_s": lag}
 
 
 def _totals(rows: list[dict]) -> dict:
