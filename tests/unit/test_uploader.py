@@ -175,7 +175,7 @@ def test_permanent_failure_stops_the_uploader_and_keeps_staged_files(s3: S3Endpo
 _PARENT_SCRIPT = """
 import sys, time
 from pathlib import Path
-from hsextract.uploader import Uploader
+from hsextract.run.uploader import Uploader
 
 if __name__ == "__main__":
     uploader = Uploader(output=sys.argv[1], endpoint_url=None, marker_dir=Path(sys.argv[2]), log_file=Path(sys.argv[3]))

@@ -93,6 +93,7 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise HsextractError(f"--run-dir {run_dir} is a file, not a directory: choose a directory path")
+    check_same_output(cfg)
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
@@ -105,6 +106,28 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     return ModelFacts(
         config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids, layout=layout
     )
+
+
+def output_identity(output: str) -> str:
+    return output.rstrip("/") if "://" in output else str(Path(output).expanduser().resolve())
+
+
+def check_same_output(cfg: RunConfig) -> None:
+    """A run dir serves one output: its markers, progress and staged files are that output's. Another output is
+    another job, which gets its own run dir (the default one is per output)."""
+    config_file = RunDir(cfg.run_dir).config_file
+    if not config_file.is_file():
+        return
+    try:
+        before = RunConfig.load(config_file).output
+    except (HsextractError, TypeError):
+        return  # a damaged config.json: the plan check says what to do
+    if output_identity(before) != output_identity(cfg.output):
+        raise HsextractError(
+            f"run dir {cfg.run_dir} belongs to the job writing --output {before}, not {cfg.output}: a run dir "
+            "serves one output. To write into the new output, give another --run-dir (or none: each output gets "
+            f"its own); to resume the old job, give --output {before}"
+        )
 
 
 def check_no_overlap(cfg: RunConfig) -> None:
