@@ -150,6 +150,11 @@ def main():
     type=float,
     help="Seconds without a heartbeat or a finished batch before a shard is reported stalled (default 180).",
 )
+@click.option(
+    "--check-states/--no-check-states",
+    default=None,
+    help="Stop at a batch whose states hold NaN, Inf or all-zero tokens, naming batch and layer (default on).",
+)
 @click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
 @click.option(
     "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."

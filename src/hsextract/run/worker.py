@@ -425,6 +425,7 @@ class ShardRun:
             num_slots=cfg.pinned_buffers,
             pad_token_id=self.info.pad_token_id,
             storage_dtype=layout.storage_dtype,
+            check_states=cfg.check_states,
         )
         self.t_start = self._idle_from = time.time()
         self._save_progress("running")
