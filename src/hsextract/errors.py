@@ -70,6 +70,9 @@ class CorruptOutputError(HsextractError):
         self.url, self.key, self.problem = url, key, problem
         super().__init__(f"{url.rstrip('/')}/{key}: {problem}")
 
+    def __reduce__(self):  # pickled across process pools (export): rebuilt from its fields, not its message
+        return type(self), (self.url, self.key, self.problem)
+
 
 class UploaderDied(HsextractError):
     """The uploader process of a shard exited while batches were still to be uploaded."""

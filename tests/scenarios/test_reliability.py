@@ -240,3 +240,48 @@ def test_a_float16_run_whose_states_overflow_stops_naming_batch_and_layer(tmp_pa
     # A user who knows better can store them.
     ok = run_cli(*args, "--no-check-states")
     assert "done:" in ok.stdout, ok.stdout
+
+
+# -- loud: export ------------------------------------------------------------------------------------------------
+def test_export_of_a_damaged_output_with_a_process_pool_names_the_file_instead_of_hanging(
+    tmp_path, finished_run
+):
+    """The pool could not unpickle CorruptOutputError back in the parent and waited forever."""
+    root = finished_run[0]
+    out = shutil.copytree(root / "out", tmp_path / "out")
+    victim = max(out.glob("shard-*/*.safetensors"), key=lambda p: p.stat().st_size)
+    flip(victim, victim.stat().st_size // 2)
+    args = (
+        "export",
+        out,
+        tmp_path / "dest",
+        "--format",
+        "specforge-dflash",
+        "--num-proc",
+        2,
+        "--no-progress",
+    )
+    r = run_cli(*args, check=False, timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert f"{victim.relative_to(out).as_posix()}: " in text and "Traceback" not in text, text
+
+
+def test_export_refuses_bad_vocabulary_options_before_writing_anything(tmp_path, finished_run):
+    """--draft-vocab 0 | 100000 was refused only after every sample file was written, and DEST then recorded the
+    bad value, so the corrected rerun was refused as another export; --target-vocab-size 10 was an IndexError."""
+    out = finished_run[0] / "out"
+    dest = tmp_path / "dest"
+    base = ("export", out, dest, "--format", "specforge-dflash", "--num-proc", 1, "--no-progress")
+    for extra, needle in [
+        (("--draft-vocab", 0), "--draft-vocab 0 must be in 1.."),
+        (("--draft-vocab", -5), "--draft-vocab -5 must be in 1.."),
+        (("--draft-vocab", 100000), "--draft-vocab 100000 must be in 1.."),
+        (("--draft-vocab", 8, "--target-vocab-size", 10), "--target-vocab-size 10 differs from the"),
+    ]:
+        r = run_cli(*base, *extra, check=False)
+        text = r.stdout + r.stderr
+        assert r.returncode == 2 and needle in text and "Traceback" not in text, text
+        assert not dest.exists() or not any(dest.rglob("*")), sorted(dest.rglob("*"))
+    ok = run_cli(*base, "--draft-vocab", 8)
+    assert "exported" in ok.stdout and (dest / "vocab_mapping.pt").is_file(), ok.stdout
