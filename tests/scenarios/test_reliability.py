@@ -285,3 +285,30 @@ def test_export_refuses_bad_vocabulary_options_before_writing_anything(tmp_path,
         assert not dest.exists() or not any(dest.rglob("*")), sorted(dest.rglob("*"))
     ok = run_cli(*base, "--draft-vocab", 8)
     assert "exported" in ok.stdout and (dest / "vocab_mapping.pt").is_file(), ok.stdout
+
+
+# -- a local output too small for the plan -----------------------------------------------------------------------
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real, separately mounted 1 MiB file system (tmpfs; needs root, as CI has)."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_local_output_without_room_for_the_plan_is_refused_before_the_model_loads(
+    tmp_path, tiny_model, dataset, small_filesystem
+):
+    """It started, filled the file system (on a RAM disk: the host's memory) and failed mid-run."""
+    out = small_filesystem / "out"
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset, output=out), check=False)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in text, text
+    assert f"output directory {out} has 0.00" in text and "GB free but the plan's 18 batch file(s)" in text, (
+        text
+    )
+    assert not (tmp_path / "run" / "logs").exists() and not list(out.rglob("*.safetensors"))

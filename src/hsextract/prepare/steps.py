@@ -80,6 +80,7 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
         shards=cfg.total_shards,
         fingerprint=fingerprint,
     )
+    check_output_space(cfg, plan, model)
     accept_plan(cfg, run_dir, plan, restart=restart, echo=echo)
     write_run_files(
         cfg, run_dir, plan, model, tokenizer, samples, {**report.to_json(), "duplicate_ids_renamed": renamed}
@@ -162,6 +163,23 @@ def check_staging(staging: Path, need_bytes: int) -> None:
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
             f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
             "or lower --max-tokens-per-batch"
+        )
+
+
+def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
+    """A local output must have room for the plan's batch files not there yet: the plan knows their size, and a
+    file system that fills mid-run (a RAM disk fills the host's memory) fails far later and worse."""
+    if "://" in cfg.output:
+        return
+    out = Path(cfg.output)
+    token_bytes = model.layout.bytes_per_token(model.text_config.hidden_size, DTYPE_BYTES[cfg.dtype])
+    todo = [b for b in plan.batches if not (out / b.key).is_file()]
+    need = sum(estimate_file_bytes(b.num_tokens, b.rows, token_bytes) for b in todo)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise HsextractError(
+            f"output directory {out} has {free / 1e9:.3f} GB free but the plan's {len(todo)} batch file(s) still "
+            f"to write need about {need / 1e9:.3f} GB: free space there or choose another --output"
         )
 
 
