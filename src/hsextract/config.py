@@ -132,6 +132,11 @@ class RunConfig:
     stalled: its worker logs it, the launcher prints it naming the process, ``status`` shows it. Nothing is
     stopped; a stall that ends is reported as recovered."""
 
+    check_states: bool = _opt(True, "run")
+    """Stop the run at the first batch whose states hold a NaN or Inf, or a token whose state is all zeros, in
+    any stored layer, naming the batch and the layer (a float16 overflow, broken weights). The check runs on the
+    device and costs two reductions per batch. Off only for a model known to produce such states."""
+
     prewarm: bool = _opt(True, "run")
     """On GPUs with flash-linear-attention: compile its kernels once into a shared Triton cache before the shards
     start, instead of every shard compiling them at once."""

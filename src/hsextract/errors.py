@@ -1,6 +1,10 @@
 """Errors a user can hit. The CLI prints their message (no traceback) and exits with status 2."""
 
+import logging
 import re
+import sys
+import threading
+import traceback
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
 
@@ -8,6 +12,43 @@ _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
 def redact(text: str) -> str:
     """``text`` with the credentials of every URL in it (``scheme://user:password@host``) replaced by ``***``."""
     return _USERINFO.sub(r"\1***@", text)
+
+
+def install_redaction() -> None:
+    """Redact every message this process logs or dies with, once, at the places they all pass: each log record as
+    it is made (message, arguments and traceback, whatever handler prints it: a log file, the console, logging's
+    last resort) and uncaught exceptions' tracebacks. Libraries' own texts are covered too (botocore puts the
+    endpoint URL, credentials and all, into its exceptions). ``HsextractError`` redacts its message itself.
+    Every hsextract process imports the package, which calls this."""
+    factory = logging.getLogRecordFactory()
+    if getattr(factory, "redacts", False):
+        return
+
+    def make_record(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: logging reports it when the record is printed
+            return record
+        record.msg, record.args = redact(message), None
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        return record
+
+    make_record.redacts = True
+    logging.setLogRecordFactory(make_record)
+
+    def excepthook(kind, value, tb):
+        sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))
+
+    def thread_excepthook(args):
+        if args.exc_type is not SystemExit:
+            name = args.thread.name if args.thread is not None else "a thread"
+            sys.stderr.write(f"Exception in thread {name}:\n")
+            excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
 
 
 class HsextractError(Exception):
@@ -28,6 +69,9 @@ class CorruptOutputError(HsextractError):
     def __init__(self, url: str, key: str, problem: str):
         self.url, self.key, self.problem = url, key, problem
         super().__init__(f"{url.rstrip('/')}/{key}: {problem}")
+
+    def __reduce__(self):  # pickled across process pools (export): rebuilt from its fields, not its message
+        return type(self), (self.url, self.key, self.problem)
 
 
 class UploaderDied(HsextractError):

@@ -154,6 +154,32 @@ def _kept_rows(out, fmt: ExportFormat, units: list[Unit], progress):
         progress(unit.num_samples)
 
 
+def check_vocab_options(draft_vocab: int | None, target_vocab_size: int | None, recorded: int | None):
+    """The target vocabulary size to map into, checked before anything is written: a bad value found after the
+    sample files would be recorded in DEST and refuse the corrected rerun as another export."""
+    if target_vocab_size is not None:
+        if target_vocab_size < 1:
+            raise HsextractError(
+                f"--target-vocab-size must be a positive number of tokens, got {target_vocab_size}"
+            )
+        if recorded and target_vocab_size != recorded:
+            raise HsextractError(
+                f"--target-vocab-size {target_vocab_size} differs from the {recorded} tokens this output's "
+                "manifest records: leave the option out (it is for outputs whose manifest lacks the size)"
+            )
+    vocab = target_vocab_size or recorded
+    if draft_vocab is None:
+        return vocab
+    if not vocab:
+        raise HsextractError(
+            "--draft-vocab needs the target vocabulary size, which this output's manifest does not record: "
+            "give --target-vocab-size"
+        )
+    if not 0 < draft_vocab <= vocab:
+        raise HsextractError(f"--draft-vocab {draft_vocab} must be in 1..{vocab} (the target vocabulary)")
+    return vocab
+
+
 def export(
     source: str,
     dest_url: str,
@@ -178,12 +204,7 @@ def export(
     out = open_output(source, endpoint_url)
     manifest = out.manifest
     fmt.check(manifest)
-    vocab = target_vocab_size or manifest.get("vocab_size")
-    if draft_vocab is not None and not vocab:
-        raise HsextractError(
-            "--draft-vocab needs the target vocabulary size, which this output's manifest does not record: "
-            "give --target-vocab-size"
-        )
+    vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
     if num_proc < 1:
         raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
 
@@ -238,6 +259,11 @@ def export(
     stats_bar.close()
     dest.put_bytes("token_freq.pt", _torch_bytes(dict(sorted(token_freq.items()))))
     if draft_vocab is not None:
+        if token_freq and max(token_freq) >= vocab:
+            raise HsextractError(
+                f"--target-vocab-size {vocab}: the output holds token id {max(token_freq)}; give the model's "
+                "vocabulary size"
+            )
         d2t, t2d = vocab_mapping(token_freq, draft_vocab, vocab)
         for key, data in fmt.vocab_mapping_files(d2t, t2d).items():
             dest.put_bytes(key, data)

@@ -124,10 +124,13 @@ def done_in_output(sink, prefix: str = "") -> set[str]:
     }
 
 
-def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> tuple[dict[str, str], dict[str, dict]]:
+def check_batches(
+    sink, keys, plan_hash: str, workers: int = 16, *, full: bool = False
+) -> tuple[dict[str, str], dict[str, dict]]:
     """For each batch key: its completion record exists, matches this plan, records the file's checksums, and the
-    object is there with the recorded size and (where the store keeps one) CRC32. Returns ``{key: what is
-    wrong}`` for the bad ones and the records of the good ones."""
+    object is there with the recorded size and CRC32: the one the store keeps, or with ``full`` (before a
+    manifest) computed from the bytes where it keeps none (a local output). Returns ``{key: what is wrong}`` for
+    the bad ones and the records of the good ones."""
     records: dict[str, dict] = {}
 
     def check(key: str) -> str | None:
@@ -141,7 +144,7 @@ def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> tuple[dict[s
         records[key] = record
         if record.get("plan_hash") != plan_hash:
             return f"completion record of another plan ({record.get('plan_hash')})"
-        stored = sink.stored(key)
+        stored = sink.checksum(key) if full else sink.stored(key)
         if stored is None:
             return "batch file missing"
         if stored.size != record["size"]:
@@ -155,3 +158,11 @@ def check_batches(sink, keys, plan_hash: str, workers: int = 16) -> tuple[dict[s
         problems = dict(zip(keys, pool.map(check, keys), strict=True))
     bad = {k: v for k, v in problems.items() if v}
     return bad, {k: r for k, r in records.items() if k not in bad}
+
+
+def verified_done(sink, prefix: str, keys, plan_hash: str) -> tuple[dict[str, dict], dict[str, str]]:
+    """Of the batch ``keys`` under ``prefix``, those the output records done for this plan and bears out (record
+    and object, ``check_batches``), with their records; and why each other one recorded is not done."""
+    recorded = [k for k in done_in_output(sink, prefix) if k in keys]
+    problems, records = check_batches(sink, recorded, plan_hash) if recorded else ({}, {})
+    return records, problems

@@ -73,6 +73,9 @@ class _RowSkipped(Exception):
         super().__init__(reason)
         self.kind, self.reason = kind, reason
 
+    def __reduce__(self):  # tokenizer pools send it back to the parent
+        return type(self), (self.kind, self.reason)
+
 
 def _malformed(reason: str) -> _RowSkipped:
     return _RowSkipped("malformed", reason)

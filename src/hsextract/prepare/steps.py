@@ -80,6 +80,7 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
         shards=cfg.total_shards,
         fingerprint=fingerprint,
     )
+    check_output_space(cfg, plan, model)
     accept_plan(cfg, run_dir, plan, restart=restart, echo=echo)
     write_run_files(
         cfg, run_dir, plan, model, tokenizer, samples, {**report.to_json(), "duplicate_ids_renamed": renamed}
@@ -91,6 +92,7 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
 def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The model config, the layer ids, the output and the staging space: fails fast, writes nothing."""
     RunDir(cfg.run_dir).check_is_dir()
+    check_same_output(cfg)
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
@@ -103,6 +105,28 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     return ModelFacts(
         config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids, layout=layout
     )
+
+
+def output_identity(output: str) -> str:
+    return output.rstrip("/") if "://" in output else str(Path(output).expanduser().resolve())
+
+
+def check_same_output(cfg: RunConfig) -> None:
+    """A run dir serves one output: its markers, progress and staged files are that output's. Another output is
+    another job, which gets its own run dir (the default one is per output)."""
+    config_file = RunDir(cfg.run_dir).config_file
+    if not config_file.is_file():
+        return
+    try:
+        before = RunConfig.load(config_file).output
+    except (HsextractError, TypeError):
+        return  # a damaged config.json: the plan check says what to do
+    if output_identity(before) != output_identity(cfg.output):
+        raise HsextractError(
+            f"run dir {cfg.run_dir} belongs to the job writing --output {before}, not {cfg.output}: a run dir "
+            "serves one output. To write into the new output, give another --run-dir (or none: each output gets "
+            f"its own); to resume the old job, give --output {before}"
+        )
 
 
 def check_no_overlap(cfg: RunConfig) -> None:
@@ -137,6 +161,23 @@ def check_staging(staging: Path, need_bytes: int) -> None:
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
             f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
             "or lower --max-tokens-per-batch"
+        )
+
+
+def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
+    """A local output must have room for the plan's batch files not there yet: the plan knows their size, and a
+    file system that fills mid-run (a RAM disk fills the host's memory) fails far later and worse."""
+    if "://" in cfg.output:
+        return
+    out = Path(cfg.output)
+    token_bytes = model.layout.bytes_per_token(model.text_config.hidden_size, DTYPE_BYTES[cfg.dtype])
+    todo = [b for b in plan.batches if not (out / b.key).is_file()]
+    need = sum(estimate_file_bytes(b.num_tokens, b.rows, token_bytes) for b in todo)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise HsextractError(
+            f"output directory {out} has {free / 1e9:.3f} GB free but the plan's {len(todo)} batch file(s) still "
+            f"to write need about {need / 1e9:.3f} GB: free space there or choose another --output"
         )
 
 

@@ -43,8 +43,10 @@ def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
 
 
 def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
-    """Write the manifest if every planned batch is done and checked. Returns the exit code and the keys found
-    missing or damaged (their completion records are removed so that their shards recompute them)."""
+    """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
+    are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
+    completion record, or found missing or damaged (their records are removed so that their shards recompute
+    them). An empty set means the manifest is written and every batch it lists was checked just before."""
     plan, info, sample_ids, data_report = load_job_files(sink)
     keys = [b.key for b in plan.batches]
     done = done_in_output(sink)
@@ -52,8 +54,9 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     if todo:
         shards = sorted({b.shard for b in plan.batches if b.key in set(todo)})
         echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
-        return 0, set()
-    problems, records = check_batches(sink, keys, plan.plan_hash)
+        return 0, set(todo)
+    # The full check: on a store that keeps no CRC32 (a local output) each file is read once to compute it.
+    problems, records = check_batches(sink, keys, plan.plan_hash, full=True)
     if problems:
         for key, why in sorted(problems.items())[:10]:
             echo(f"output check: {key}: {why}")

@@ -31,6 +31,7 @@ from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
 from hsextract.format.manifest import has_manifest
+from hsextract.format.records import done_in_output
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
 from hsextract.run.procs import Terminated, die_with_parent
@@ -113,11 +114,14 @@ def prewarm(cfg: RunConfig, echo=print) -> None:
 
 
 def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
-    """Run the shards to completion and finish the output; returns the process exit code.
+    """Run the shards to completion and finish the output; returns the process exit code: 0 only once every batch
+    of this node's shards is checked in the output and, if the whole job is done, the manifest is written (on one
+    node: 0 means the manifest is written and holds).
 
-    A batch whose file is missing from the output or differs from what was uploaded (deleted or damaged behind
-    the run's back) is found by ``finalize`` before the manifest is written; its marker is dropped and its shard
-    is run once more, which recomputes exactly those batches."""
+    The output, not the run dir, decides what is done: a shard is started unless the output records all its
+    batches, and its worker recomputes every batch whose record or object is missing or does not match. A batch
+    found missing or damaged by ``finalize`` (deleted or damaged behind the run's back) loses its record and its
+    marker, and its shard is run once more, which recomputes exactly those batches."""
     local = cfg.local_shards
     shards = sorted(only_shards) if only_shards else local
     bad = [s for s in shards if s not in local]
@@ -127,22 +131,26 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
         code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo)
         if code:
             return code
-        code, damaged = finalize(cfg, plan, echo=echo)
-        if not damaged:
-            return code
-        shards = sorted({b.shard for b in plan.batches if b.key in damaged} & set(shards))
+        code, missing = finalize(cfg, plan, echo=echo)
+        if code == 0 and not missing:
+            return 0
+        missing = {b.key for b in plan.batches if b.key in missing and b.shard in shards}
+        if not missing:
+            return code  # only other nodes' (or shards not run here) batches are still to do
+        shards = sorted({b.shard for b in plan.batches if b.key in missing})
         if attempt == 0:
-            echo(f"recomputing {len(damaged)} batch(es) of shard(s) {shards}")
+            echo(f"recomputing {len(missing)} batch(es) of shard(s) {shards}")
     echo("the output still lacks batches after recomputing them; see the messages above")
     return 1
 
 
 def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo) -> int:
     run_dir = RunDir(cfg.run_dir)
-    done = run_dir.done_keys()
+    # One listing of the output's completion records; a worker checks each of its shard's batches in full.
+    done = done_in_output(open_sink(cfg.output, cfg.s3_endpoint_url))
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
-        echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+        echo(f"shards already complete in the output: {sorted(set(shards) - set(todo))}")
     if todo and cfg.device == "cuda" and cfg.prewarm:
         prewarm(cfg, echo=echo)
     procs = {s: start_worker(cfg, s) for s in todo}
@@ -242,21 +250,22 @@ def _exit_reason(returncode: int) -> str:
 
 def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
     """Once this node's shards are done: write the manifest if the whole job is done (finalize.py checks every
-    batch in the output first). Returns the exit code and the keys of this node's shards found missing or
-    damaged in the output; their markers are removed, so that running those shards again recomputes them."""
+    batch in the output first). Returns the exit code and the keys of every batch not done in the output: still
+    to do, missing or damaged. The markers of this node's are removed, so that running their shards again
+    recomputes them."""
     run_dir = RunDir(cfg.run_dir)
-    code, damaged = finalize_output(open_sink(cfg.output, cfg.s3_endpoint_url), echo=echo)
-    mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & damaged
+    code, missing = finalize_output(open_sink(cfg.output, cfg.s3_endpoint_url), echo=echo)
+    mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & missing
     for key in mine:
         run_dir.marker(key).unlink(missing_ok=True)
-    if damaged - mine:
+    if code and missing - mine:
         echo(
-            f"{len(damaged - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"
+            f"{len(missing - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"
         )
-    if code == 0 and damaged == set() and has_manifest(open_sink(cfg.output, cfg.s3_endpoint_url)):
+    if code == 0 and not missing and has_manifest(open_sink(cfg.output, cfg.s3_endpoint_url)):
         atomic_write(run_dir.complete_file, plan.plan_hash)
         remove_empty_staging(cfg, plan.shards)
-    return code, mine
+    return code, missing
 
 
 def remove_empty_staging(cfg: RunConfig, shards: int) -> None:

@@ -12,6 +12,11 @@ The GPU never waits for host work:
 A fixed set of buffer slots bounds host and device memory and how far the GPU runs ahead: when ``on_batch`` is
 slow (the worker waits for the uploader to drain staging), slots stop coming back and the GPU loop waits too.
 The dry run drives the same ``Extractor`` so that its proof covers the production path.
+
+With ``check_states`` each batch's states are checked on the device after its forward (``state_health``: per
+stored layer, the tokens whose vector holds a NaN or Inf and those whose vector is all zeros, from a max and a
+min over the hidden dimension, never a tensor the size of the states); the few counts ride the same side-stream
+copy, and the writer refuses the batch (``BadStatesError``) before ``on_batch`` writes anything.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.prepare.plan import BatchSpec
 from hsextract.prepare.tokenize import TokenizedSamples
@@ -74,6 +80,43 @@ def build_batch(samples: TokenizedSamples, batch: BatchSpec, pad_token_id: int) 
     )
 
 
+class BadStatesError(HsextractError):
+    """A batch's states hold non-finite values or all-zero token vectors: stored, they would train nothing."""
+
+
+def state_health(out: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """[2, slots] int64 on the device: per slot, the tokens whose state holds a NaN or Inf, and those whose state
+    is all zeros. ``out`` is [tokens, slots, hidden]; with fp8 storage ``scale`` [tokens, slots] tells both (a
+    non-finite vector has a non-finite scale, an all-zero one scale 0: fp8.py)."""
+    if scale is not None:
+        bad, zero = ~torch.isfinite(scale), scale == 0
+    else:
+        high, low = out.amax(dim=2), out.amin(dim=2)  # NaN propagates through both
+        bad = ~(torch.isfinite(high) & torch.isfinite(low))
+        zero = (high == 0) & (low == 0)
+    return torch.stack([bad.sum(dim=0), zero.sum(dim=0)])
+
+
+def refuse_bad_states(health: torch.Tensor, batch: BatchSpec, layer_ids, dtype) -> None:
+    """Raise ``BadStatesError`` naming the batch and the first bad layer, if ``health`` (``state_health``) counts
+    any bad token."""
+    counts = health.tolist()
+    for slot, layer in enumerate(layer_ids):
+        bad, zero = counts[0][slot], counts[1][slot]
+        if bad or zero:
+            what = (
+                f"{bad} token(s) with NaN or Inf values"
+                if bad
+                else f"{zero} token(s) whose state is all zeros"
+            )
+            raise BadStatesError(
+                f"batch {batch.batch_id} (shard {batch.shard}, {batch.key}): layer {layer} has {what} "
+                f"of {batch.num_tokens}, in {str(dtype).removeprefix('torch.')}. Stored, they would train "
+                "nothing: check the model (hsextract dry-run shows each layer's health; float16 overflows "
+                "where bfloat16 does not), or pass --no-check-states if such states are expected"
+            )
+
+
 class Slot:
     """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU), and with
     fp8 storage the same pair for the scales."""
@@ -81,6 +124,9 @@ class Slot:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scale_numel: int = 0):
         self.device_buf = torch.empty(numel, dtype=dtype, device=device)
         self.device_scale = torch.empty(scale_numel, dtype=torch.float32, device=device)
+        self.health: torch.Tensor | None = (
+            None  # state_health of the batch in the slot, on the host once copied
+        )
         if device.type == "cuda":
             self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
             self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
@@ -109,6 +155,7 @@ class Extractor:
         num_slots: int,
         pad_token_id: int,
         storage_dtype: str | None = None,
+        check_states: bool = False,
     ):
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
@@ -121,6 +168,7 @@ class Extractor:
         scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
         self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.check_states = check_states
 
     def run(self, batches, samples: TokenizedSamples, on_batch, on_forward=None, should_stop=None):
         """``on_batch(batch, tensors)`` runs in the writer thread; its tensors alias a slot that is reused once it
@@ -139,6 +187,8 @@ class Extractor:
                         continue
                     if slot.copied is not None:
                         slot.copied.synchronize()
+                    if slot.health is not None:
+                        refuse_bad_states(slot.health, batch, self.layer_ids, self.lm.dtype)
                     n, slots = inputs.num_tokens, len(self.layer_ids)
                     states = slot.host_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
                     scales = (
@@ -182,10 +232,15 @@ class Extractor:
                             scale=scale,
                         ),
                     )
+                    health = state_health(out, scale) if self.check_states else None
+                    slot.health = health
                     if self.copy_stream is not None:
                         # The copy waits for this forward only; the next forward starts at once on the main stream.
                         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
                         with torch.cuda.stream(self.copy_stream):
+                            if health is not None:
+                                health.record_stream(self.copy_stream)  # read here after the loop drops it
+                                slot.health = health.to("cpu", non_blocking=True)
                             slot.host_buf[: out.numel()].copy_(out.view(-1), non_blocking=True)
                             if scale is not None:
                                 slot.host_scale[: scale.numel()].copy_(scale.view(-1), non_blocking=True)

@@ -59,6 +59,9 @@ class Terminated(BaseException):
         self.signum = signum
         super().__init__(f"stopped by {self.signal_name}")
 
+    def __reduce__(self):
+        return type(self), (self.signum,)
+
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.signum).name

@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import os
 import re
+import socket
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -146,6 +147,29 @@ class RunDir:
                     if entry.name.endswith(MARKER_SUFFIX):
                         keys.add(f"{shard_dir.name}/{entry.name[: -len(MARKER_SUFFIX)]}")
         return keys
+
+    def lock_shard(self, shard: int):
+        """An exclusive lock on ``shard`` for the life of the process (the open file holding it): two processes
+        running one shard would race on its staging directory and output keys. The kernel drops the lock when the
+        process dies."""
+        path = self.lock_file(shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise HsextractError(
+                f"shard {shard} of {self.root} is already being run by {holder}; "
+                "wait for it (hsextract status) or stop it before rerunning"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        return f
 
     def is_run_dir(self) -> bool:
         return self.plan_file.exists()

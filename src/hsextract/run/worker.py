@@ -1,9 +1,9 @@
 """The per-shard worker: resume bookkeeping, the GPU pipeline, files to staging, the uploader process.
 
 One process per shard (``main`` with RUN_DIR SHARD), started by the launcher with ``CUDA_VISIBLE_DEVICES``
-already set. ``ShardRun`` locks the shard, works out what is left (batches with a marker are done; complete files
-left in staging are uploaded, not recomputed; ``*.tmp-*`` files, writes cut short, are deleted), loads the model
-and drives the pipeline (pipeline.py) over the remaining batches. Its writer callback writes each batch file into
+already set. ``ShardRun`` locks the shard, works out what is left (done is what the output records and bears out;
+markers are a cache of that; complete staged files are uploaded, not recomputed; ``*.tmp-*`` files, writes cut
+short, are deleted), loads the model and drives the pipeline (pipeline.py) over the remaining batches. Its writer callback writes each batch file into
 the staging directory and hands it to the uploader process (uploader.py), which marks it done once it is durable.
 
 Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; the pipeline's slots then
@@ -23,7 +23,6 @@ says ``stopped`` by that signal, and the process exits with 128 + the signal num
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from hsextract.errors import HsextractError, redact
 from hsextract.format.batch import batch_metadata
 from hsextract.format.final_norm import write_final_norm
 from hsextract.format.keys import shard_name
-from hsextract.format.records import check_batches, done_in_output
+from hsextract.format.records import verified_done
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, Plan
@@ -214,19 +213,26 @@ class ShardRun:
         p.stalled_since = since if stall else None
 
     # -- staging ----------------------------------------------------------------------------------------------
-    def _adopt_output_records(self, sink) -> None:
-        """Batches the output records as done for this plan count as done even without a local marker (a run dir
-        lost or recreated, a rerun on another node): their markers are written back, nothing is recomputed."""
-        missing = [k for k in done_in_output(sink, f"{shard_name(self.shard)}/") if k in self.by_key]
-        missing = [k for k in missing if k not in self.done]
-        if not missing:
-            return
-        problems, records = check_batches(sink, missing, self.plan.plan_hash)
-        for key in missing:
-            if key not in problems:
-                atomic_write(self.run_dir.marker(key), json.dumps(records[key]))
-        self._mark_done(k for k in missing if k not in problems)
-        log.info("adopted %d batch(es) recorded done in the output", len(missing) - len(problems))
+    def _sync_with_output(self, sink) -> None:
+        """The output, not the run dir, decides what is done: a batch is done only if the output records it for
+        this plan and holds the object as recorded. A missing marker is written back (a run dir lost, a rerun on
+        another node); a marker the output does not bear out (the output deleted, replaced or damaged behind the
+        run) is dropped and its batch recomputed."""
+        good, problems = verified_done(sink, f"{shard_name(self.shard)}/", self.by_key, self.plan.plan_hash)
+        markers = {k for k in self.run_dir.done_keys() if k in self.by_key}
+        if stale := sorted(markers - set(good)):
+            for key in stale:
+                self.run_dir.marker(key).unlink(missing_ok=True)
+            why = problems.get(stale[0], "no completion record")
+            log.warning(
+                "%d batch(es) with a marker are not done in the output (e.g. %s: %s): recomputed",
+                len(stale),
+                stale[0],
+                why,
+            )
+        for key in set(good) - markers:
+            atomic_write(self.run_dir.marker(key), json.dumps(good[key]))
+        self._mark_done(sorted(good))
 
     def _recover_staging(self) -> list[str]:
         """Drop cut-short writes and files that are not this plan's; return keys of complete staged files that
@@ -319,24 +325,7 @@ class ShardRun:
 
     # -- main -------------------------------------------------------------------------------------------------
     def _lock_shard(self) -> None:
-        """Hold an exclusive lock on this shard for the life of the process: two processes running one shard
-        would race on its staging directory and output keys. The kernel drops the lock when the process dies."""
-        path = self.run_dir.lock_file(self.shard)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(path, "a+")
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.seek(0)
-            holder = self._lock_file.read().strip() or "another process"
-            raise HsextractError(
-                f"shard {self.shard} of {self.run_dir} is already being run by {holder}; "
-                "wait for it (hsextract status) or stop it before rerunning"
-            ) from None
-        self._lock_file.seek(0)
-        self._lock_file.truncate()
-        self._lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        self._lock_file.flush()
+        self._lock_file = self.run_dir.lock_shard(self.shard)
         self.locked = True
 
     def run(self) -> None:
@@ -352,9 +341,7 @@ class ShardRun:
             self.staging,
         )
         sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
-        all_done = self.run_dir.done_keys()
-        self._mark_done(k for k in self.by_key if k in all_done)
-        self._adopt_output_records(sink)
+        self._sync_with_output(sink)
         self.session_tokens = 0
         staged = self._recover_staging()
         if len(self.done) < len(self.batches):
@@ -427,6 +414,7 @@ class ShardRun:
             num_slots=cfg.pinned_buffers,
             pad_token_id=self.info.pad_token_id,
             storage_dtype=layout.storage_dtype,
+            check_states=cfg.check_states,
         )
         self.t_start = self._idle_from = time.time()
         self._save_progress("running")

@@ -106,6 +106,11 @@ class Sink(abc.ABC):
         """Size and, where the store keeps one cheaply, the full-object CRC32 (else ``crc32`` is None) of the
         object under ``key``; None if there is none."""
 
+    def checksum(self, key: str) -> StoredObject | None:
+        """Like ``stored``, with the CRC32 computed from the object's bytes where the store keeps none (reads the
+        whole object); None if there is none."""
+        return self.stored(key)
+
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes:
         """The whole object; ``FileNotFoundError`` if there is none."""

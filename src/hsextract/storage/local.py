@@ -64,6 +64,13 @@ class LocalSink(Sink):
         except FileNotFoundError:
             return None
 
+    def checksum(self, key: str) -> StoredObject | None:
+        try:
+            size, crc = read_with_crc32(self._path(key))
+        except FileNotFoundError:
+            return None
+        return StoredObject(key, size, crc)
+
     def _write_atomically(self, dest: Path, write: Callable[[BinaryIO], tuple[int, int]]) -> tuple[int, int]:
         """Write through ``write(file) -> (size, crc32)``; renamed into place only after fsync."""
         try:

@@ -1,0 +1,314 @@
+"""The output, not the run dir, decides what is done; no process prints a credential; bad states stop the run.
+
+Each test reproduces one finding of the reliability review with real processes and real damage (files deleted or
+altered in the output behind the run, the output deleted, an unreachable endpoint with a password in its URL, a
+model whose states overflow), on the tiny model. Tests that start from a finished run copy one module-scoped run
+(output and run dir, the copy's run dir bound to the copied output) instead of running their own.
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.damage import flip
+from support.s3server import cli_env, free_port
+
+from hsextract.format.manifest import MANIFEST
+from hsextract.format.records import done_key
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tiny_tokenizer):
+    return write_mixed_dataset(
+        tmp_path_factory.mktemp("reliability-data") / "data.jsonl", tiny_tokenizer, n_chat=20
+    )
+
+
+def args_for(root: Path, model, data, **options) -> list:
+    opts = {
+        **TINY_LIMITS,
+        "max_tokens_per_batch": 400,
+        "max_rows": 8,
+        "layers": "0,3,7",
+        "shards": 2,
+        "num_proc": 1,
+        "no_progress": True,
+        **options,
+    }
+    return cli_run_args(root, model, data, **opts)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model, dataset):
+    """A finished run: ``out`` and ``run`` under the returned root."""
+    root = tmp_path_factory.mktemp("reliability-reference")
+    run_cli(*args_for(root, tiny_model, dataset))
+    return root
+
+
+def copy_run(reference: Path, root: Path) -> Path:
+    """The reference's output and run dir under ``root``, the run dir's config naming the copied output."""
+    shutil.copytree(reference / "out", root / "out")
+    shutil.copytree(reference / "run", root / "run", ignore=shutil.ignore_patterns("locks"))
+    config = root / "run" / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg.update(output=str(root / "out"), run_dir=str(root / "run"), staging=str(root / "staging"))
+    config.write_text(json.dumps(cfg))
+    return root
+
+
+def batch_bytes(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shard-*/*.safetensors"))}
+
+
+def assert_verified(out: Path) -> None:
+    r = run_cli("verify", out, check=False)
+    assert r.returncode == 0 and "all good" in r.stdout, r.stdout + r.stderr
+
+
+# -- 1. the output decides what is done --------------------------------------------------------------------------
+def test_a_run_dir_is_bound_to_its_output_another_output_is_refused_naming_both(
+    tmp_path, tiny_model, dataset, reference
+):
+    """The same command with another --output and the old run dir used to exit 0 ("shards already complete",
+    no manifest) on every rerun, leaving the new output empty."""
+    copy_run(reference, tmp_path)
+    other = tmp_path / "B"
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset, output=other), check=False)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert "Traceback" not in text
+    assert f"belongs to the job writing --output {tmp_path / 'out'}, not {other}" in text
+    assert "another --run-dir" in text
+    assert not other.exists() or not any(other.rglob("*.safetensors"))
+    # Without --run-dir the new output gets its own run dir and completes.
+    ok = run_cli(*args_for(tmp_path, tiny_model, dataset, output=other, run_dir=None), cwd=tmp_path)
+    assert "done:" in ok.stdout, ok.stdout
+    assert batch_bytes(other) == batch_bytes(reference / "out")
+
+
+def test_a_batch_whose_record_and_file_are_deleted_from_the_output_is_recomputed(
+    tmp_path, tiny_model, dataset, reference
+):
+    """The run dir's markers said done; the output lacked the batch: every rerun exited 0 "1 of N still to do"."""
+    copy_run(reference, tmp_path)
+    out = tmp_path / "out"
+    (out / MANIFEST).unlink()
+    victim = sorted(out.glob("shard-00001/*.safetensors"))[1].relative_to(out).as_posix()
+    (out / victim).unlink()
+    (out / done_key(victim)).unlink()
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset))
+    assert "done:" in r.stdout and (out / MANIFEST).is_file(), r.stdout
+    log = (tmp_path / "run" / "logs" / "shard-00001.log").read_text()
+    assert (
+        f"1 batch(es) with a marker are not done in the output (e.g. {victim}: no completion record)" in log
+    )
+    assert "resume: " in log and "1 to compute" in log
+    assert batch_bytes(out) == batch_bytes(reference / "out")
+    assert_verified(out)
+
+
+def test_an_output_deleted_behind_the_run_is_recomputed_even_with_restart(
+    tmp_path, tiny_model, dataset, reference
+):
+    copy_run(reference, tmp_path)
+    shutil.rmtree(tmp_path / "out")
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset), "--restart")
+    assert "done:" in r.stdout, r.stdout
+    assert batch_bytes(tmp_path / "out") == batch_bytes(reference / "out")
+    assert_verified(tmp_path / "out")
+
+
+# -- 3. a damaged file is never listed in a manifest -------------------------------------------------------------
+def test_a_flipped_byte_in_an_uploaded_local_file_is_found_before_the_manifest_and_recomputed(
+    tmp_path, tiny_model, dataset, reference
+):
+    """On a local output only the size was checked before the manifest: a file with one byte changed was listed,
+    the run ended "done", and `verify` found it afterwards."""
+    copy_run(reference, tmp_path)
+    out = tmp_path / "out"
+    (out / MANIFEST).unlink()
+    victim = sorted(out.glob("shard-00000/*.safetensors"))[0]
+    flip(victim, victim.stat().st_size // 2)  # inside the states: the size stays
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset))
+    key = victim.relative_to(out).as_posix()
+    assert f"output check: {key}: batch file CRC32" in r.stdout, r.stdout
+    assert "recomputing 1 batch(es) of shard(s) [0]" in r.stdout and "done:" in r.stdout
+    assert batch_bytes(out) == batch_bytes(reference / "out")
+    assert_verified(out)
+
+
+# -- 2. no process prints the endpoint's password ----------------------------------------------------------------
+def test_no_command_prints_the_endpoint_password_in_its_retry_lines_or_errors(tmp_path, tiny_model, dataset):
+    """botocore's own text ("Could not connect to the endpoint URL: http://user:PASS@...") was embedded in retry
+    lines, which processes without the workers' redacting log handler printed as they were."""
+    secret = "Pa55w0rdXYZ"
+    endpoint = f"http://someone:{secret}@127.0.0.1:{free_port()}"
+    output = "s3://bucket/prefix"
+    commands = {
+        "verify": ["verify", output, "--s3-endpoint-url", endpoint],
+        "status": ["status", output, "--s3-endpoint-url", endpoint],
+        "finalize": ["finalize", output, "--s3-endpoint-url", endpoint],
+        "export": [
+            "export",
+            output,
+            tmp_path / "dest",
+            "--format",
+            "speculators",
+            "--s3-endpoint-url",
+            endpoint,
+        ],
+        "run": args_for(tmp_path, tiny_model, dataset, output=output, s3_endpoint_url=endpoint),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=cli_env(),
+        )
+        for name, args in commands.items()
+    }
+    # The run's preflight gives up in seconds; the others retry for minutes: their first retry lines suffice.
+    deadline = time.monotonic() + 25
+    while time.monotonic() < deadline and procs["run"].poll() is None:
+        time.sleep(0.2)
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    seen = {}
+    for name, p in procs.items():
+        if p.poll() is None and name != "run":
+            p.send_signal(signal.SIGTERM)
+        seen[name] = p.communicate(timeout=120)[0]
+    leaks = {name: text[-400:] for name, text in seen.items() if secret in text}
+    assert not leaks, f"the password leaked: {leaks}"
+    assert all("retry 1 of" in text for name, text in seen.items() if name != "export"), seen
+    assert procs["run"].returncode == 2, seen["run"]
+    assert "could not reach http://***@127.0.0.1" in seen["run"], seen["run"]
+
+
+# -- 5. states that overflow stop the run ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def overflowing_model(tmp_path_factory, tiny_model):
+    """The tiny model with its embedding scaled by 1e6: in float16 every state is NaN (the embedding overflows)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path_factory.mktemp("overflowing-model")
+    for f in Path(tiny_model).iterdir():
+        if f.is_file():
+            shutil.copy(f, model / f.name)
+    weights = load_file(model / "model.safetensors")
+    name = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    weights[name] = weights[name] * 1e6
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_a_float16_run_whose_states_overflow_stops_naming_batch_and_layer(tmp_path, overflowing_model):
+    """It used to end "done" with every stored value NaN, and `verify` agreed. (Few short rows: float16 on the
+    CPU is slow.)"""
+    data = tmp_path / "short.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"s{i}", "input_ids": list(range(5, 25 + i)), "loss_mask": [1] * (20 + i)})
+            + "\n"
+            for i in range(4)
+        )
+    )
+    args = args_for(
+        tmp_path, overflowing_model, data, dtype="float16", shards=1, max_length=30, max_tokens_per_batch=50
+    )
+    r = run_cli(*args, check=False)
+    text = r.stdout + r.stderr
+    assert r.returncode == 1, text
+    assert "Traceback" not in text
+    assert (
+        "shard 0 failed (exit 2): batch 0 (shard 0, shard-00000/batch-000000.safetensors): layer 0 has"
+        in text
+    )
+    assert "token(s) with NaN or Inf values" in text and "in float16" in text and "--no-check-states" in text
+    out = tmp_path / "out"
+    assert not (out / MANIFEST).exists() and not list(out.glob("shard-*/*.safetensors"))
+    # A user who knows better can store them.
+    ok = run_cli(*args, "--no-check-states")
+    assert "done:" in ok.stdout, ok.stdout
+
+
+# -- loud: export ------------------------------------------------------------------------------------------------
+def test_export_of_a_damaged_output_with_a_process_pool_names_the_file_instead_of_hanging(
+    tmp_path, finished_run
+):
+    """The pool could not unpickle CorruptOutputError back in the parent and waited forever."""
+    root = finished_run[0]
+    out = shutil.copytree(root / "out", tmp_path / "out")
+    victim = max(out.glob("shard-*/*.safetensors"), key=lambda p: p.stat().st_size)
+    flip(victim, victim.stat().st_size // 2)
+    args = (
+        "export",
+        out,
+        tmp_path / "dest",
+        "--format",
+        "specforge-dflash",
+        "--num-proc",
+        2,
+        "--no-progress",
+    )
+    r = run_cli(*args, check=False, timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert f"{victim.relative_to(out).as_posix()}: " in text and "Traceback" not in text, text
+
+
+def test_export_refuses_bad_vocabulary_options_before_writing_anything(tmp_path, finished_run):
+    """--draft-vocab 0 | 100000 was refused only after every sample file was written, and DEST then recorded the
+    bad value, so the corrected rerun was refused as another export; --target-vocab-size 10 was an IndexError."""
+    out = finished_run[0] / "out"
+    dest = tmp_path / "dest"
+    base = ("export", out, dest, "--format", "specforge-dflash", "--num-proc", 1, "--no-progress")
+    for extra, needle in [
+        (("--draft-vocab", 0), "--draft-vocab 0 must be in 1.."),
+        (("--draft-vocab", -5), "--draft-vocab -5 must be in 1.."),
+        (("--draft-vocab", 100000), "--draft-vocab 100000 must be in 1.."),
+        (("--draft-vocab", 8, "--target-vocab-size", 10), "--target-vocab-size 10 differs from the"),
+    ]:
+        r = run_cli(*base, *extra, check=False)
+        text = r.stdout + r.stderr
+        assert r.returncode == 2 and needle in text and "Traceback" not in text, text
+        assert not dest.exists() or not any(dest.rglob("*")), sorted(dest.rglob("*"))
+    ok = run_cli(*base, "--draft-vocab", 8)
+    assert "exported" in ok.stdout and (dest / "vocab_mapping.pt").is_file(), ok.stdout
+
+
+# -- a local output too small for the plan -----------------------------------------------------------------------
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real, separately mounted 1 MiB file system (tmpfs; needs root, as CI has)."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_local_output_without_room_for_the_plan_is_refused_before_the_model_loads(
+    tmp_path, tiny_model, dataset, small_filesystem
+):
+    """It started, filled the file system (on a RAM disk: the host's memory) and failed mid-run."""
+    out = small_filesystem / "out"
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset, output=out), check=False)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in text, text
+    assert f"output directory {out} has 0.00" in text and "GB free but the plan's 18 batch file(s)" in text, (
+        text
+    )
+    assert not (tmp_path / "run" / "logs").exists() and not list(out.rglob("*.safetensors"))
