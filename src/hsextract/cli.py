@@ -59,7 +59,21 @@ def job_options(fn):
             help="YAML file of options (configs/).",
         ),
         click.option("--model", help="Checkpoint directory or hub id of the target model."),
-        click.option("--data", help="JSONL / JSON / Parquet file or datasets.save_to_disk directory."),
+        click.option(
+            "--data",
+            multiple=True,
+            help="A data source; give it several times for a mix: a file (.jsonl[.gz|.zst], .json, .parquet), "
+            "glob, directory, dataset directory, hf:ORG/NAME or s3://BUCKET/PREFIX, with options as a query "
+            "string, e.g. 'hf:org/tools?split=train&limit=5000&name=tools' (docs/DATA.md).",
+        ),
+        click.option(
+            "--seed", type=int, help="Seed of the rows drawn for fraction= and sample= (default 0)."
+        ),
+        click.option(
+            "--dedupe/--no-dedupe",
+            default=None,
+            help="Keep once the rows whose token ids are identical across all sources (counted per source).",
+        ),
         click.option(
             "--layers", help="Decoder-layer ids whose OUTPUT is captured (e.g. 1,16,31), or dflash / eagle3."
         ),
@@ -103,7 +117,9 @@ def _build_config(**opts) -> RunConfig:
     values = load_yaml(opts.pop("config_file")) if opts.get("config_file") else {}
     opts.pop("config_file", None)
     for key, value in opts.items():
-        if value is not None:
+        if (
+            value is not None and value != ()
+        ):  # an option given no times (multiple=True) leaves the file's value
             values[key] = value
     for key in ("gpus",):
         if key in values:
