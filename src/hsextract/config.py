@@ -48,7 +48,7 @@ class RunConfig:
     """Data sources, mixed in order (prepare/sources.py): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
     globs, directories, ``datasets`` directories (saved or Hub layout), ``hf:org/name``, ``s3://bucket/prefix``;
     options as a query string (``path?limit=500&name=chat``) or, in YAML, a mapping with ``path``. One string is
-    one source."""
+    one source, as is a one-entry list."""
 
     seed: int = 0
     """Draws the rows of sources given ``fraction`` or ``sample``."""
@@ -143,8 +143,10 @@ class RunConfig:
     def __post_init__(self):
         from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
 
-        data = (self.data,) if isinstance(self.data, (str, dict, Path)) else tuple(self.data)
-        object.__setattr__(self, "data", tuple(str(d) if isinstance(d, Path) else d for d in data))
+        if isinstance(self.data, Path):
+            object.__setattr__(self, "data", str(self.data))
+        elif isinstance(self.data, list):
+            object.__setattr__(self, "data", tuple(self.data))
         parse_sources(self.data)  # a bad option fails here, before anything runs
         if self.dtype not in DTYPES:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")

@@ -105,7 +105,7 @@ def test_bad_options_are_refused_naming_the_source(spec, message):
 
 def test_config_takes_one_string_a_list_and_a_yaml_list_of_strings_and_mappings(tmp_path):
     base = {"model": "m", "output": "o", "run_dir": "r"}
-    assert RunConfig(data="a.jsonl", **base).data == ("a.jsonl",)
+    assert RunConfig(data="a.jsonl", **base).data == "a.jsonl"
     assert RunConfig(data=("a.jsonl", "b.jsonl?limit=3"), **base).data == ("a.jsonl", "b.jsonl?limit=3")
     (tmp_path / "job.yaml").write_text(
         "data:\n  - convs/*.jsonl\n  - path: hf:org/tools\n    limit: 50\n    name: tools\n"
