@@ -127,6 +127,9 @@ def measure(tok_dir: str, data: list[str], max_length: int) -> dict:
 
     from transformers import AutoTokenizer
 
+    import datasets  # noqa: F401  (imported first: the RSS before tokenizing then counts the libraries)
+    import pyarrow.parquet  # noqa: F401
+
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     rss_before = _rss_mb()
     t0 = time.perf_counter()

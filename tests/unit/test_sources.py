@@ -169,6 +169,20 @@ def test_hub_layout_folder_and_saved_dataset_are_read_through_datasets(tmp_path)
         resolve_sources(f"{hub}?split=test", cache_dir=tmp_path / "cache")
 
 
+def test_a_hub_layout_folder_edited_in_place_is_read_anew(tmp_path):
+    import shutil
+
+    hub = write_hub_folder(tmp_path / "hub", numbered(4))
+    first = resolve_sources(str(hub), cache_dir=tmp_path / "cache")
+    shutil.rmtree(hub)
+    write_hub_folder(hub, numbered(6, 10))  # the same file names, other rows
+
+    again = resolve_sources(str(hub), cache_dir=tmp_path / "cache")
+
+    assert [r["id"] for _, _, r in again.rows()] == [f"r{i}" for i in range(10, 16)]
+    assert again.fingerprint() != first.fingerprint()
+
+
 def test_unknown_hub_id_offline_says_so_and_how_to_fill_the_cache():
     with pytest.raises(HsextractError) as error:
         resolve_sources("hf:no-such-org/no-such-dataset?split=train")

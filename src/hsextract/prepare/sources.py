@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import re
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -415,9 +416,13 @@ def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, en
         identity = {"kind": "saved_dataset", "hash": rowio.tree_fingerprint(path), "split": spec.split}
         return Source(spec, name, label, "saved_dataset", dataset=dataset, identity=identity)
     if path.is_dir() and is_hub_folder(path):
-        cache = None if cache_dir is None else Path(cache_dir) / "datasets"
+        content = rowio.tree_fingerprint(path)
+        # datasets keys its cache of a local folder by the folder's name and file names, not their bytes: a folder
+        # edited in place would be read from the old cache. A cache per content hash cannot be stale.
+        root = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "hsextract"
+        cache = root / "datasets" / content[:16]
         dataset, _ = load_hub(str(path), **options, label=label, cache=cache)
-        identity = {"kind": "hub_folder", "hash": rowio.tree_fingerprint(path)}
+        identity = {"kind": "hub_folder", "hash": content}
         identity.update({k: v for k, v in options.items() if v})
         return Source(spec, name, label, "hub_folder", dataset=dataset, identity=identity)
     if path.is_dir():
