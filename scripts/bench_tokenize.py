@@ -125,22 +125,26 @@ def measure(tok_dir: str, data: list[str], max_length: int) -> dict:
     """In this (fresh) process: tokenize ``data``; rows/s and peak RSS."""
     import resource
 
-    from transformers import AutoTokenizer
-
     import datasets  # noqa: F401  (imported first: the RSS before tokenizing then counts the libraries)
     import pyarrow.parquet  # noqa: F401
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     rss_before = _rss_mb()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     source = data[0] if len(data) == 1 and "?" not in data[0] else data
     samples, report = load_samples(source, tokenizer, max_length=max_length, num_proc=1, progress=False)
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    peak = cpu1.ru_maxrss / 1024
     return {
         "rows": report.rows,
         "seconds": dt,
+        "cpu_seconds": cpu,
         "rows_per_s": report.rows / dt,
+        "rows_per_cpu_s": report.rows / cpu,
         "tokens": report.tokens,
         "rss_before_mb": rss_before,
         "peak_rss_mb": peak,
@@ -194,7 +198,8 @@ def run_mix(
             results.append(result)
             print(
                 f"{'one file' if single else 'mix of 4'} {result['rows']:>8} rows  {result['seconds']:7.1f} s  "
-                f"{result['rows_per_s']:7.0f} rows/s  {result['tokens'] / result['seconds']:9,.0f} tok/s  "
+                f"{result['rows_per_s']:7.0f} rows/s  {result['rows_per_cpu_s']:7.0f} rows/CPU-s  "
+                f"{result['tokens'] / result['cpu_seconds']:9,.0f} tok/CPU-s  "
                 f"RSS before {result['rss_before_mb']:.0f} MB, peak {result['peak_rss_mb']:.0f} MB",
                 flush=True,
             )

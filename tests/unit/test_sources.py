@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -170,8 +171,6 @@ def test_hub_layout_folder_and_saved_dataset_are_read_through_datasets(tmp_path)
 
 
 def test_a_hub_layout_folder_edited_in_place_is_read_anew(tmp_path):
-    import shutil
-
     hub = write_hub_folder(tmp_path / "hub", numbered(4))
     first = resolve_sources(str(hub), cache_dir=tmp_path / "cache")
     shutil.rmtree(hub)
@@ -344,6 +343,10 @@ def test_fingerprint_names_the_changed_option_of_the_changed_source(tmp_path):
     new = resolve_sources([str(a), f"{b}?limit=2&name=bee"]).fingerprint()
 
     assert fingerprint_changes(old, new) == ["sources.bee.limit: 3 -> 2"]
+    b.touch()
+    shutil.copy(a, tmp_path / "copy.jsonl")
+    same = resolve_sources([str(tmp_path / "copy.jsonl") + "?name=a", f"{b}?limit=3&name=bee"]).fingerprint()
+    assert same == old  # content decides, not paths or mtimes
     write_jsonl(numbered(5), a)
     edited = resolve_sources([str(a), f"{b}?limit=3&name=bee"]).fingerprint()
     [line] = fingerprint_changes(old, edited)

@@ -10,11 +10,12 @@ same way, so its configs and splits mean what they mean on the Hub; its Arrow ca
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from hsextract.errors import HsextractError
-from hsextract.prepare.rows import pick_split
+from hsextract.prepare.rows import pick_split, tree_fingerprint
 
 
 def is_hub_folder(path: Path) -> bool:
@@ -82,3 +83,22 @@ def load_hub(
         "revision": revision,
     }
     return dataset, identity
+
+
+def load_hub_folder(
+    path: Path,
+    *,
+    config: str | None,
+    split: str | None,
+    revision: str | None,
+    label: str,
+    cache_dir: Path | None,
+) -> tuple[Any, dict]:
+    """A local folder in Hub layout through ``load_dataset``; its identity is its content hash and options."""
+    content = tree_fingerprint(path)
+    # datasets keys its cache of a local folder by the folder's name and file names, not their bytes: a folder
+    # edited in place would be read from the old cache. A cache per content hash cannot be stale.
+    root = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "hsextract"
+    options = {"config": config, "split": split, "revision": revision}
+    dataset, _ = load_hub(str(path), **options, label=label, cache=root / "datasets" / content[:16])
+    return dataset, {"kind": "hub_folder", "hash": content, **{k: v for k, v in options.items() if v}}

@@ -31,9 +31,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import logging
 import re
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -43,10 +41,7 @@ from urllib.parse import parse_qsl
 
 from hsextract.errors import HsextractError
 from hsextract.prepare import rows as rowio
-from hsextract.prepare.hub_source import is_hub_folder, load_hub, load_saved
-
-log = logging.getLogger(__name__)
-
+from hsextract.prepare.hub_source import is_hub_folder, load_hub, load_hub_folder, load_saved
 
 OPTION_NAMES = ("name", "split", "config", "revision", "limit", "fraction", "sample", "columns")
 
@@ -229,7 +224,10 @@ class Source:
     identity: dict = field(default_factory=dict)
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:32]
+        """The identity's hash for the plan, without file paths and mtimes: content decides (a copied or touched
+        file is the same source), as it does for a single file."""
+        identity = {k: v for k, v in self.identity.items() if k != "files"}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
     def available(self) -> int:
         """Rows in the source before any selection (one pass over the JSONL files)."""
@@ -313,7 +311,8 @@ class Mix:
         if not self.prefixed and not self.sources[0].spec.options():
             return {"data": self.sources[0].identity.get("hash") or self.sources[0].digest()}
         return {
-            "sources": {s.name: {**s.spec.options(), "identity": s.digest()} for s in self.sources},
+            # Keyed by name (which the sample ids carry), whether given or derived.
+            "sources": {s.name: {**_unnamed(s.spec.options()), "identity": s.digest()} for s in self.sources},
             **({"seed": self.seed} if any(s.spec.fraction or s.spec.sample for s in self.sources) else {}),
         }
 
@@ -329,6 +328,10 @@ class Mix:
             }
             for s in self.sources
         ]
+
+
+def _unnamed(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "name"}
 
 
 def resolve_sources(
@@ -416,14 +419,7 @@ def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, en
         identity = {"kind": "saved_dataset", "hash": rowio.tree_fingerprint(path), "split": spec.split}
         return Source(spec, name, label, "saved_dataset", dataset=dataset, identity=identity)
     if path.is_dir() and is_hub_folder(path):
-        content = rowio.tree_fingerprint(path)
-        # datasets keys its cache of a local folder by the folder's name and file names, not their bytes: a folder
-        # edited in place would be read from the old cache. A cache per content hash cannot be stale.
-        root = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "hsextract"
-        cache = root / "datasets" / content[:16]
-        dataset, _ = load_hub(str(path), **options, label=label, cache=cache)
-        identity = {"kind": "hub_folder", "hash": content}
-        identity.update({k: v for k, v in options.items() if v})
+        dataset, identity = load_hub_folder(path, **options, label=label, cache_dir=cache_dir)
         return Source(spec, name, label, "hub_folder", dataset=dataset, identity=identity)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and rowio.file_format(p))
