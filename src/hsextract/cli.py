@@ -68,6 +68,8 @@ def _config_option(f: dataclasses.Field) -> Callable:
         return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help)
     if f.metadata["choices"]:
         return click.option(flag, f.name, type=click.Choice(f.metadata["choices"]), default=None, help=help)
+    if kind.startswith("tuple[str"):
+        return click.option(flag, f.name, multiple=True, default=None, help=help)
     if kind.startswith("tuple[int, ...] | None"):
         return click.option(flag, f.name, callback=lambda _ctx, _p, v: _int_list(v), default=None, help=help)
     types = {"int": int, "int | None": int, "float": float}
@@ -94,7 +96,8 @@ def config_options(*commands: str) -> Callable:
 def _build_config(**opts) -> RunConfig:
     values = load_yaml(opts.pop("config_file")) if opts.get("config_file") else {}
     opts.pop("config_file", None)
-    values.update({key: value for key, value in opts.items() if value is not None})
+    # An option given no times (multiple=True gives ()) leaves the file's value.
+    values.update({key: value for key, value in opts.items() if value is not None and value != ()})
     if "gpus" in values:
         values["gpus"] = _int_list(values["gpus"])
     if values.get("output") and not values.get("run_dir"):

@@ -49,8 +49,17 @@ class RunConfig:
     model: str = _opt(None)
     """Local checkpoint directory or hub id of the target model (any transformers causal LM)."""
 
-    data: str = _opt(None)
-    """JSONL, JSON, Parquet file or a `datasets.save_to_disk` directory."""
+    data: tuple[str | dict, ...] | str = _opt(None)
+    """Data sources, mixed in order (prepare/sources.py): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
+    globs, directories, ``datasets`` directories (saved or Hub layout), ``hf:org/name``, ``s3://bucket/prefix``;
+    options as a query string (``path?limit=500&name=chat``) or, in YAML, a mapping with ``path``. One string is
+    one source, as is a one-entry list."""
+
+    seed: int = _opt(0)
+    """Draws the rows of sources given ``fraction`` or ``sample``."""
+
+    dedupe: bool = _opt(False)
+    """Keep once the rows whose token ids are identical, across all sources; the rest are counted per source."""
 
     output: str = _opt(None, "run")
     """Local directory or ``s3://bucket/prefix`` that receives the batch files."""
@@ -145,6 +154,13 @@ class RunConfig:
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
     def __post_init__(self):
+        from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
+
+        if isinstance(self.data, Path):
+            object.__setattr__(self, "data", str(self.data))
+        elif isinstance(self.data, list):
+            object.__setattr__(self, "data", tuple(self.data))
+        parse_sources(self.data)  # a bad option fails here, before anything runs
         if self.dtype not in DTYPES:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.too_long not in TOO_LONG_POLICIES:
@@ -224,7 +240,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, d: dict) -> RunConfig:
         d = dict(d)
-        for key in ("layers", "gpus"):
+        for key in ("layers", "gpus", "data"):
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)

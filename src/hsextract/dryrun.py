@@ -36,6 +36,7 @@ from hsextract.model.capture import model_final_norm
 from hsextract.model.layers import describe_layer, layer_types, resolve_layer_ids
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, make_plan
+from hsextract.prepare.report import DataReport
 from hsextract.prepare.steps import run_layout, tokenize
 from hsextract.prepare.tokenize import load_tokenizer
 from hsextract.run.pipeline import Extractor
@@ -372,6 +373,14 @@ def format_report(report: dict) -> str:
         f"data: {est['samples']} samples, {est['tokens']:,} tokens ({est['data']['skipped_empty']} empty, "
         f"{est['data']['skipped_malformed']} malformed, {est['data']['truncated']} truncated, "
         f"{est['data']['skipped_too_long']} too long skipped)",
+        *(
+            f"  {line}"
+            for line in (
+                DataReport.from_json(est["data"]).source_lines()
+                if len(est["data"].get("sources", [])) > 1
+                else []
+            )
+        ),
         f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
         f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
         f"{est['total_bytes'] / 1e9:,.2f} GB in total; the forward runs layers 0..{est['layers_run'] - 1}",

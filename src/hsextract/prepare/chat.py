@@ -1,9 +1,17 @@
 """One row -> token ids and a loss mask, for any chat template.
 
 A row is pre-tokenized (``input_ids`` with an optional ``loss_mask``, kept exactly as given), chat
-(``messages`` with optional row-level ``tools``), or ShareGPT (``conversations``, mapped onto chat roles, with an
-optional row-level ``system``). ``RowEncoder.encode`` never raises: a row that cannot be encoded comes back with
-its skip kind (malformed, empty, too long) and the reason, and tokenize.py counts it.
+(``messages`` with optional row-level ``tools``), ShareGPT (``conversations``, mapped onto chat roles, with an
+optional row-level ``system``), or plain ``text`` (tokenized without a template, no special tokens added, every
+token supervised unless a ``loss_mask`` of the same length is given). ``RowEncoder.encode`` never raises: a row
+that cannot be encoded comes back with its skip kind (malformed, empty, too long) and the reason, and
+tokenize.py counts it.
+
+Chat messages as OpenAI writes them work too: ``content`` as a list of ``{"type": "text", "text": ...}`` parts
+(joined; a part of another type makes the row malformed, since this is a text model), ``tool`` turns, and
+``reasoning_content`` on assistant turns, passed to the template as they are: Qwen's templates render it as a
+``<think>`` block (and drop it from turns before the last user message), others ignore it, and the ids are always
+the template's own rendering.
 
 The loss mask is 1 on what the assistant writes: the content of its turns (``<think>`` blocks and tool calls
 included) and the end-of-turn token (``<|im_end|>``), 0 on system, user and tool turns and on the assistant header
@@ -90,11 +98,35 @@ def _drop_nones(value: Any) -> Any:
     return value
 
 
+def _text_parts(content: Any, i: int, role: str) -> Any:
+    """OpenAI's list of content parts -> one string; anything else is returned as it is."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif (
+            isinstance(part, dict)
+            and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _malformed(
+                f"message {i} ({role}) has a content part of type {kind!r}; only text parts are read"
+            )
+    return "".join(texts)
+
+
 def _chat_messages(value: Any) -> list[dict]:
     if not isinstance(value, list):
         raise _malformed(f"'messages' is a {type(value).__name__}, not a list")
     messages = []
     for i, message in enumerate(_drop_nones(value)):
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            message = {**message, "content": _text_parts(message["content"], i, message.get("role"))}
         if not isinstance(message, dict) or "role" not in message:
             raise _malformed(f"message {i} is not an object with a 'role'")
         role = message["role"]
@@ -106,6 +138,9 @@ def _chat_messages(value: Any) -> list[dict]:
             message = {**message, "content": ""}  # OpenAI style: content null next to tool calls
         if not isinstance(message.get("content"), str):
             raise _malformed(f"message {i} ({role}) has no string 'content'")
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise _malformed(f"message {i} ({role}) has a 'reasoning_content' that is not a string")
         messages.append(message)
     return messages
 
@@ -252,9 +287,20 @@ class RowEncoder:
             messages = _chat_messages(row["messages"])
         elif row.get("conversations") is not None:
             messages = _sharegpt_messages(row["conversations"], row.get("system"))
+        elif row.get("text") is not None:
+            return self._encode_text(row["text"], row.get("loss_mask"))
         else:
-            raise _malformed("row has none of the fields 'messages', 'conversations', 'input_ids'")
+            raise _malformed("row has none of the fields 'messages', 'conversations', 'input_ids', 'text'")
         return self._encode_chat(messages, _tools(row.get("tools")))
+
+    def _encode_text(self, text: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Plain text: its tokens as the tokenizer gives them, no template, no special tokens added."""
+        if not isinstance(text, str):
+            raise _malformed(f"'text' is a {type(text).__name__}, not a string")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise _RowSkipped("empty", "'text' is empty")
+        return self._pretokenized(ids, mask)
 
     def _pretokenized(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
         try:

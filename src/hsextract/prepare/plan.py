@@ -183,10 +183,14 @@ def make_plan(
     return Plan(batches=tuple(assigned), shards=shards, fingerprint=dict(fingerprint or {}))
 
 
-def fingerprint_changes(old: dict, new: dict) -> list[str]:
-    """Human lines naming what differs between two plan fingerprints."""
+def fingerprint_changes(old: dict, new: dict, _prefix: str = "") -> list[str]:
+    """Human lines naming what differs between two plan fingerprints; nested parts (a data source's options)
+    by their path, e.g. ``sources.tools.limit: 50 -> 40``."""
     lines = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            lines.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += fingerprint_changes(a, b, f"{_prefix}{key}.")
+        elif a != b:
+            lines.append(f"{_prefix}{key}: {a!r} -> {b!r}")
     return lines

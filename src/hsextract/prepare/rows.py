@@ -1,9 +1,16 @@
-"""Reading dataset rows: JSONL, JSON, Parquet or a datasets.save_to_disk directory, and their fingerprints."""
+"""Reading the rows of one data file or dataset directory, and their fingerprints.
+
+A file is JSONL (also ``.jsonl.gz`` and ``.jsonl.zst``, decompressed as a stream), JSON (a list of rows, or
+``{"data": [...]}``), or Parquet (read in record batches); a directory is one written by
+``datasets.Dataset.save_to_disk``. Every reader yields rows one at a time, so a large file is never held as Python
+objects. Which files and datasets make a run's data, and how they are mixed, is sources.py's job.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +19,22 @@ from typing import Any
 from hsextract.errors import HsextractError
 from hsextract.prepare.chat import UnreadableRow
 
-ACCEPTED_FORMATS = ".jsonl, .json or .parquet file, or a directory written by datasets.Dataset.save_to_disk"
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
+
+
+ACCEPTED_FORMATS = (
+    ".jsonl (or .jsonl.gz / .jsonl.zst), .json or .parquet file, or a directory written by "
+    "datasets.Dataset.save_to_disk"
+)
+
+
+def file_format(path: Path) -> str | None:
+    """``jsonl``, ``jsonl.gz``, ``jsonl.zst``, ``json`` or ``parquet`` from the name; None for other files."""
+    name = path.name.lower()
+    for suffix in sorted(DATA_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix[1:]
+    return None
 
 
 def _data_format(path: Path) -> str:
@@ -20,44 +42,85 @@ def _data_format(path: Path) -> str:
         raise HsextractError(f"data path {path} does not exist; give a {ACCEPTED_FORMATS}")
     if path.is_dir():
         return "dataset_dir"
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".parquet"):
-        return suffix[1:]
-    raise HsextractError(
-        f"cannot read {path}: unknown format {suffix or '(no extension)'!r}; give a {ACCEPTED_FORMATS}"
-    )
+    kind = file_format(path)
+    if kind is None:
+        raise HsextractError(
+            f"cannot read {path}: unknown format {path.suffix or '(no extension)'!r}; give a {ACCEPTED_FORMATS}"
+        )
+    return kind
 
 
 def _open_rows(path: Path) -> tuple[Iterator[Any], int | None]:
     """The rows of ``path`` in order, and their count when known without a pass over the data."""
     kind = _data_format(path)
-    if kind == "jsonl":
+    if kind.startswith("jsonl"):
         return _jsonl_rows(path), None
     if kind == "json":
         rows = _json_rows(path)
         return iter(rows), len(rows)
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            parquet = pq.ParquetFile(path)
-        except Exception as e:
-            raise HsextractError(f"cannot read {path} as parquet: {e}") from e
+        parquet = _parquet_file(path)
         batches = parquet.iter_batches(batch_size=1024)
         return (row for batch in batches for row in batch.to_pylist()), parquet.metadata.num_rows
     dataset = _load_dataset_dir(path)
     return _dataset_rows(dataset), len(dataset)
 
 
+def count_rows(path: Path) -> int:
+    """Rows in ``path``: from the metadata where the format has it, else one pass over the lines."""
+    rows, total = _open_rows(path)
+    if total is not None:
+        return total
+    return sum(1 for _ in _jsonl_lines(path))
+
+
+def _parquet_file(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:
+        raise HsextractError(f"cannot read {path} as parquet ({e}): is the file complete?") from e
+
+
+def _open_binary(path: Path):
+    """The file's bytes, decompressed as they are read for ``.gz`` and ``.zst``."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        import zstandard
+
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return open(path, "rb")
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of the non-blank lines; a damaged compressed stream is an error naming the file."""
+    try:
+        with _open_binary(path) as f:
+            for line_no, line in enumerate(f, start=1):
+                if line.strip():  # blank lines (a trailing newline, say) hold no row
+                    yield line_no, line
+    except (OSError, EOFError) as e:
+        raise HsextractError(
+            f"cannot read {path}: {e}. The compressed file is damaged or cut short; fetch it again"
+        ) from e
+    except Exception as e:  # zstandard.ZstdError is not an OSError
+        if type(e).__module__.startswith("zstandard"):
+            raise HsextractError(f"cannot read {path}: {e}. The .zst file is damaged; fetch it again") from e
+        raise
+
+
 def _jsonl_rows(path: Path) -> Iterator[Any]:
-    with open(path, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (a trailing newline, say) hold no row
-            try:
-                yield json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield UnreadableRow(f"line {line_no} is not valid JSON ({e})")
+    for line_no, line in _jsonl_lines(path):
+        try:
+            yield json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            yield UnreadableRow(f"line {line_no} is not valid JSON ({e})")
 
 
 def _json_rows(path: Path) -> list:
@@ -77,6 +140,11 @@ def _json_rows(path: Path) -> list:
     return data
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A directory written by ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
 def _load_dataset_dir(path: Path):
     import datasets
 
@@ -86,26 +154,65 @@ def _load_dataset_dir(path: Path):
         raise HsextractError(
             f"cannot load directory {path} with datasets.load_from_disk ({e}); give a {ACCEPTED_FORMATS}"
         ) from e
-    if isinstance(loaded, datasets.DatasetDict):
-        splits = list(loaded)
-        if "train" in loaded:
-            return loaded["train"]
-        if len(splits) == 1:
-            return loaded[splits[0]]
-        raise HsextractError(
-            f"{path} holds splits {splits} and none is 'train'; save the one to use on its own"
-        )
-    return loaded
+    return pick_split(loaded, None, str(path))
 
 
-def _dataset_rows(dataset) -> Iterator[dict]:
+def pick_split(loaded, split: str | None, where: str):
+    """The split to read of a Dataset or DatasetDict: ``split`` if given, else ``train`` or the only one."""
+    import datasets
+
+    if not isinstance(loaded, datasets.DatasetDict):
+        return loaded
+    splits = list(loaded)
+    if split is not None:
+        if split not in loaded:
+            raise HsextractError(f"{where} has no split {split!r}; it has {splits}: give split= one of those")
+        return loaded[split]
+    if "train" in loaded:
+        return loaded["train"]
+    if len(splits) == 1:
+        return loaded[splits[0]]
+    raise HsextractError(
+        f"{where} holds splits {splits} and none is 'train'; choose one with split=NAME (or save it on its own)"
+    )
+
+
+def dataset_rows(dataset) -> Iterator[dict]:
+    """The rows of a ``datasets.Dataset`` in order, read 1024 at a time."""
     for batch in dataset.with_format("arrow").iter(batch_size=1024):
         yield from batch.to_pylist()
+
+
+_dataset_rows = dataset_rows
 
 
 def read_rows(path: str | Path) -> Iterator[Any]:
     """The rows of a data file in order; a JSONL line that is not JSON comes as an ``UnreadableRow``."""
     return _open_rows(Path(path))[0]
+
+
+def first_row(path: Path) -> Any:
+    """The first row of a data file (None when it has none), read without a pass over the rest."""
+    if file_format(path) == "parquet":
+        for batch in _parquet_file(path).iter_batches(batch_size=1):
+            rows = batch.to_pylist()
+            if rows:
+                return rows[0]
+        return None
+    rows = read_rows(path)
+    try:
+        return next(iter(rows), None)
+    finally:
+        close = getattr(rows, "close", None)
+        if close is not None:
+            close()
+
+
+def column_names(path: Path) -> list[str] | None:
+    """The columns of a Parquet file from its schema; None for formats without one."""
+    if file_format(path) == "parquet":
+        return list(_parquet_file(path).schema_arrow.names)
+    return None
 
 
 def data_fingerprint(path: str | Path) -> str:
@@ -115,12 +222,17 @@ def data_fingerprint(path: str | Path) -> str:
     large dataset takes seconds to hash."""
     path = Path(path)
     _data_format(path)
+    return tree_fingerprint(path)
+
+
+def tree_fingerprint(path: Path) -> str:
+    """``data_fingerprint`` of any file or directory, whatever its format."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return _data_fingerprint(path.resolve(), stamp)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)
 def _data_fingerprint(path: Path, stamp: tuple) -> str:
     digest = hashlib.blake2b(digest_size=32)
     files = [Path(f) for f, _, _ in stamp]

@@ -5,7 +5,8 @@ it was. So ``prepare_run`` goes:
 
 1. ``check_inputs``: the run dir, the model config and layer ids, the output (a probe object), the staging
    directory's space, and that staging, output and run dir do not overlap;
-2. ``tokenize``: every row of the dataset (parallel, cached in the run dir, bad rows counted), ids made unique;
+2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row
+   tokenized (parallel, cached in the run dir, bad rows counted per source), ids made unique;
 3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
 4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
    the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
@@ -38,7 +39,7 @@ from hsextract.format.records import (
 from hsextract.model.layers import layer_types, resolve_layer_ids
 from hsextract.model.load import load_model_config
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
-from hsextract.prepare.rows import data_fingerprint
+from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
     TokenizedSamples,
@@ -70,9 +71,12 @@ def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progr
     run_dir = RunDir(cfg.run_dir)
     model = check_inputs(cfg)
     run_dir.root.mkdir(parents=True, exist_ok=True)
+    mix = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(cfg.model)
-    samples, report, renamed = tokenize(cfg, tokenizer, run_dir, echo=echo, show_progress=show_progress)
-    fingerprint = make_fingerprint(cfg, model, tokenizer)
+    samples, report, renamed = tokenize(
+        cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
+    )
+    fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     plan = make_plan(
         samples.lengths.tolist(),
         max_tokens_per_batch=cfg.max_tokens_per_batch,
@@ -181,20 +185,38 @@ def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
         )
 
 
+def resolve_data(cfg: RunConfig, run_dir: RunDir) -> Mix:
+    """Every data source found and checked (a missing path, column or bucket fails here, naming the source); S3
+    objects are fetched into the run dir's cache."""
+    return resolve_sources(
+        cfg.data, seed=cfg.seed, cache_dir=run_dir.cache_dir, s3_endpoint_url=cfg.s3_endpoint_url
+    )
+
+
 def tokenize(
-    cfg: RunConfig, tokenizer, run_dir: RunDir, *, echo=print, show_progress: bool = True
+    cfg: RunConfig,
+    tokenizer,
+    run_dir: RunDir,
+    *,
+    mix: Mix | None = None,
+    echo=print,
+    show_progress: bool = True,
 ) -> tuple[TokenizedSamples, DataReport, int]:
     """Every row tokenized and masked (cached in the run dir); returns samples, report and renamed-id count."""
     samples, report = load_samples(
-        cfg.data,
+        mix if mix is not None else resolve_data(cfg, run_dir),
         tokenizer,
         max_length=cfg.max_length,
         too_long=cfg.too_long,
         num_proc=cfg.num_proc,
         cache_dir=run_dir.cache_dir,
         progress=show_progress,
+        dedupe=cfg.dedupe,
     )
     echo(f"data: {report.summary()}")
+    if len(report.sources) > 1:
+        for line in report.source_lines():
+            echo(f"  {line}")
     samples, renamed = unique_sample_ids(samples)
     if renamed:
         echo(
@@ -241,10 +263,10 @@ def weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer) -> dict:
+def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> dict:
     """Everything that shapes the output; a rerun whose fingerprint differs is a different job."""
     return {
-        "data": data_fingerprint(cfg.data),
+        **mix.fingerprint(),
         **tokenizer_fingerprint(tokenizer),
         **model_identity(cfg.model, model.config),
         "layer_ids": list(model.layer_ids),
@@ -257,6 +279,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer) -> dict:
         # Only when set, so that the plans of runs without them hash as they did before these options existed.
         **({"final_state": True} if model.layout.final_state else {}),
         **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
+        **({"dedupe": True} if cfg.dedupe else {}),
     }
 
 

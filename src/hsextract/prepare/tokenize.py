@@ -1,24 +1,26 @@
-"""Dataset -> tokenized samples with a loss mask: the first stage of the pipeline.
+"""Data sources -> tokenized samples with a loss mask: the first stage of the pipeline.
 
-A data path is a ``.jsonl`` file, a ``.json`` file (a list of rows, or ``{"data": [...]}``), a ``.parquet`` file, or
-a directory written by ``datasets.Dataset.save_to_disk``. A row is one of three kinds, tried in this order:
+The data is one source or a mix of several (sources.py: files, globs, dataset directories, Hub ids, S3 prefixes,
+with limits, fractions, names and column mappings). A row is one of four kinds, tried in this order:
 
 - pre-tokenized: ``input_ids`` (list of ints) with an optional ``loss_mask`` (0/1, same length, default all ones);
   it is kept exactly as given, since it is what the user already tokenized;
-- chat: ``messages`` (``{role, content, tool_calls?, reasoning?...}``) with optional row-level ``tools``;
-- ShareGPT: ``conversations`` (``{from, value}``), mapped onto chat roles, with an optional row-level ``system``.
+- chat: ``messages`` (``{role, content, tool_calls?, reasoning_content?...}``) with optional row-level ``tools``;
+- ShareGPT: ``conversations`` (``{from, value}``), mapped onto chat roles, with an optional row-level ``system``;
+- plain ``text`` (code, documents): tokenized without a template, every token supervised unless a mask is given.
 
-Bad rows never crash a run and are never dropped silently: each is classified as malformed, empty or too long,
-counted in a ``DataReport`` (written next to the outputs by the caller) with a few examples. A run where no row
-survives is an error, since extracting nothing is never what was meant.
+Bad rows never crash a run and are never dropped silently: each is counted per source in a ``DataReport``
+(report.py) with a few examples. A source where no row survives is an error naming it. With ``dedupe``, a row whose
+token ids equal an earlier row's (in any source) is dropped and counted.
 
 How one row becomes ids and a loss mask is chat.py's job.
 
-Tokenization runs over ``num_proc`` spawned processes (spawn, not fork: the caller may hold threads or CUDA), in
-chunks of rows in file order, so the result does not depend on ``num_proc``. With ``cache_dir`` the result and
-its report are stored in one safetensors file whose name hashes the data bytes, the tokenizer, the chat template,
-the length policy and ``FORMAT_VERSION`` (bump it whenever the encoding changes); a later call with the same
-inputs loads that file instead of tokenizing again.
+Rows are streamed from the sources into ``num_proc`` spawned processes (spawn, not fork: the caller may hold
+threads or CUDA), in chunks in source order, so the result does not depend on ``num_proc``; the results are
+gathered into a few large arrays, not an object per row. With ``cache_dir`` the result and its report are stored in
+one safetensors file whose name hashes the sources' identities and options, the tokenizer, the chat template, the
+length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever the encoding changes); a later call with the
+same inputs loads that file instead of tokenizing again.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +40,15 @@ from tqdm import tqdm
 
 from hsextract.config import TOO_LONG_POLICIES
 from hsextract.errors import HsextractError, load_or_explain
-from hsextract.prepare.chat import SKIP_KINDS, RowEncoder
-from hsextract.prepare.rows import _data_format, _open_rows, data_fingerprint
+from hsextract.prepare.chat import RowEncoder
+from hsextract.prepare.report import DataReport, ReportBuilder
+from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
 
 FORMAT_VERSION = 1
-
-
-EXAMPLES_PER_KIND = 5
-
-"""Examples kept in the report for each of malformed, empty, too long and truncated (so at most 20)."""
 
 
 CHUNK_ROWS = 64
@@ -146,45 +144,6 @@ class TokenizedSamples:
         return samples, metadata
 
 
-@dataclass(frozen=True)
-class DataReport:
-    """What became of each row of the data file; the caller writes ``to_json()`` into the run directory."""
-
-    rows: int
-    kept: int
-    truncated: int
-    """Kept rows cut to ``max_length`` tokens (counted in ``kept`` too)."""
-    skipped_empty: int
-    skipped_malformed: int
-    skipped_too_long: int
-    tokens: int
-    """Kept tokens, after truncation."""
-    max_length: int
-    examples: list[dict] = field(default_factory=list)
-    """A few ``{"row", "id", "kind", "reason"}`` for skipped and truncated rows, at most 5 of each kind."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> DataReport:
-        return cls(**data)
-
-    def summary(self) -> str:
-        """One line for the console, e.g. ``300 rows: 297 kept (3 truncated to 2048 tokens), 2 empty, ...``."""
-        kept = f"{self.kept} kept"
-        if self.truncated:
-            kept += f" ({self.truncated} truncated to {self.max_length} tokens)"
-        parts = [kept]
-        if self.skipped_empty:
-            parts.append(f"{self.skipped_empty} empty")
-        if self.skipped_malformed:
-            parts.append(f"{self.skipped_malformed} malformed")
-        if self.skipped_too_long:
-            parts.append(f"{self.skipped_too_long} longer than {self.max_length} tokens skipped")
-        return f"{self.rows} rows: {', '.join(parts)}; {self.tokens} tokens"
-
-
 def tokenizer_fingerprint(tokenizer) -> dict:
     """Hashes of what decides the token ids: the tokenizer (with its special tokens) and the chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -200,22 +159,18 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
-def cache_file(cache_dir: Path, data_path, tokenizer, *, max_length: int, too_long: str) -> Path:
+def cache_file(cache_dir: Path, mix: Mix, tokenizer, *, max_length: int, too_long: str, dedupe=False) -> Path:
     """Where ``load_samples`` keeps (or finds) the tokenized samples for these inputs."""
-    return (
-        Path(cache_dir) / f"tokens-{_cache_key(Path(data_path), tokenizer, max_length, too_long)}.safetensors"
-    )
-
-
-def _cache_key(data_path: Path, tokenizer, max_length: int, too_long: str) -> str:
     parts = {
         "format_version": FORMAT_VERSION,
-        "data": data_fingerprint(data_path),
+        **mix.fingerprint(),
         **tokenizer_fingerprint(tokenizer),
         "max_length": max_length,
         "too_long": too_long,
+        **({"dedupe": True} if dedupe else {}),
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return Path(cache_dir) / f"tokens-{key}.safetensors"
 
 
 _worker_encoder: RowEncoder | None = None
@@ -226,15 +181,15 @@ def _init_worker(tokenizer, max_length: int, too_long: str) -> None:
     _worker_encoder = RowEncoder(tokenizer, max_length, too_long)
 
 
-def _encode_chunk(chunk: list[tuple[int, Any]]) -> list[tuple]:
+def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> list[tuple]:
     assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
-    return [_worker_encoder.encode(index, row) for index, row in chunk]
+    return [(source, *_worker_encoder.encode(position, row)) for source, position, row in chunk]
 
 
-def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[tuple[int, Any]]]:
-    chunk: list[tuple[int, Any]] = []
-    for index, row in enumerate(rows):
-        chunk.append((index, row))
+def _chunks(rows: Iterable[Any], size: int) -> Iterator[list]:
+    chunk: list = []
+    for item in rows:
+        chunk.append(item)
         if len(chunk) == size:
             yield chunk
             chunk = []
@@ -243,7 +198,7 @@ def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[tuple[int, Any]]]:
 
 
 def _encode_all(
-    rows: Iterator[Any],
+    rows: Iterator[tuple[int, int, Any]],
     total: int | None,
     tokenizer,
     max_length: int,
@@ -251,7 +206,7 @@ def _encode_all(
     num_proc: int,
     progress: bool,
 ) -> Iterator[tuple]:
-    """Row results in file order, from this process or ``num_proc`` spawned ones (the same code either way)."""
+    """Row results in source order, from this process or ``num_proc`` spawned ones (the same code either way)."""
     bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
         if num_proc == 1:
@@ -270,53 +225,79 @@ def _encode_all(
                 yield from results
 
 
-def _tokenize(data_path: Path, tokenizer, max_length: int, too_long: str, num_proc: int, progress: bool):
-    rows, total = _open_rows(data_path)
+class _Gathered:
+    """Kept samples gathered into a few large arrays: a block of ``BLOCK`` samples becomes one array."""
+
+    BLOCK = 4096
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.pending_ids: list[np.ndarray] = []
+        self.pending_masks: list[np.ndarray] = []
+        self.lengths: list[int] = []
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        self.pending_ids.append(ids)
+        self.pending_masks.append(mask)
+        self.lengths.append(len(ids))
+        if len(self.pending_ids) >= self.BLOCK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending_ids:
+            self.ids.append(np.concatenate(self.pending_ids))
+            self.masks.append(np.concatenate(self.pending_masks))
+            self.pending_ids, self.pending_masks = [], []
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self._flush()
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int32)
+        return (
+            np.concatenate(self.ids) if self.ids else empty,
+            np.concatenate(self.masks) if self.masks else empty.astype(np.uint8),
+            np.concatenate([[0], np.cumsum(lengths)]),
+        )
+
+
+def _tokenize(
+    mix: Mix, tokenizer, max_length: int, too_long: str, num_proc: int, progress: bool, dedupe: bool
+):
+    builder = ReportBuilder(mix.describe(), max_length, labelled=mix.prefixed)
     sample_ids: list[str] = []
-    id_arrays: list[np.ndarray] = []
-    mask_arrays: list[np.ndarray] = []
-    counts = dict.fromkeys(("rows", "truncated", *SKIP_KINDS), 0)
-    examples: list[dict] = []
-    per_kind: dict[str, int] = {}
-    for index, sample_id, status, reason, ids, mask in _encode_all(
-        rows, total, tokenizer, max_length, too_long, num_proc, progress
+    gathered = _Gathered()
+    seen: set[bytes] = set()
+    total = None if any(s.spec.fraction or s.spec.sample for s in mix.sources) else _known_total(mix)
+    for source, position, row_id, status, reason, ids, mask in _encode_all(
+        mix.rows(), total, tokenizer, max_length, too_long, num_proc, progress
     ):
-        counts["rows"] += 1
-        if status != "kept":
-            counts[status] += 1
-            per_kind[status] = per_kind.get(status, 0) + 1
-            if per_kind[status] <= EXAMPLES_PER_KIND:
-                examples.append({"row": index, "id": sample_id, "kind": status, "reason": reason})
+        sample_id = mix.sample_id(source, row_id)
+        if ids is not None and dedupe:
+            digest = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+            if digest in seen:
+                status, reason, ids = "duplicate", "its token ids equal an earlier row's", None
+            seen.add(digest)
+        builder.add(source, position, sample_id, status, reason, 0 if ids is None else len(ids))
         if ids is not None:
             sample_ids.append(sample_id)
-            id_arrays.append(ids)
-            mask_arrays.append(mask)
-    lengths = np.array([len(a) for a in id_arrays], dtype=np.int64)
-    report = DataReport(
-        rows=counts["rows"],
-        kept=len(sample_ids),
-        truncated=counts["truncated"],
-        skipped_empty=counts["empty"],
-        skipped_malformed=counts["malformed"],
-        skipped_too_long=counts["too_long"],
-        tokens=int(lengths.sum()),
-        max_length=max_length,
-        examples=examples,
-    )
-    if not sample_ids:
-        problems = "; ".join(f"row {e['row']} ({e['kind']}): {e['reason']}" for e in examples[:5])
-        raise HsextractError(
-            f"no usable samples in {data_path}: {report.summary()}."
-            + (f" First problems: {problems}." if problems else "")
-            + " Fix the rows or give another data file."
-        )
+            gathered.add(ids, mask)
+    builder.check_usable([s.label for s in mix.sources])
+    input_ids, loss_mask, offsets = gathered.arrays()
     samples = TokenizedSamples(
-        sample_ids=sample_ids,
-        input_ids=np.concatenate(id_arrays),
-        loss_mask=np.concatenate(mask_arrays),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        sample_ids=sample_ids, input_ids=input_ids, loss_mask=loss_mask, offsets=offsets
     )
-    return samples, report
+    return samples, builder.report()
+
+
+def _known_total(mix: Mix) -> int | None:
+    """Rows to tokenize when every source knows its count without a pass (for the progress bar)."""
+    total = 0
+    for s in mix.sources:
+        if s.dataset is None:
+            return None
+        total += len(s.dataset) if s.spec.limit is None else min(s.spec.limit, len(s.dataset))
+    return total
 
 
 AUTO_PARALLEL_MIN_BYTES = 16_000_000
@@ -332,16 +313,12 @@ AUTO_MAX_PROC = 16
 """Past 8-16 processes the parent, which reads the rows and gathers the results, is the bottleneck."""
 
 
-def auto_num_proc(data_path: str | Path, cores: int | None = None) -> int:
-    """Tokenizing processes for ``data_path`` on this machine: 1 for small data or few cores, else up to 16."""
+def auto_num_proc(data: str | Path | Mix, cores: int | None = None) -> int:
+    """Tokenizing processes for ``data`` on this machine: 1 for small data or few cores, else up to 16."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    path = Path(data_path)
     try:
-        if path.is_dir():
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        else:  # Parquet counts 3x its size: text compresses about that much
-            size = path.stat().st_size * (3 if path.suffix.lower() == ".parquet" else 1)
+        size = _data_bytes(data)
     except OSError:
         return 1
     if cores < 4 or size < AUTO_PARALLEL_MIN_BYTES:
@@ -349,8 +326,30 @@ def auto_num_proc(data_path: str | Path, cores: int | None = None) -> int:
     return min(cores, AUTO_MAX_PROC)
 
 
+def _data_bytes(data: str | Path | Mix) -> int:
+    """Bytes of text to tokenize, roughly: Parquet and compressed JSONL count 3x (text compresses about that much),
+    a limited or sampled source only its share."""
+    if isinstance(data, Mix):
+        total = 0
+        for s in data.sources:
+            if s.dataset is not None:
+                size = int(s.dataset.data.nbytes)
+            else:
+                size = sum(_data_bytes(f) for f in s.files)
+            share = s.spec.fraction or 1.0
+            if s.dataset is not None and (s.spec.limit or s.spec.sample):
+                share = min(1.0, (s.spec.limit or s.spec.sample) / max(1, len(s.dataset)))
+            total += int(size * share)
+        return total
+    path = Path(data)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    compressed = path.name.lower().endswith((".parquet", ".gz", ".zst"))
+    return path.stat().st_size * (3 if compressed else 1)
+
+
 def load_samples(
-    data_path: str | Path,
+    data,
     tokenizer,
     *,
     max_length: int,
@@ -358,13 +357,18 @@ def load_samples(
     num_proc: int | None = 1,
     cache_dir: Path | None = None,
     progress: bool = True,
+    dedupe: bool = False,
+    seed: int = 0,
+    s3_endpoint_url: str | None = None,
 ) -> tuple[TokenizedSamples, DataReport]:
-    """Read, tokenize and mask every row of ``data_path``; bad rows are skipped and counted in the report.
+    """Read, tokenize and mask every row of ``data``; bad rows are skipped and counted in the report.
 
-    ``too_long`` says what happens to a row over ``max_length`` tokens: ``"truncate"`` keeps its first
-    ``max_length`` tokens, ``"skip"`` drops it. With ``cache_dir``, an earlier result for the same data bytes,
-    tokenizer, template and length policy is loaded instead of tokenizing again. ``num_proc=None`` chooses the
-    process count from the cores and the data's size (``auto_num_proc``).
+    ``data`` is a ``Mix`` (sources.resolve_sources), or what ``--data`` takes: one source spec or a list of them,
+    resolved here with ``seed``, ``cache_dir`` and ``s3_endpoint_url``. ``too_long`` says what happens to a row
+    over ``max_length`` tokens: ``"truncate"`` keeps its first ``max_length`` tokens, ``"skip"`` drops it. With
+    ``cache_dir``, an earlier result for the same sources, tokenizer, template and length policy is loaded instead
+    of tokenizing again. ``num_proc=None`` chooses the process count from the cores and the data's size
+    (``auto_num_proc``).
     """
     if too_long not in TOO_LONG_POLICIES:
         raise HsextractError(f"too_long must be one of {', '.join(TOO_LONG_POLICIES)}, got {too_long!r}")
@@ -372,15 +376,18 @@ def load_samples(
         raise HsextractError(f"max_length must be a positive integer, got {max_length!r}")
     if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
         raise HsextractError(f"num_proc must be a positive integer, got {num_proc!r}")
-    data_path = Path(data_path)
-    _data_format(data_path)
+    mix = data
+    if not isinstance(mix, Mix):
+        mix = resolve_sources(data, seed=seed, cache_dir=cache_dir, s3_endpoint_url=s3_endpoint_url)
     if num_proc is None:
-        num_proc = auto_num_proc(data_path)
+        num_proc = auto_num_proc(mix)
         log.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
 
     cache_path = None
     if cache_dir is not None:
-        cache_path = cache_file(cache_dir, data_path, tokenizer, max_length=max_length, too_long=too_long)
+        cache_path = cache_file(
+            cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe
+        )
         if cache_path.exists():
             try:
                 samples, metadata = TokenizedSamples._load(cache_path)
@@ -391,7 +398,7 @@ def load_samples(
                 log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
                 return samples, report
 
-    samples, report = _tokenize(data_path, tokenizer, max_length, too_long, num_proc, progress)
+    samples, report = _tokenize(mix, tokenizer, max_length, too_long, num_proc, progress, dedupe)
     if cache_path is not None:
         samples._save(cache_path, {"data_report": json.dumps(report.to_json())})
     return samples, report

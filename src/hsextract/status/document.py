@@ -27,6 +27,7 @@ from hsextract.errors import HsextractError
 from hsextract.format.batch import CONVENTION
 from hsextract.format.keys import shard_name
 from hsextract.prepare.plan import Plan
+from hsextract.prepare.report import COUNTS
 from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir, scan_staging
 from hsextract.status.rows import shard_status
@@ -181,12 +182,17 @@ def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
                 "skipped_empty",
                 "skipped_malformed",
                 "skipped_too_long",
+                "skipped_duplicate",
                 "duplicate_ids_renamed",
                 "tokens",
                 "max_length",
             )
             if key in report
         },
+        "data_sources": [
+            {key: s[key] for key in ("name", "source", *COUNTS, "tokens") if key in s}
+            for s in report.get("sources", [])
+        ],
         "staging_max_bytes": int(cfg.staging_max_gb * 1e9) if cfg else None,
     }
 

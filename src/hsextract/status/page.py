@@ -282,6 +282,26 @@ def _plan_section(plan: dict) -> str:
         f'</table><p class="muted">{plan["num_layers"]} decoder layers, hidden size {plan["hidden_size"]}; '
         f"ids count decoder-layer outputs from 0, before the final norm.</p></div>"
         f'<dl id="data-report"><dt><b>data</b></dt><dd></dd>{data}</dl></div>'
+        + _sources_table(plan.get("data_sources", []))
+    )
+
+
+def _sources_table(sources: list[dict]) -> str:
+    """Per-source counts of a mix (nothing for one source: the data report above is its)."""
+    if len(sources) < 2:
+        return ""
+    columns = ("rows", "kept", "truncated", "skipped_empty", "skipped_malformed", "skipped_too_long")
+    columns += ("skipped_duplicate", "tokens")
+    head = "".join(f"<th>{c.replace('skipped_', '').replace('_', ' ')}</th>" for c in columns)
+    body = "".join(
+        f'<tr><td class="l">{_esc(s["name"])}</td><td class="l mono">{_esc(s.get("source", ""))}</td>'
+        + "".join(f"<td>{_count(s.get(c, 0))}</td>" for c in columns)
+        + "</tr>"
+        for s in sources
+    )
+    return (
+        f'<table id="data-sources"><thead><tr><th class="l">source</th><th class="l">from</th>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table>"
     )
 
 

@@ -291,6 +291,25 @@ class S3Sink(Sink):
             raise FileNotFoundError(f"{self.url}/{key}")
         return head["ContentLength"]
 
+    def object_info(self, key: str) -> dict | None:
+        """``{"size", "etag"}`` of an object, or None when it does not exist."""
+        head = self._retrying(f"lookup of {key}", lambda: self._head(key))
+        if head is None:
+            return None
+        return {"size": head["ContentLength"], "etag": head.get("ETag", "").strip('"')}
+
+    def get_file(self, key: str, local_path: Path) -> None:
+        """Download an object to ``local_path`` (a temporary name, then renamed: a file under its final name is
+        complete)."""
+        local_path = Path(local_path)
+        local_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local_path.with_name(f".{local_path.name}.part")
+        self._retrying(
+            f"download of {key}",
+            lambda: self._transfer.download_file(self.bucket, self._object_key(key), str(tmp)),
+        )
+        os.replace(tmp, local_path)
+
     def exists(self, key: str) -> bool:
         return self._retrying(f"lookup of {key}", lambda: self._head(key)) is not None
 

@@ -1,0 +1,493 @@
+"""Data sources: where a run's rows come from, how several are mixed, and what identifies each.
+
+A source spec is a string, optionally with options as a query string (``convs/*.jsonl?limit=500&name=chat``), or a
+YAML mapping (``{path: ..., limit: 500, name: chat}``). Its location is one of:
+
+- a file (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.json``, ``.parquet``), a glob of such files, or a directory
+  of them (read recursively, in sorted order);
+- a ``datasets.save_to_disk`` directory, or a local dataset directory in Hub layout (``data/*.parquet`` beside a
+  README with ``configs:``), the latter read with ``datasets.load_dataset`` like the Hub would;
+- ``hf:org/name``: ``datasets.load_dataset`` with its cache, ``HF_DATASETS_OFFLINE``, ``split``, ``config`` and
+  ``revision``;
+- ``s3://bucket/key-or-prefix``: fetched once into the run dir's cache (re-fetched only when the ETag or size
+  changed), through the output's credential chain and endpoint handling (storage.s3).
+
+Options: ``limit`` (the first N rows) or ``fraction`` / ``sample`` (rows drawn without replacement, seeded by the
+run's seed and the source's name, kept in source order); ``name`` (prefixed to the sample ids as ``name/id``: with
+more than one source every source has a name, derived from its location when not given); ``columns``
+(``field:column,...``: which column holds messages, conversations, id, input_ids, loss_mask, text, tools or
+system). A row's id is its ``id`` field, else its position in the source (before any selection, so that a
+changed limit renames nothing).
+
+Everything here runs before any weight loads: a missing path, a glob that matches nothing, an unknown Hub id, a
+missing column or bucket, mixed row kinds across the files of one source, each is an ``HsextractError`` naming the
+source. Rows are streamed: a source is never held as Python objects. Each source's identity (content hash of local
+files, the Hub dataset's fingerprint, S3 ETags) and options go into the plan's fingerprint, so a changed source is
+refused on resume like any plan change.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+from hsextract.errors import HsextractError
+from hsextract.prepare import rows as rowio
+from hsextract.prepare.hub_source import is_hub_folder, load_hub, load_hub_folder, load_saved
+
+OPTION_NAMES = ("name", "split", "config", "revision", "limit", "fraction", "sample", "columns")
+
+
+COLUMN_FIELDS = ("messages", "conversations", "id", "input_ids", "loss_mask", "text", "tools", "system")
+
+
+ROW_KIND_FIELDS = ("input_ids", "messages", "conversations", "text")
+
+
+"""The fields that decide a row's kind, in the order chat.py tries them."""
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One ``--data`` entry, parsed; nothing is read yet."""
+
+    location: str
+    name: str | None = None
+    split: str | None = None
+    config: str | None = None
+    revision: str | None = None
+    limit: int | None = None
+    fraction: float | None = None
+    sample: int | None = None
+    columns: tuple[tuple[str, str], ...] = ()
+    """``(field, column)`` pairs: the row's ``column`` is read as ``field``."""
+
+    def options(self) -> dict:
+        """The options given (not the defaults), for the fingerprint and the data report."""
+        out = {k: getattr(self, k) for k in OPTION_NAMES if k != "columns" and getattr(self, k) is not None}
+        if self.columns:
+            out["columns"] = dict(self.columns)
+        return out
+
+
+def parse_sources(data) -> tuple[SourceSpec, ...]:
+    """``--data`` values or the YAML ``data:`` list (one string or mapping, or a list of them) as specs."""
+    if isinstance(data, (str, Path, Mapping, SourceSpec)):
+        data = [data]
+    specs = tuple(parse_source(d) for d in data)
+    if not specs:
+        raise HsextractError("no data source given: pass --data PATH (several times for a mix)")
+    return specs
+
+
+def parse_source(spec) -> SourceSpec:
+    """A spec from a string (options as a query string after the last ``?``) or a mapping (``path`` + options)."""
+    if isinstance(spec, SourceSpec):
+        return spec
+    if isinstance(spec, Path):
+        spec = str(spec)
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        location = spec.pop("path", None) or spec.pop("source", None)
+        if not isinstance(location, str) or not location:
+            raise HsextractError(
+                f"data source {spec!r} has no 'path': give path: FILE, GLOB, DIR, hf:ID or s3://..."
+            )
+        return _with_options(location, spec, location)
+    if not isinstance(spec, str) or not spec.strip():
+        raise HsextractError(f"data source {spec!r} is not a path, glob, hf:ID or s3:// URL")
+    location, options = spec.strip(), {}
+    head, sep, tail = location.rpartition("?")
+    if sep and "=" in tail and not Path(location).exists():  # a '?' without '=' is a glob wildcard
+        try:
+            pairs = parse_qsl(tail, keep_blank_values=True, strict_parsing=True)
+        except ValueError as e:
+            raise HsextractError(f"data source {spec!r}: cannot parse the options {tail!r} ({e})") from None
+        location, options = head, dict(pairs)
+    return _with_options(location, options, spec)
+
+
+def _with_options(location: str, options: dict, given) -> SourceSpec:
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise HsextractError(
+            f"data source {given!r}: unknown option(s) {', '.join(unknown)}; known: {', '.join(OPTION_NAMES)}"
+        )
+    values: dict[str, Any] = {}
+    for key in ("name", "split", "config", "revision"):
+        if options.get(key) is not None:
+            values[key] = str(options[key])
+    for key in ("limit", "sample"):
+        if options.get(key) is not None:
+            values[key] = _positive_int(options[key], key, given)
+    if options.get("fraction") is not None:
+        try:
+            fraction = float(options["fraction"])
+        except (TypeError, ValueError):
+            fraction = float("nan")
+        if not 0 < fraction <= 1:
+            raise HsextractError(
+                f"data source {given!r}: fraction must be in (0, 1], got {options['fraction']!r}"
+            )
+        values["fraction"] = fraction
+    chosen = [k for k in ("limit", "fraction", "sample") if k in values]
+    if len(chosen) > 1:
+        raise HsextractError(
+            f"data source {given!r}: give one of limit, fraction, sample, not {' and '.join(chosen)}"
+        )
+    if options.get("columns") is not None:
+        values["columns"] = _columns(options["columns"], given)
+    if "name" in values and not _NAME.match(values["name"]):
+        raise HsextractError(
+            f"data source {given!r}: name {values['name']!r} must be letters, digits, '.', '_' or '-' "
+            "(it prefixes the sample ids as NAME/ID)"
+        )
+    return SourceSpec(location=location, **values)
+
+
+def _positive_int(value, key: str, given) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if isinstance(value, bool) or number < 1 or str(number) != str(value).strip():
+        raise HsextractError(f"data source {given!r}: {key} must be a positive integer, got {value!r}")
+    return number
+
+
+def _columns(value, given) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, str):
+        pairs = []
+        for part in value.split(","):
+            target, sep, column = part.partition(":")
+            if not sep or not target.strip() or not column.strip():
+                raise HsextractError(
+                    f"data source {given!r}: columns must be FIELD:COLUMN,... (e.g. messages:conversation), "
+                    f"got {value!r}"
+                )
+            pairs.append((target.strip(), column.strip()))
+    elif isinstance(value, Mapping):
+        pairs = [(str(k), str(v)) for k, v in value.items()]
+    else:
+        raise HsextractError(f"data source {given!r}: columns must be a mapping FIELD: COLUMN, got {value!r}")
+    bad = [t for t, _ in pairs if t not in COLUMN_FIELDS]
+    if bad:
+        raise HsextractError(
+            f"data source {given!r}: columns names unknown field(s) {', '.join(bad)}; fields are "
+            f"{', '.join(COLUMN_FIELDS)}"
+        )
+    return tuple(pairs)
+
+
+def map_columns(row: Any, columns: tuple[tuple[str, str], ...]) -> Any:
+    """The row with each mapped column read as its field; a mapped row-kind field decides the kind alone."""
+    if not columns or not isinstance(row, dict):
+        return row
+    targets = {t for t, _ in columns}
+    drop = set(ROW_KIND_FIELDS) if targets & set(ROW_KIND_FIELDS) else set()
+    sources = {c for _, c in columns}
+    out = {k: v for k, v in row.items() if k not in drop and k not in sources}
+    for target, column in columns:
+        out[target] = row.get(column)
+    return out
+
+
+def row_kind(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return None
+    return next((k for k in ROW_KIND_FIELDS if row.get(k) is not None), None)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved source: what to read, how many rows it has (when known) and what identifies it."""
+
+    spec: SourceSpec
+    name: str
+    label: str
+    """How messages name it: ``'name' (location)`` in a mix, else the location."""
+    kind: str
+    """``files``, ``saved_dataset``, ``hub_folder``, ``hf`` or ``s3``."""
+    files: tuple[Path, ...] = ()
+    dataset: Any = None
+    identity: dict = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """The identity's hash for the plan, without file paths and mtimes: content decides (a copied or touched
+        file is the same source), as it does for a single file."""
+        identity = {k: v for k, v in self.identity.items() if k != "files"}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+    def available(self) -> int:
+        """Rows in the source before any selection (one pass over the JSONL files)."""
+        if self.dataset is not None:
+            return len(self.dataset)
+        return sum(rowio.count_rows(f) for f in self.files)
+
+    def selected(self, seed: int) -> list[int] | None:
+        """Sorted row positions kept by ``fraction`` / ``sample``; None when every row (up to ``limit``) is."""
+        spec = self.spec
+        if spec.fraction is None and spec.sample is None:
+            return None
+        import numpy as np
+
+        total = self.available()
+        k = spec.sample if spec.sample is not None else max(1, round(total * spec.fraction))
+        if k > total:
+            raise HsextractError(
+                f"data source {self.label}: sample={k} asks for more rows than its {total}; lower it or drop it"
+            )
+        key = hashlib.sha256(f"hsextract-sample:{seed}:{self.name}:{spec.location}".encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+        return np.sort(rng.choice(total, size=k, replace=False)).tolist()
+
+    def rows(self, seed: int) -> Iterator[tuple[int, Any]]:
+        """``(position in the source, row)`` of the selected rows, columns mapped, in source order."""
+        chosen = self.selected(seed)
+        if self.dataset is not None:
+            data = self.dataset
+            if chosen is not None:
+                positions: Any = chosen
+                data = data.select(chosen)
+            else:
+                n = len(data) if self.spec.limit is None else min(self.spec.limit, len(data))
+                positions, data = range(n), data.select(range(n)) if n < len(data) else data
+            pairs: Iterator[tuple[int, Any]] = zip(positions, rowio.dataset_rows(data), strict=True)
+        else:
+            pairs = enumerate(row for f in self.files for row in rowio.read_rows(f))
+            if chosen is not None:
+                pairs = _keep_positions(pairs, chosen)
+            elif self.spec.limit is not None:
+                pairs = islice(pairs, self.spec.limit)
+        for position, row in pairs:
+            yield position, map_columns(row, self.spec.columns)
+
+
+def _keep_positions(pairs: Iterator[tuple[int, Any]], chosen: list[int]) -> Iterator[tuple[int, Any]]:
+    wanted = iter(chosen)
+    target = next(wanted, None)
+    for position, row in pairs:
+        if target is None:
+            return
+        if position == target:
+            yield position, row
+            target = next(wanted, None)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The run's sources in order; its rows are theirs, one source after the other."""
+
+    sources: tuple[Source, ...]
+    seed: int = 0
+
+    @property
+    def prefixed(self) -> bool:
+        """Sample ids carry ``name/`` when there are several sources or a source was given a name."""
+        return len(self.sources) > 1 or any(s.spec.name for s in self.sources)
+
+    def rows(self) -> Iterator[tuple[int, int, Any]]:
+        """``(source index, position in that source, row)`` of every selected row."""
+        for i, source in enumerate(self.sources):
+            for position, row in source.rows(self.seed):
+                yield i, position, row
+
+    def sample_id(self, source_index: int, row_id: str) -> str:
+        return f"{self.sources[source_index].name}/{row_id}" if self.prefixed else row_id
+
+    def fingerprint(self) -> dict:
+        """What of the data shapes the plan. One plain source keeps the single content hash of older plans."""
+        if not self.prefixed and not self.sources[0].spec.options():
+            return {"data": self.sources[0].identity.get("hash") or self.sources[0].digest()}
+        return {
+            # Keyed by name (which the sample ids carry), whether given or derived.
+            "sources": {s.name: {**_unnamed(s.spec.options()), "identity": s.digest()} for s in self.sources},
+            **({"seed": self.seed} if any(s.spec.fraction or s.spec.sample for s in self.sources) else {}),
+        }
+
+    def describe(self) -> list[dict]:
+        """Per source: name, location, kind, options and identity, for the data report."""
+        return [
+            {
+                "name": s.name,
+                "source": s.spec.location,
+                "kind": s.kind,
+                "options": s.spec.options(),
+                "identity": s.identity,
+            }
+            for s in self.sources
+        ]
+
+
+def _unnamed(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "name"}
+
+
+def resolve_sources(
+    data, *, seed: int = 0, cache_dir: Path | None = None, s3_endpoint_url: str | None = None
+) -> Mix:
+    """Find every source's files or dataset and check them (existence, columns, one row kind per source)."""
+    specs = parse_sources(data)
+    names = _source_names(specs)
+    sources = []
+    labelled = len(specs) > 1 or any(s.name for s in specs)
+    for spec, name in zip(specs, names, strict=True):
+        label = f"'{name}' ({spec.location})" if labelled else spec.location
+        source = _resolve(spec, name, label, cache_dir, s3_endpoint_url)
+        _check_columns(source)
+        sources.append(source)
+    return Mix(tuple(sources), seed)
+
+
+def _source_names(specs: tuple[SourceSpec, ...]) -> list[str]:
+    given = [s.name for s in specs if s.name]
+    if len(given) != len(set(given)):
+        raise HsextractError(f"two data sources share a name ({', '.join(given)}): give each its own name=")
+    names: list[str] = []
+    taken = set(given)
+    for spec in specs:
+        if spec.name:
+            names.append(spec.name)
+            continue
+        base = _default_name(spec.location)
+        name, n = base, 2
+        while name in taken:
+            name, n = f"{base}-{n}", n + 1
+        taken.add(name)
+        names.append(name)
+    return names
+
+
+def _default_name(location: str) -> str:
+    text = location.rstrip("/")
+    if text.startswith("hf:"):
+        text = text[3:]
+    parts = [p for p in re.split(r"[/:]", text) if p and not any(c in p for c in "*?[")]
+    base = parts[-1] if parts else "data"
+    for suffix in sorted(rowio.DATA_SUFFIXES, key=len, reverse=True):
+        if base.lower().endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.") or "data"
+    return base if base[0].isalnum() else f"data{base}"
+
+
+def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, endpoint: str | None) -> Source:
+    location = spec.location
+    options = {"config": spec.config, "split": spec.split, "revision": spec.revision}
+    if location.startswith("hf:"):
+        dataset, identity = load_hub(location[3:], **options, label=label, cache=None)
+        return Source(spec, name, label, "hf", dataset=dataset, identity=identity)
+    if location.lower().startswith("s3://"):
+        from hsextract.prepare.s3_source import fetch_s3_files
+
+        files, identity = fetch_s3_files(location, label, cache_dir, endpoint)
+        return _files_source(spec, name, label, "s3", files, identity)
+    path = Path(location)
+    is_dataset = path.is_dir() and (rowio.is_saved_dataset(path) or is_hub_folder(path))
+    if (spec.split or spec.config or spec.revision) and not is_dataset:
+        raise HsextractError(
+            f"data source {label}: split, config and revision apply to hf: ids and dataset directories only"
+        )
+    if any(c in location for c in "*?[") and not path.exists():
+        matches = sorted(Path(p) for p in glob.glob(location, recursive=True))
+        files = [p for p in matches if p.is_file() and rowio.file_format(p)]
+        if not files:
+            raise HsextractError(
+                f"data source {label}: the glob matches no data file ({len(matches)} match(es) in all); "
+                f"data files end in {', '.join(rowio.DATA_SUFFIXES)}"
+            )
+        return _files_source(spec, name, label, "files", files)
+    if not path.exists():
+        raise HsextractError(
+            f"data source {label} does not exist: give a {rowio.ACCEPTED_FORMATS}, a glob, a dataset directory, "
+            "hf:ORG/NAME or s3://BUCKET/PREFIX"
+        )
+    if path.is_dir() and rowio.is_saved_dataset(path):
+        dataset = load_saved(path, spec.split, label)
+        identity = {"kind": "saved_dataset", "hash": rowio.tree_fingerprint(path), "split": spec.split}
+        return Source(spec, name, label, "saved_dataset", dataset=dataset, identity=identity)
+    if path.is_dir() and is_hub_folder(path):
+        dataset, identity = load_hub_folder(path, **options, label=label, cache_dir=cache_dir)
+        return Source(spec, name, label, "hub_folder", dataset=dataset, identity=identity)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and rowio.file_format(p))
+        if not files:
+            raise HsextractError(
+                f"data source {label}: the directory holds no data file (none ends in "
+                f"{', '.join(rowio.DATA_SUFFIXES)}) and is no saved or Hub-layout dataset"
+            )
+        return _files_source(spec, name, label, "files", files)
+    try:
+        rowio._data_format(path)
+    except HsextractError as e:
+        raise HsextractError(f"data source {label}: {e}") from None
+    return _files_source(spec, name, label, "files", [path])
+
+
+def _files_source(
+    spec: SourceSpec, name: str, label: str, kind: str, files: list[Path], identity: dict | None = None
+) -> Source:
+    kinds: dict[str, list[Path]] = {}
+    for f in files:
+        try:
+            row = rowio.first_row(f)
+        except HsextractError as e:
+            raise HsextractError(f"data source {label}: {e}") from None
+        found = row_kind(map_columns(row, spec.columns))
+        if found is not None:
+            kinds.setdefault(found, []).append(f)
+    if len(kinds) > 1:
+        detail = "; ".join(f"{k} in {', '.join(p.name for p in ps[:3])}" for k, ps in kinds.items())
+        raise HsextractError(
+            f"data source {label} mixes row kinds across its files ({detail}): give each kind as its own source"
+        )
+    if identity is None:
+        hashes = [rowio.tree_fingerprint(f) for f in files]
+        identity = {
+            "kind": "files",
+            "hash": hashes[0]
+            if len(files) == 1
+            else hashlib.blake2b("".join(hashes).encode(), digest_size=32).hexdigest(),
+            "files": [
+                {"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+                for f in files[:100]
+            ],
+            "file_count": len(files),
+        }
+    return Source(spec, name, label, kind, files=tuple(files), identity=identity)
+
+
+def _check_columns(source: Source) -> None:
+    """Every mapped column exists, read from the dataset's schema or the first row of each file."""
+    if not source.spec.columns:
+        return
+    if source.dataset is not None:
+        schemas = [("", list(source.dataset.column_names))]
+    else:
+        schemas = []
+        for f in source.files:
+            names = rowio.column_names(f)
+            if names is None:
+                row = rowio.first_row(f)
+                names = list(row) if isinstance(row, dict) else []
+            schemas.append((f.name, names))
+    for where, names in schemas:
+        for target, column in source.spec.columns:
+            if column not in names:
+                raise HsextractError(
+                    f"data source {source.label}: column {column!r} (given for {target}) is not in its rows"
+                    + (f" (file {where})" if where else "")
+                    + f"; they have {', '.join(sorted(names)) or 'no columns'}: fix columns="
+                )
