@@ -441,6 +441,14 @@ class Output:
             self._files.popitem(last=False)
         return f
 
+    def open_batch_file(self, key: str) -> BatchFile:
+        """A new ``BatchFile`` for ``key``, outside the cache (the training loader keeps its own, one per thread)."""
+        return BatchFile(self.sink, key, self._entries[key], verify=self.verify)
+
+    def read_sample(self, f: BatchFile, row: int) -> dict:
+        """Sample ``row`` of the open batch file ``f`` as this output's reader dict (checked, fp8 dequantized)."""
+        return f.sample(row, self._view)
+
     def __getitem__(self, sample_id) -> dict:
         try:
             key, row = self._where[str(sample_id)]

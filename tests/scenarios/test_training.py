@@ -1,0 +1,169 @@
+"""``hsextract.training``: datasets over a real output, read by real DataLoader worker processes, from a local
+directory and from the S3 server on loopback, fed into each trainer's own collator and loader code. References are
+independent of the code under test: an unbatched HF forward for the values, ``hsextract export`` read by each
+trainer's own loader for the items, and the manifest file itself for which samples exist.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from support import damage
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.s3server import S3Endpoint
+from torch.utils.data import DataLoader
+
+from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.export.runner import export
+from hsextract.training import StatesDataset, StatesMapDataset
+
+pytestmark = pytest.mark.slow
+
+
+def ids_of(batch):
+    return [s["sample_id"] for s in batch]
+
+
+def manifest_order(output: Path) -> list[str]:
+    manifest = json.loads((output / "manifest.json").read_text())
+    return [sid for b in manifest["batches"] for sid in b["sample_ids"]]
+
+
+def delivered(
+    dataset: StatesDataset, workers: int, batch_size: int, stop_after: int | None = None
+) -> list[str]:
+    """Sample ids in the order a DataLoader with ``workers`` worker processes hands them to the training loop."""
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=ids_of)
+    out = []
+    for k, batch in enumerate(loader):
+        if stop_after is not None and k == stop_after:
+            break
+        out += batch
+    return out
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory, tiny_model, tiny_tokenizer) -> Path:
+    """One small EAGLE-3 run (layers 1, 3, 4 and the final state): every schema can read it."""
+    root = tmp_path_factory.mktemp("training-run")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=10)
+    run_cli(
+        *cli_run_args(
+            root, tiny_model, data, layers="eagle3", shards=1, num_proc=1, no_progress=True, **TINY_LIMITS
+        )
+    )
+    return root / "out"
+
+
+def exported(output: Path, tmp_path: Path, fmt: str, **options) -> Path:
+    dest = tmp_path / fmt
+    export(str(output), str(dest), fmt, num_proc=1, show_progress=False, echo=lambda *_: None, **options)
+    return dest
+
+
+# -- once per epoch, order, resume --------------------------------------------------------------------------------
+def test_every_sample_once_per_epoch_across_two_ranks_of_two_workers(finished_run):
+    out = finished_run[0] / "out"
+    expected = manifest_order(out)
+
+    def epoch(e: int, **kw) -> list[list[str]]:
+        ranks = []
+        for rank in range(2):
+            data = StatesDataset(out, rank=rank, world_size=2, batch_size=3, seed=7, window_files=4, **kw)
+            data.set_epoch(e)
+            got = delivered(data, workers=2, batch_size=3)
+            # The loader hands out exactly the rank's sequence, in order (what resume relies on).
+            assert got == [data.sample_ids[i] for i in data.rank_sequence()]
+            assert len(got) == len(data)
+            ranks.append(got)
+        return ranks
+
+    first = epoch(0)
+    assert sorted(first[0] + first[1]) == sorted(expected) and len(expected) == len(set(expected))
+    assert abs(len(first[0]) - len(first[1])) <= 1
+    assert first[0] + first[1] != expected  # shuffled
+    second = epoch(1)
+    assert sorted(second[0] + second[1]) == sorted(expected)
+    assert second != first
+    assert epoch(0) == first  # a rerun with the same seed: the same order
+    assert sorted(sum(epoch(0, shuffle=False), [])) == sorted(expected)
+
+
+def test_resume_from_a_mid_epoch_state_serves_exactly_the_rest(finished_run):
+    out = finished_run[0] / "out"
+    data = StatesDataset(out, rank=1, world_size=2, batch_size=2, seed=5)
+    data.set_epoch(3)
+    whole = delivered(data, workers=2, batch_size=2)
+    head = delivered(data, workers=2, batch_size=2, stop_after=3)  # the job dies after 3 steps
+    state = data.state_dict(consumed=len(head))
+    assert state["epoch"] == 3 and state["consumed"] == 6
+
+    resumed = StatesDataset(out, rank=1, world_size=2, batch_size=2, seed=5)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint stores it
+    rest = delivered(resumed, workers=2, batch_size=2)
+    assert head + rest == whole
+    # Twice: a second interruption, counted on top of the first.
+    again = StatesDataset(out, rank=1, world_size=2, batch_size=2, seed=5)
+    again.load_state_dict(resumed.state_dict(consumed=4))
+    assert delivered(again, workers=0, batch_size=2) == whole[10:]
+    with pytest.raises(HsextractError, match="seed=5"):
+        StatesDataset(out, rank=1, world_size=2, batch_size=2, seed=6).load_state_dict(state)
+
+
+def test_without_workers_the_dataset_counts_what_it_served(finished_run):
+    out = finished_run[0] / "out"
+    data = StatesDataset(out, seed=2)
+    it = iter(data)
+    head = [next(it)["sample_id"] for _ in range(5)]
+    resumed = StatesDataset(out, seed=2)
+    resumed.load_state_dict(data.state_dict())
+    assert head + [s["sample_id"] for s in resumed] == [data.sample_ids[i] for i in data.rank_sequence()]
+
+
+def test_a_flipped_byte_raises_naming_the_file(finished_run, tmp_path):
+    out = damage.copy_output(finished_run[0] / "out", tmp_path / "out")
+    key = next(
+        b["key"] for b in damage.manifest_batches(out)[1:] if len(b["sample_ids"]) > damage.DAMAGED_ROW
+    )
+    damage.flip_in_states(out / key)
+    data = StatesDataset(out, shuffle=False)  # the index reads headers and index tensors only: still fine
+    with pytest.raises(CorruptOutputError, match=f"{key}.*does not match its checksum"):
+        delivered(data, workers=2, batch_size=2)
+    with pytest.raises(CorruptOutputError, match=key):
+        for _ in StatesMapDataset(out):
+            pass
+
+
+# -- values -------------------------------------------------------------------------------------------------------
+def test_values_equal_an_unbatched_hf_forward(output, tiny_lm):
+    data = StatesMapDataset(output, "raw", dtype=torch.float32)
+    assert data.lengths == [len(data[i]["input_ids"]) for i in range(len(data))]
+    for i in range(0, len(data), 4):
+        s = data[i]
+        with torch.inference_mode():
+            hs = tiny_lm(s["input_ids"][None], output_hidden_states=True).hidden_states
+        for k in (1, 3, 4):
+            torch.testing.assert_close(s["layers"][k], hs[k + 1][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(s["final_hidden_state"], hs[-1][0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("aws_test_env")
+def test_from_s3_on_loopback_equals_the_local_output(output, s3: S3Endpoint, s3_bucket):
+    client = s3.client()
+    for path in sorted(output.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), s3_bucket, f"run/{path.relative_to(output).as_posix()}")
+    url = f"s3://{s3_bucket}/run"
+    remote = StatesDataset(url, "modelopt", endpoint_url=s3.url, seed=4, threads=4)
+    local = StatesDataset(output, "modelopt", seed=4)
+    loader = DataLoader(remote, batch_size=None, num_workers=2)
+    got = list(loader)
+    want = list(local)
+    assert len(got) == len(want) == len(manifest_order(output))
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
