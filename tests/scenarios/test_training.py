@@ -294,3 +294,74 @@ def test_modelopt_batches_from_the_output_equal_those_from_its_export(output, tm
             strict=True,
         ):
             assert_same(a, b)
+
+
+def test_a_speculators_eagle3_drafter_trains_from_the_output(output, tiny_lm):
+    """speculators' own draft model, loss and collator on CPU (eager loss and attention), fed by StatesDataset; the
+    verifier-owned weights come from the tiny target, its final norm as speculators' norm (Qwen3.5: 1 + weight)."""
+    needs("speculators.models.eagle3.core")
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.data import CollateFn
+    from transformers import LlamaConfig
+
+    manifest = json.loads((output / "manifest.json").read_text())
+    vocab, hidden = manifest["vocab_size"], manifest["hidden_size"]
+    layer = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        num_hidden_layers=1,
+        max_position_embeddings=4096,
+        rms_norm_eps=tiny_lm.config.rms_norm_eps,
+    )
+    layer._attn_implementation = "eager"
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=vocab,
+        norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=[k + 1 for k in manifest["layer_ids"]],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=2)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(config)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(tiny_lm.get_input_embeddings().weight)
+        model.lm_head.weight.copy_(tiny_lm.lm_head.weight)
+        model.verifier_lm_head.weight.copy_(tiny_lm.lm_head.weight)
+        model.verifier_norm.weight.copy_(1 + tiny_lm.model.norm.weight)
+    call, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=2, ttt_step_loss_decay=1.0
+    )
+    data = StatesDataset(output, "speculators", seed=0, dtype=torch.float32)
+    collate = CollateFn(max_len=256, hidden_size=hidden, num_target_layers=3, dtype=torch.float32)
+    batches = list(DataLoader(data, batch_size=4, collate_fn=collate, num_workers=2))[:2]
+    # The target speculators distils from is the target model's own normed final state.
+    final = StatesMapDataset(output, "raw", dtype=torch.float32)[data.rank_sequence()[0]][
+        "final_hidden_state"
+    ]
+    n = min(final.shape[0], 256)  # the collator packs samples into one row of max_len tokens
+    torch.testing.assert_close(
+        model.verifier_norm(batches[0]["verifier_last_hidden_states"][0, :n]), final[:n], rtol=1e-4, atol=1e-4
+    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for step in range(10):
+        batch = {k: v for k, v in batches[step % 2].items() if isinstance(v, torch.Tensor)}
+        _, loss, _ = model(**batch, **call)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    assert all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, losses
