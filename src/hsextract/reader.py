@@ -230,7 +230,8 @@ def _checksums(metadata: dict, header: BatchHeader, damaged) -> Checksums:
 def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     if not raw:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
+    # A bytearray (what a local read returns) is this tensor's own memory; bytes are copied into one.
+    return torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=dtype).view(shape)
 
 
 class BatchFile:
