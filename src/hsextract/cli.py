@@ -276,9 +276,17 @@ def verify(output, s3_endpoint_url, workers, as_json):
 @click.option(
     "--s3-endpoint-url", help="S3-compatible endpoint for OUTPUT and DEST (AWS_ENDPOINT_URL_S3 works too)."
 )
+@click.option(
+    "--index-only",
+    is_flag=True,
+    help="speculators: only the table (input_ids, loss_mask, seq_len), no states; train with "
+    "hsextract.training.speculators.OutputTransfer reading them from OUTPUT (docs/TRAINING.md).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @_user_errors
-def export(output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpoint_url, no_progress):
+def export(
+    output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpoint_url, index_only, no_progress
+):
     """Rewrite a finished OUTPUT as the files a drafter trainer reads, into DEST; rerun to resume."""
     from hsextract.export.runner import export as run_export
 
@@ -290,6 +298,7 @@ def export(output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpo
         target_vocab_size=target_vocab_size,
         num_proc=num_proc,
         endpoint_url=s3_endpoint_url,
+        index_only=index_only,
         show_progress=not no_progress,
         echo=click.echo,
     )

@@ -66,9 +66,10 @@ class CorruptOutputError(HsextractError):
     ``manifest.json``), ``problem`` what is wrong, in words.
     """
 
-    def __init__(self, url: str, key: str, problem: str):
+    def __init__(self, url: str, key: str = "", problem: str = ""):
         self.url, self.key, self.problem = url, key, problem
-        super().__init__(f"{url.rstrip('/')}/{key}: {problem}")
+        # One argument is a whole message: how a DataLoader worker's error is raised again in the main process.
+        super().__init__(f"{url.rstrip('/')}/{key}: {problem}" if key else url)
 
     def __reduce__(self):  # pickled across process pools (export): rebuilt from its fields, not its message
         return type(self), (self.url, self.key, self.problem)

@@ -201,7 +201,8 @@ def _checksums(metadata: dict, header: BatchHeader, damaged) -> Checksums:
 def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     if not raw:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
+    # A bytearray (what a local read returns) is this tensor's own memory; bytes are copied into one.
+    return torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=dtype).view(shape)
 
 
 class BatchFile:
@@ -412,6 +413,14 @@ class Output:
         while len(self._files) > self._cache_files:
             self._files.popitem(last=False)
         return f
+
+    def open_batch_file(self, key: str) -> BatchFile:
+        """A new ``BatchFile`` for ``key``, outside the cache (the training loader keeps its own, one per thread)."""
+        return BatchFile(self.sink, key, self._entries[key], verify=self.verify)
+
+    def read_sample(self, f: BatchFile, row: int) -> dict:
+        """Sample ``row`` of the open batch file ``f`` as this output's reader dict (checked, fp8 dequantized)."""
+        return f.sample(row, self._view)
 
     def __getitem__(self, sample_id) -> dict:
         try:

@@ -1,4 +1,5 @@
-"""One class per trainer's offline format: what each sample becomes in the files its own loader reads."""
+"""One class per trainer's offline format: where each sample's record (training/schemas.py, shared with the training
+dataset) goes and how it is serialized into the files the trainer's own loader reads."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from hsextract.errors import HsextractError
+from hsextract.training.schemas import SCHEMAS, Schema
 
 FILE_GROUP = 2000  # samples per subdirectory, as SpecForge's prepare_hidden_states.py groups them
 
@@ -35,29 +37,31 @@ def _group(index: int) -> str:
     return f"rows_{g}-{g + FILE_GROUP}"
 
 
-def has_consecutive_loss_tokens(loss_mask: torch.Tensor) -> bool:
-    """SpecForge's DFlash loader condition (``has_consecutive_supervised_tokens``)."""
-    m = loss_mask.bool()
-    return bool((m[:-1] & m[1:]).any()) if m.numel() > 1 else False
+def _records_bytes(record: dict) -> bytes:
+    """A schema's record as ``torch.save`` writes it, every tensor owning exactly its bytes."""
+    return _torch_bytes({k: _own(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
 
 
 class ExportFormat:
-    """One trainer's offline layout. Subclasses say what a sample becomes and what the export needs."""
+    """One trainer's offline layout: the schema (training/schemas.py) says what a sample's record is, the format
+    where it goes and how it is serialized, plus the whole-export files the trainer reads."""
 
-    name: str
-    needs_final_state = True
+    schema: Schema
     vocab_files: tuple[str, ...] = ()
 
+    @property
+    def name(self) -> str:
+        return self.schema.name
+
     def check(self, manifest: dict) -> None:
-        if self.needs_final_state and not manifest.get("final_state"):
-            raise HsextractError(
-                f"--format {self.name} needs the final hidden state, which this output does not hold: "
-                "rerun the extraction with --final-state (implied by --layers eagle3)"
-            )
+        try:
+            self.schema.check(manifest)
+        except HsextractError as e:
+            raise HsextractError(f"--format {e}") from None
 
     def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
-        """Why a sample cannot be exported, decided from its tokens alone (units and finalize agree on it)."""
-        return None
+        """Why a sample cannot be exported, decided from its tokens alone (the training dataset agrees)."""
+        return self.schema.skip_reason(input_ids, loss_mask)
 
     def sample_files(self, index: int, s: dict) -> dict[str, bytes]:
         raise NotImplementedError
@@ -76,21 +80,10 @@ class ExportFormat:
 
 
 class SpecForgeDFlash(ExportFormat):
-    name = "specforge-dflash"
-    needs_final_state = False
-
-    def skip_reason(self, input_ids, loss_mask):
-        if not has_consecutive_loss_tokens(loss_mask):
-            return "fewer than two consecutive loss tokens (SpecForge's DFlash loader raises on these)"
-        return None
+    schema = SCHEMAS["specforge-dflash"]
 
     def sample_files(self, index, s):
-        record = {
-            "input_ids": _own(s["input_ids"].long()),
-            "loss_mask": _own(s["loss_mask"].long()),
-            "hidden_states": _own(s["hidden_states"]),
-        }
-        return {f"{_group(index)}/data_{index}.ckpt": _torch_bytes(record)}
+        return {f"{_group(index)}/data_{index}.ckpt": _records_bytes(self.schema.record(s))}
 
     def vocab_mapping_files(self, d2t, t2d):
         return {"vocab_mapping.pt": _torch_bytes({"d2t": d2t, "t2d": t2d})}
@@ -105,29 +98,7 @@ class SpecForgeDFlash(ExportFormat):
 
 
 class SpecForgeEagle3(SpecForgeDFlash):
-    name = "specforge-eagle3"
-    needs_final_state = True
-
-    def check(self, manifest):
-        super().check(manifest)
-        if len(manifest["layer_ids"]) != 3:
-            raise HsextractError(
-                f"--format specforge-eagle3 needs exactly 3 captured layers (SpecForge's EAGLE-3 reads "
-                f"aux_hidden_state [1, T, 3H]); this output holds {len(manifest['layer_ids'])}: "
-                f"{manifest['layer_ids']}. Extract with --layers eagle3 or three ids."
-            )
-
-    def skip_reason(self, input_ids, loss_mask):
-        return None
-
-    def sample_files(self, index, s):
-        record = {
-            "input_ids": _own(s["input_ids"].long()),
-            "loss_mask": _own(s["loss_mask"].long()),
-            "aux_hidden_state": _own(s["hidden_states"]).unsqueeze(0),
-            "hidden_state": _own(s["final_hidden_state"]).unsqueeze(0),
-        }
-        return {f"{_group(index)}/data_{index}.ckpt": _torch_bytes(record)}
+    schema = SCHEMAS["specforge-eagle3"]
 
     def train_hint(self, manifest):
         ids = list(manifest["layer_ids"])
@@ -140,16 +111,12 @@ class SpecForgeEagle3(SpecForgeDFlash):
 
 
 class Speculators(ExportFormat):
-    name = "speculators"
+    schema = SCHEMAS["speculators"]
 
     def sample_files(self, index, s):
         from safetensors.torch import save
 
-        states = torch.stack(
-            [s["layers"][k] for k in sorted(s["layers"])] + [s["final_hidden_state_prenorm"]], dim=1
-        )
-        tensors = {"hidden_states": states.contiguous(), "token_ids": s["input_ids"].long().contiguous()}
-        return {f"hidden_states/hs_{index}.safetensors": save(tensors)}
+        return {f"hidden_states/hs_{index}.safetensors": save(self.schema.record(s))}
 
     def vocab_mapping_files(self, d2t, t2d):
         import numpy as np
@@ -203,17 +170,10 @@ class Speculators(ExportFormat):
 
 
 class ModelOpt(ExportFormat):
-    name = "modelopt"
+    schema = SCHEMAS["modelopt"]
 
     def sample_files(self, index, s):
-        record = {
-            "input_ids": _own(s["input_ids"].long()),
-            "hidden_states": _own(s["final_hidden_state"]),
-            "aux_hidden_states": _own(s["hidden_states"]),
-            "loss_mask": _own(s["loss_mask"].long()),
-            "conversation_id": s["sample_id"],
-        }
-        return {f"conversations/{_group(index)}/conv_{index}.pt": _torch_bytes(record)}
+        return {f"conversations/{_group(index)}/conv_{index}.pt": _records_bytes(self.schema.record(s))}
 
     def vocab_mapping_files(self, d2t, t2d):
         return {"d2t.pt": _torch_bytes(d2t)}

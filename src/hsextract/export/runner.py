@@ -12,6 +12,8 @@ Each format is what the trainer's own offline loader reads (docs/EXPORT.md cites
   and ``hidden_states/hs_I.safetensors`` with ``token_ids`` [T] and ``hidden_states`` [T, k+1, H] whose last slot
   is the final state BEFORE the norm (speculators applies the verifier norm itself). Row I of the dataset is
   sample I of the output, in manifest order.
+  With ``--index-only`` only the table is written (KB per sample): speculators then reads the states from the
+  output itself through ``hsextract.training.speculators.OutputTransfer`` (docs/TRAINING.md).
 - ``modelopt``: one ``.pt`` per conversation under ``conversations/``: ``input_ids`` [T], ``hidden_states`` [T, H]
   (final state after the norm), ``aux_hidden_states`` [T, k*H], ``loss_mask`` [T], ``conversation_id``.
 
@@ -21,6 +23,9 @@ the exported samples) and, with ``--draft-vocab N``, the draft-vocabulary mappin
 ``d2t.pt``. The N most frequent loss-masked tokens are kept, ties to the lower id, padded with the lowest unused
 ids when fewer than N occur: the rule of both SpecForge and speculators. States are written in the output's dtype;
 fp8 outputs are dequantized to bfloat16 (no trainer reads hsextract's per-layer scales).
+
+What each sample's files hold is its schema's record (training/schemas.py), the same code the training dataset
+serves items from, so an export and ``hsextract.training`` cannot disagree.
 
 How it runs. One unit of work is one batch file of the output: its samples are read one ranged read each (never a
 whole batch file), turned into the format's files, and each file is written under its final name atomically (a
@@ -108,8 +113,8 @@ def _export_unit(args) -> dict:
     return summary
 
 
-def _spec(fmt: ExportFormat, manifest: dict, draft_vocab: int | None) -> dict:
-    return {
+def _spec(fmt: ExportFormat, manifest: dict, draft_vocab: int | None, index_only: bool) -> dict:
+    spec = {
         "format": fmt.name,
         "source": {
             "plan_hash": manifest.get("plan_hash"),
@@ -119,6 +124,9 @@ def _spec(fmt: ExportFormat, manifest: dict, draft_vocab: int | None) -> dict:
         },
         "draft_vocab": draft_vocab,
     }
+    if index_only:  # only then: an index-only export is another export than a full one
+        spec["index_only"] = True
+    return spec
 
 
 def _claim_dest(dest, spec: dict, dest_url: str) -> None:
@@ -189,11 +197,13 @@ def export(
     target_vocab_size: int | None = None,
     num_proc: int = 4,
     endpoint_url: str | None = None,
+    index_only: bool = False,
     show_progress: bool = True,
     echo=print,
 ) -> dict:
     """Export the finished output at ``source`` to ``dest_url`` in format ``fmt_name``; resumes a cut-short export.
-    Returns what ``export.json`` holds."""
+    ``index_only`` (speculators) writes the table and the statistics, no states: the trainer reads those from the
+    output through ``hsextract.training.speculators.OutputTransfer``. Returns what ``export.json`` holds."""
     from tqdm import tqdm
 
     from hsextract.reader import open_output
@@ -207,9 +217,14 @@ def export(
     vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
     if num_proc < 1:
         raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
+    if index_only and fmt.name != "speculators":
+        raise HsextractError(
+            f"--index-only is for --format speculators (its table names the samples; the states come from the "
+            f"output through a HiddenStatesTransfer); --format {fmt.name} has no such seam"
+        )
 
     dest = open_sink(dest_url, endpoint_url)
-    spec = _spec(fmt, manifest, draft_vocab)
+    spec = _spec(fmt, manifest, draft_vocab, index_only)
     _claim_dest(dest, spec, dest_url)
     if dest.exists(COMPLETE_KEY):
         echo(f"{dest_url} already holds this export, complete")
@@ -219,7 +234,7 @@ def export(
 
     units = units_of(manifest)
     done = set(dest.list_keys(DONE_PREFIX))
-    todo = [u for u in units if u.marker not in done]
+    todo = [] if index_only else [u for u in units if u.marker not in done]
     total = sum(u.num_samples for u in units)
     bar = tqdm(
         total=total, desc=f"export {fmt.name}", unit="sample", disable=not show_progress, dynamic_ncols=True
@@ -243,7 +258,10 @@ def export(
 
     # Everything per sample is durable; now the files about the whole export, from the markers and a pass over
     # the token ids and loss masks.
-    summaries = [json.loads(dest.get_bytes(u.marker)) for u in units]
+    if index_only:  # speculators leaves no sample out
+        summaries = [{"skipped": {}, "written": u.num_samples} for u in units]
+    else:
+        summaries = [json.loads(dest.get_bytes(u.marker)) for u in units]
     skipped = {sid: why for s in summaries for sid, why in s["skipped"].items()}
     written = sum(s["written"] for s in summaries)
     token_freq: Counter = Counter()
@@ -274,7 +292,14 @@ def export(
         "samples_skipped": len(skipped),
         "skipped": skipped,
         "loss_tokens": sum(token_freq.values()),
-        "train_with": fmt.train_hint(manifest),
+        "train_with": {
+            **fmt.train_hint(manifest),
+            **(
+                {"transfer": f"hsextract.training.speculators.OutputTransfer({source!r})"}
+                if index_only
+                else {}
+            ),
+        },
         "seconds": round(time.time() - t0, 1),
     }
     dest.put_bytes(COMPLETE_KEY, json.dumps(result, indent=2).encode())

@@ -81,10 +81,18 @@ class LocalSink(Sink):
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        with open(self._path(key), "rb") as f:
+    def read_range(self, key: str, offset: int, length: int) -> bytearray:
+        # Read straight into a writable buffer: the reader makes tensors over it without another copy.
+        buf = bytearray(length)
+        with open(self._path(key), "rb", buffering=0) as f:
             f.seek(offset)
-            return f.read(length)
+            view, got = memoryview(buf), 0
+            while got < length:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        return buf if got == length else buf[:got]
 
     def size(self, key: str) -> int:
         return self._path(key).stat().st_size

@@ -1,0 +1,256 @@
+"""What a trainer's data loader delivers, side by side on one output: samples/s and GB/s of states with 1, 2 and 4
+DataLoader workers, for (i) the trainer's own loader on ``hsextract export`` (SpecForge's ``load_feature_file`` of
+one ``data_I.ckpt`` per sample, a ``torch.utils.data`` map dataset, shuffled), (ii) ``StatesDataset`` of
+``hsextract.training`` on the local output, (iii) the same from an S3 server on loopback (moto, in this process).
+All feed the same DataLoader with ``batch_size=None`` and the DFlash schema; the states cross from the workers into
+this process as the trainer would get them. Also the bytes each variant read against the bytes of states delivered.
+
+The output is synthetic and shaped like the default target's (Qwen3.6-27B, DFlash: 5 layers x 5120 hidden, bf16:
+51,200 bytes of states per token), sample lengths drawn around the realistic mix (median ~220 tokens), written under
+``--dir`` (/dev/shm by default). Each figure is the best of ``--repeat`` epochs.
+
+    python scripts/bench_loader.py                    # 4 files x 4096 tokens, ~0.84 GB of states
+    python scripts/bench_loader.py --files 8 --tokens 16384 --workers 1,2,4,8 --no-s3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from hsextract.export.runner import export
+from hsextract.format.batch import batch_metadata, header_checksum, read_file_head
+from hsextract.format.manifest import MANIFEST, OUTPUT_FORMAT, OUTPUT_FORMAT_VERSION
+from hsextract.run.writer import write_batch_file
+from hsextract.storage.base import read_with_crc32
+from hsextract.storage.local import LocalSink
+from hsextract.training import StatesDataset
+
+LAYERS, HIDDEN = (1, 16, 31, 46, 61), 5120
+
+_read_bytes = mp.Value("q", 0)
+
+
+def _counting(read_range):
+    def counted(self, key, offset, length):
+        data = read_range(self, key, offset, length)
+        with _read_bytes.get_lock():
+            _read_bytes.value += len(data)
+        return data
+
+    return counted
+
+
+def make_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
+    """``files`` batch files of ``tokens`` tokens each, random bf16 states, and their manifest."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    batches, n_samples = [], 0
+    for b in range(files):
+        lengths = []
+        while sum(lengths) < tokens:
+            lengths.append(max(2, min(int(rng.lognormvariate(5.4, 0.8)), 4096)))
+        lengths[-1] -= sum(lengths) - tokens
+        lengths = [n for n in lengths if n > 1]
+        n = sum(lengths)
+        ids = [f"s{n_samples + i:06d}" for i in range(len(lengths))]
+        n_samples += len(lengths)
+        tensors = {
+            "hidden_states": torch.randn(n, len(LAYERS), HIDDEN, generator=gen).to(torch.bfloat16),
+            "input_ids": torch.randint(0, 150_000, (n,), generator=gen, dtype=torch.int32),
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+            "sample_index": torch.arange(len(lengths), dtype=torch.int64),
+        }
+        key = f"shard-00000/batch-{b:06d}.safetensors"
+        path = out / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = batch_metadata(
+            run_meta={"layer_ids": json.dumps(list(LAYERS)), "dtype": "bfloat16"},
+            batch_id=b,
+            shard=0,
+            sample_ids=ids,
+        )
+        write_batch_file(path, tensors, meta)
+        size, crc = read_with_crc32(path)
+        head = read_file_head(path)
+        batches.append(
+            {
+                "key": key,
+                "batch_id": b,
+                "shard": 0,
+                "num_tokens": n,
+                "sample_ids": ids,
+                "size": size,
+                "crc32": f"{crc:08x}",
+                "header_size": len(head),
+                "header_xxh3": header_checksum(head),
+            }
+        )
+    manifest = {
+        "format": OUTPUT_FORMAT,
+        "format_version": OUTPUT_FORMAT_VERSION,
+        "layer_ids": list(LAYERS),
+        "num_layers": 64,
+        "slot_layer_ids": list(LAYERS),
+        "final_state": None,
+        "storage_dtype": None,
+        "hidden_size": HIDDEN,
+        "vocab_size": 248_320,
+        "num_samples": n_samples,
+        "num_tokens": files * tokens,
+        "batches": batches,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return manifest
+
+
+class ExportFiles(Dataset):
+    """SpecForge's own offline read: ``load_feature_file`` of one ``.ckpt`` per sample."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        from specforge.runtime.data_plane.feature_store import load_feature_file
+
+        return load_feature_file(self.files[i])
+
+
+def epoch(make_loader, repeat: int) -> dict:
+    best = None
+    for _ in range(repeat):
+        _read_bytes.value = 0
+        loader = make_loader()
+        t0 = time.perf_counter()
+        samples = delivered = 0
+        for item in loader:
+            samples += 1
+            delivered += item["hidden_states"].numel() * item["hidden_states"].element_size()
+        seconds = time.perf_counter() - t0
+        if best is None or seconds < best["seconds"]:
+            best = {
+                "seconds": seconds,
+                "samples": samples,
+                "state_bytes": delivered,
+                "read": _read_bytes.value,
+            }
+    best["samples_per_s"] = best["samples"] / best["seconds"]
+    best["GBps"] = best["state_bytes"] / best["seconds"] / 1e9
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per batch file (51,200 B each)")
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--threads", type=int, default=4, help="StatesDataset read threads per worker")
+    parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    workers = [int(w) for w in args.workers.split(",")]
+
+    LocalSink.read_range = _counting(LocalSink.read_range)
+    work = Path(tempfile.mkdtemp(prefix="hsextract-bench-loader-", dir=args.dir))
+    r: dict = {"files": args.files, "tokens_per_file": args.tokens, "torch_threads": torch.get_num_threads()}
+    try:
+        out = work / "out"
+        manifest = make_output(out, args.files, args.tokens)
+        r["samples"] = manifest["num_samples"]
+        dest = work / "export"
+        t0 = time.perf_counter()
+        export(str(out), str(dest), "specforge-dflash", num_proc=2, show_progress=False, echo=lambda *_: None)
+        r["export_s"] = time.perf_counter() - t0
+        files = sorted(str(p) for p in dest.rglob("*.ckpt"))
+        r["export_bytes"] = sum(Path(f).stat().st_size for f in files)
+        variants = {
+            "export+own_loader": lambda w: DataLoader(
+                ExportFiles(files), batch_size=None, shuffle=True, num_workers=w
+            ),
+            "hsextract_local": lambda w: DataLoader(
+                StatesDataset(out, "specforge-dflash", threads=args.threads, prefetch=4 * args.threads),
+                batch_size=None,
+                num_workers=w,
+            ),
+        }
+        server = None
+        if not args.no_s3:
+            import boto3
+            from moto.server import ThreadedMotoServer
+
+            from hsextract.storage.s3 import S3Sink
+
+            S3Sink.read_range = _counting(S3Sink.read_range)
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            server.start()
+            url = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+            for k, v in {
+                "AWS_ACCESS_KEY_ID": "x",
+                "AWS_SECRET_ACCESS_KEY": "x",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }.items():
+                os.environ[k] = v
+            client = boto3.client("s3", endpoint_url=url)
+            client.create_bucket(Bucket="bench")
+            for p in sorted(out.rglob("*")):
+                if p.is_file():
+                    client.upload_file(str(p), "bench", f"out/{p.relative_to(out).as_posix()}")
+            variants["hsextract_s3_loopback"] = lambda w: DataLoader(
+                StatesDataset(
+                    "s3://bench/out",
+                    "specforge-dflash",
+                    endpoint_url=url,
+                    threads=args.threads,
+                    prefetch=4 * args.threads,
+                ),
+                batch_size=None,
+                num_workers=w,
+            )
+        r["runs"] = {}
+        for name, make in variants.items():
+            for w in workers:
+                res = epoch(lambda make=make, w=w: make(w), args.repeat)
+                if name == "export+own_loader":
+                    res["read"] = r["export_bytes"]  # whole files, every one once
+                res["read_over_delivered"] = res["read"] / res["state_bytes"]
+                r["runs"][f"{name}/{w}"] = res
+        if server is not None:
+            server.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(
+        f"{r['samples']} samples in {args.files} files of {args.tokens} tokens; export took {r['export_s']:.1f} s\n"
+        f"{'variant/workers':32} {'samples/s':>10} {'GB/s':>7} {'read/delivered':>15}"
+    )
+    for k, v in r["runs"].items():
+        print(f"{k:32} {v['samples_per_s']:10.0f} {v['GBps']:7.3f} {v['read_over_delivered']:15.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Train straight from an output: datasets over its batch files (dataset.py) and each trainer's seam into them.
+
+``StatesDataset`` (iterable, distributed, shuffled, resumable) and ``StatesMapDataset`` (index -> item) yield a
+schema's items (schemas.py): ``raw`` (the reader's dict), ``specforge-dflash``, ``specforge-eagle3``,
+``speculators``, ``modelopt``: what that trainer's own dataset yields. The trainer seams live in their own modules
+(``hsextract.training.speculators``, ``.specforge``, ``.modelopt``), each importing only its trainer.
+"""
+
+from hsextract.training.dataset import StatesDataset, StatesMapDataset
+from hsextract.training.index import SampleIndex, index_output
+from hsextract.training.schemas import SCHEMAS, Schema, get_schema
+
+__all__ = [
+    "SCHEMAS",
+    "SampleIndex",
+    "Schema",
+    "StatesDataset",
+    "StatesMapDataset",
+    "get_schema",
+    "index_output",
+]

@@ -1,0 +1,225 @@
+"""Training datasets over an hsextract output (a directory or ``s3://bucket/prefix``), no export needed.
+
+    from hsextract.training import StatesDataset
+    data = StatesDataset("s3://bucket/run1", schema="specforge-dflash", endpoint_url=URL, batch_size=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=4, collate_fn=...)
+    for epoch in range(E):
+        data.set_epoch(epoch)
+        for sample in loader: ...
+
+``StatesDataset`` is a torch ``IterableDataset``: each epoch serves every sample once across all ranks and
+DataLoader workers, in a deterministic order (order.py: shuffled batch files, then samples within a window of
+files); ``state_dict(consumed)`` and ``load_state_dict`` resume mid-epoch with nothing repeated or skipped.
+``StatesMapDataset`` gives index -> item for trainers that bring a sampler; both know every sample's length before
+reading any state (index.py). Items are the schema's (schemas.py): exactly what the trainer's own dataset yields.
+
+Reads run in a bounded pool of threads per process, ``prefetch`` samples ahead of the consumer, so memory holds at
+most ``prefetch`` samples plus the cached headers. Every read is checked as the reader checks it: a damaged file
+raises ``CorruptOutputError`` naming it, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from hsextract.errors import HsextractError
+from hsextract.training.index import SampleIndex, SampleReader, index_output
+from hsextract.training.order import epoch_order, rank_sequence, worker_share
+from hsextract.training.schemas import Schema
+
+log = logging.getLogger(__name__)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """From the arguments, else ``torch.distributed``, else ``RANK``/``WORLD_SIZE``, else a single rank."""
+    if (rank is None) != (world_size is None):
+        raise HsextractError(f"give rank and world_size together (got rank={rank}, world_size={world_size})")
+    if rank is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world_size:
+        raise HsextractError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
+    return rank, world_size
+
+
+class _Reading:
+    """This process's reader of the index, opened again after a fork."""
+
+    index: SampleIndex
+    _reader: SampleReader | None = None
+
+    def reader(self) -> SampleReader:
+        if self._reader is None or self._reader.pid != os.getpid():
+            self._reader = SampleReader(self.index)
+        return self._reader
+
+    def __getstate__(self):
+        return {**self.__dict__, "_reader": None}
+
+    @property
+    def lengths(self) -> list[int]:
+        """Every sample's token count, known without reading a state."""
+        return self.index.lengths
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return self.index.sample_ids
+
+
+class StatesMapDataset(_Reading, Dataset):
+    """Index -> item over an output, for trainers that bring their own sampler. Index ``i`` is the ``i``-th sample
+    the schema serves, in manifest order; ``lengths[i]`` its token count."""
+
+    def __init__(
+        self,
+        output,
+        schema: str | Schema = "raw",
+        *,
+        endpoint_url: str | None = None,
+        verify: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        index: SampleIndex | None = None,
+    ):
+        self.index = index or index_output(
+            output, schema, endpoint_url=endpoint_url, verify=verify, dtype=dtype
+        )
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self.index):
+            raise IndexError(f"sample {i} is not in this dataset of {len(self.index)} samples")
+        return self.reader().item(i)
+
+    def record(self, i: int) -> dict:
+        """Sample ``i`` as the trainer's offline file holds it (the item before the trainer's own dataset step)."""
+        return self.reader().record(i)
+
+
+class StatesDataset(_Reading, IterableDataset):
+    """Every sample of an output once per epoch across ``world_size`` ranks and their DataLoader workers.
+
+    ``batch_size`` must be the DataLoader's (1 with ``batch_size=None``): it deals the rank's sequence to the
+    workers in the chunks the DataLoader batches, so resume is exact. ``window_files`` bounds the shuffle's reach
+    (and the open files); ``threads`` and ``prefetch`` bound the reads in flight and the samples held."""
+
+    def __init__(
+        self,
+        output,
+        schema: str | Schema = "raw",
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_size: int = 1,
+        window_files: int = 8,
+        threads: int = 4,
+        prefetch: int = 16,
+        endpoint_url: str | None = None,
+        verify: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        index: SampleIndex | None = None,
+    ):
+        for name, value in (("batch_size", batch_size), ("window_files", window_files), ("threads", threads)):
+            if value < 1:
+                raise HsextractError(f"{name} must be at least 1, got {value}")
+        if prefetch < threads:
+            raise HsextractError(f"prefetch ({prefetch}) must be at least threads ({threads})")
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.index = index or index_output(
+            output, schema, endpoint_url=endpoint_url, verify=verify, dtype=dtype
+        )
+        self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
+        self.window_files, self.threads, self.prefetch = window_files, threads, prefetch
+        self.epoch = 0
+        self._skip = 0  # samples of this rank's sequence already consumed this epoch (resume)
+        self._served = 0  # counted here when iterated without DataLoader workers
+
+    # -- the order -----------------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Serve epoch ``epoch`` next (call before iterating, as with ``DistributedSampler``)."""
+        if epoch != self.epoch:
+            self.epoch, self._skip, self._served = epoch, 0, 0
+
+    def rank_sequence(self) -> list[int]:
+        """This rank's samples for the current epoch, in the order its DataLoader delivers them."""
+        files = [self.index.file_samples[k] for k in self.index.file_keys]
+        order = epoch_order(
+            files, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, window_files=self.window_files
+        )
+        return rank_sequence(order, self.rank, self.world_size)
+
+    def __len__(self) -> int:
+        """This rank's samples per epoch."""
+        n = len(self.index)
+        return n // self.world_size + (self.rank < n % self.world_size)
+
+    # -- resume --------------------------------------------------------------------------------------------------
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Where this rank stands: ``consumed`` samples of this epoch taken from its DataLoader (count them in the
+        training loop; without workers the dataset counts them itself)."""
+        done = self._skip + self._served if consumed is None else self._skip + consumed
+        return {
+            "epoch": self.epoch,
+            "consumed": done,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "window_files": self.window_files,
+            "num_samples": len(self.index),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` stood: the next iteration serves exactly the rest of that epoch."""
+        mine = self.state_dict()
+        for k in ("seed", "shuffle", "rank", "world_size", "window_files", "num_samples"):
+            if state[k] != mine[k]:
+                raise HsextractError(
+                    f"this state was taken with {k}={state[k]!r}, this dataset has {k}={mine[k]!r}: resume with "
+                    "the same output, seed, shuffle, window and ranks"
+                )
+        if not 0 <= state["consumed"] <= len(self):
+            raise HsextractError(f"consumed={state['consumed']} is not in 0..{len(self)} for this rank")
+        self.epoch, self._skip, self._served = state["epoch"], state["consumed"], 0
+
+    # -- reading -------------------------------------------------------------------------------------------------
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        sequence = self.rank_sequence()[self._skip :]
+        mine = worker_share(sequence, worker, workers, self.batch_size)
+        reader = self.reader()
+        count = info is None
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="hsextract-read") as pool:
+            pending: deque = deque()
+            todo = iter(mine)
+            try:
+                for i in todo:
+                    pending.append(pool.submit(reader.item, i))
+                    if len(pending) >= self.prefetch:
+                        break
+                while pending:
+                    item = pending.popleft().result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending.append(pool.submit(reader.item, nxt))
+                    if count:
+                        self._served += 1
+                    yield item
+            finally:
+                for f in pending:
+                    f.cancel()

@@ -1,0 +1,174 @@
+"""Which samples an output serves to a schema, and reading them from any thread.
+
+``SampleIndex`` is built once, in the process that makes the dataset: the manifest, plus each batch file's header
+and index tensors (two small reads per file, in a pool of threads) for the samples' lengths, plus, for a schema that
+leaves samples out (SpecForge's DFlash), each file's token ids and loss masks (5 bytes per token). No state is read.
+It holds no open connection, so it pickles into DataLoader workers, which open the output again themselves
+(``SampleReader``): a boto3 client must not cross a fork.
+
+``SampleReader`` keeps a bounded cache of open batch files (their parsed headers and index, a few KB each) shared by
+its threads; a sample is one checked ranged read of its rows (reader.BatchFile), dequantized if fp8.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from hsextract.reader import open_output
+from hsextract.training.schemas import Schema, get_schema
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Where:
+    """How to open the output again in another process."""
+
+    path: str
+    endpoint_url: str | None
+    verify: bool
+    dtype: torch.dtype
+    retry_deadline_s: float
+
+
+class SampleIndex:
+    """The samples of an output a schema serves, in manifest order: ``keys[i]``, ``rows[i]``, ``lengths[i]``,
+    ``sample_ids[i]`` for sample ``i``; ``skipped`` maps the left-out sample ids to the reason."""
+
+    def __init__(self, out, where: Where, schema: Schema, threads: int = 8):
+        self.where, self.schema = where, schema
+        self.manifest = out.manifest
+        schema.check(self.manifest)
+        batches = self.manifest["batches"]
+        needs_tokens = type(schema).skip_reason is not Schema.skip_reason
+
+        def scan(batch: dict):
+            f = out.open_batch_file(batch["key"])
+            cu = f.cu_seqlens
+            kept, skipped = [], {}
+            if needs_tokens:
+                ids, mask = f.read_all("input_ids"), f.read_all("loss_mask")
+            for row, sid in enumerate(f.sample_ids):
+                a, b = cu[row], cu[row + 1]
+                reason = schema.skip_reason(ids[a:b], mask[a:b]) if needs_tokens else None
+                if reason:
+                    skipped[sid] = reason
+                else:
+                    kept.append((row, sid, b - a))
+            return batch["key"], kept, skipped
+
+        with ThreadPoolExecutor(max(1, min(threads, len(batches)))) as pool:
+            scanned = list(pool.map(scan, batches))
+        self.keys: list[str] = []
+        self.rows: list[int] = []
+        self.sample_ids: list[str] = []
+        self.lengths: list[int] = []
+        self.skipped: dict[str, str] = {}
+        self.file_samples: dict[str, list[int]] = {}
+        for key, kept, skipped in scanned:
+            self.file_samples[key] = []
+            for row, sid, n in kept:
+                self.file_samples[key].append(len(self.keys))
+                self.keys.append(key)
+                self.rows.append(row)
+                self.sample_ids.append(sid)
+                self.lengths.append(n)
+            self.skipped.update(skipped)
+        self.file_keys = [b["key"] for b in batches]
+        if self.skipped:
+            log.info(
+                "%s: %d of %d samples left out for %s (%s)",
+                where.path,
+                len(self.skipped),
+                len(self.skipped) + len(self.keys),
+                schema.name,
+                next(iter(set(self.skipped.values()))),
+            )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def state_bytes(self, i: int) -> int:
+        """The stored bytes of sample ``i``'s states, from the manifest's shape (for throughput figures)."""
+        m = self.manifest
+        slots = len(m.get("slot_layer_ids") or m["layer_ids"])
+        itemsize = (
+            1
+            if m.get("storage_dtype") == "float8_e4m3fn"
+            else torch.empty((), dtype=self.where.dtype).element_size()
+        )
+        return self.lengths[i] * slots * m["hidden_size"] * itemsize
+
+
+def index_output(
+    output,
+    schema: str | Schema = "raw",
+    *,
+    endpoint_url: str | None = None,
+    verify: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    retry_deadline_s: float = 120,
+    threads: int = 8,
+) -> SampleIndex:
+    """Open ``output`` (a directory or ``s3://bucket/prefix``) and index the samples ``schema`` serves."""
+    where = Where(str(output), endpoint_url, verify, dtype, retry_deadline_s)
+    out = _open(where)
+    return SampleIndex(out, where, get_schema(schema), threads)
+
+
+def _open(where: Where):
+    return open_output(
+        where.path,
+        where.endpoint_url,
+        retry_deadline_s=where.retry_deadline_s,
+        verify=where.verify,
+        dtype=where.dtype,
+    )
+
+
+class SampleReader:
+    """Reads samples of an indexed output in this process, from any of its threads."""
+
+    def __init__(self, index: SampleIndex, cache_files: int = 32):
+        self.index = index
+        self.out = _open(index.where)
+        self.pid = os.getpid()
+        self._files: OrderedDict = OrderedDict()
+        self._cache_files = cache_files
+        self._lock = threading.Lock()
+
+    def _file(self, key: str):
+        with self._lock:
+            f = self._files.get(key)
+            if f is not None:
+                self._files.move_to_end(key)
+                return f
+        f = self.out.open_batch_file(
+            key
+        )  # two small reads; a rare duplicate open in another thread is harmless
+        with self._lock:
+            self._files[key] = f
+            while len(self._files) > self._cache_files:
+                self._files.popitem(last=False)
+        return f
+
+    def sample(self, i: int) -> dict:
+        """The reader dict of sample ``i``."""
+        return self.out.read_sample(self._file(self.index.keys[i]), self.index.rows[i])
+
+    def item(self, i: int) -> dict:
+        """Sample ``i`` as the schema's item (what the trainer's own dataset yields)."""
+        s = self.sample(i)
+        schema = self.index.schema
+        return schema.item(schema.record(s), s)
+
+    def record(self, i: int) -> dict:
+        """Sample ``i`` as the schema's record (what the trainer's offline file holds)."""
+        return self.index.schema.record(self.sample(i))

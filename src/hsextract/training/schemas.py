@@ -1,0 +1,187 @@
+"""What one sample of an output becomes for each trainer: the one place that says it.
+
+A schema turns the reader's sample dict (reader.py) into two things:
+
+- ``record(s)``: what the trainer's offline file holds for the sample, i.e. what its own file loader returns
+  (``torch.load`` of a SpecForge ``.ckpt`` or a ModelOpt ``.pt``, ``safetensors.load_file`` of a speculators
+  ``hs_I.safetensors``). ``hsextract export`` writes exactly this record (export/formats.py serializes it);
+- ``item(record, ...)``: what the trainer's own dataset yields from that record (``ArrowDataset[i]`` for
+  speculators, ``OfflineSupervisedDataset[i]`` for ModelOpt; SpecForge's store returns the record itself and its
+  normalizer runs in its loader). ``StatesDataset`` yields these.
+
+Export and the training dataset both call these functions, so a sample can never differ between a file of the
+export and an item of the dataset. ``skip_reason`` decides, from the tokens alone, which samples a trainer's loader
+cannot take (SpecForge's DFlash raises on samples without two consecutive supervised tokens); both leave them out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hsextract.errors import HsextractError
+
+IGNORE_TOKEN_ID = -100
+
+"""The label ModelOpt (transformers' ``LabelSmoother.ignore_index``) gives the last position."""
+
+
+def has_consecutive_loss_tokens(loss_mask: torch.Tensor) -> bool:
+    """SpecForge's DFlash loader condition (``has_consecutive_supervised_tokens``)."""
+    m = loss_mask.bool()
+    return bool((m[:-1] & m[1:]).any()) if m.numel() > 1 else False
+
+
+class Schema:
+    """One trainer's per-sample dict. Subclasses say what a sample becomes and what the output must hold."""
+
+    name: str
+    needs_final_state = True
+
+    def check(self, manifest: dict) -> None:
+        """Refuse an output this trainer cannot use, before anything is read or written."""
+        if self.needs_final_state and not manifest.get("final_state"):
+            raise HsextractError(
+                f"{self.name} needs the final hidden state, which this output does not hold: "
+                "rerun the extraction with --final-state (implied by --layers eagle3)"
+            )
+
+    def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
+        """Why a sample cannot be served, decided from its tokens alone (dataset and export agree on it)."""
+        return None
+
+    def record(self, s: dict) -> dict:
+        """What the trainer's offline file for this sample holds."""
+        raise NotImplementedError
+
+    def item(self, record: dict, s: dict) -> dict:
+        """What the trainer's own dataset yields from ``record`` (``s``: the reader dict it was made from)."""
+        return record
+
+
+class Raw(Schema):
+    """The reader's own dict (reader.py), unchanged."""
+
+    name = "raw"
+    needs_final_state = False
+
+    def record(self, s):
+        return s
+
+
+class SpecForgeDFlash(Schema):
+    """``torch.load`` of SpecForge's DFlash ``data_I.ckpt`` (``normalize_offline_sample`` runs in its loader)."""
+
+    name = "specforge-dflash"
+    needs_final_state = False
+
+    def skip_reason(self, input_ids, loss_mask):
+        if not has_consecutive_loss_tokens(loss_mask):
+            return "fewer than two consecutive loss tokens (SpecForge's DFlash loader raises on these)"
+        return None
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].long(),
+            "loss_mask": s["loss_mask"].long(),
+            "hidden_states": s["hidden_states"],
+        }
+
+
+class SpecForgeEagle3(Schema):
+    """``torch.load`` of SpecForge's EAGLE-3 ``data_I.ckpt``: the final state after the norm (it applies only the
+    frozen lm_head), exactly 3 captured layers."""
+
+    name = "specforge-eagle3"
+
+    def check(self, manifest):
+        super().check(manifest)
+        if len(manifest["layer_ids"]) != 3:
+            raise HsextractError(
+                f"{self.name} needs exactly 3 captured layers (SpecForge's EAGLE-3 reads "
+                f"aux_hidden_state [1, T, 3H]); this output holds {len(manifest['layer_ids'])}: "
+                f"{manifest['layer_ids']}. Extract with --layers eagle3 or three ids."
+            )
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].long(),
+            "loss_mask": s["loss_mask"].long(),
+            "aux_hidden_state": s["hidden_states"].unsqueeze(0),
+            "hidden_state": s["final_hidden_state"].unsqueeze(0),
+        }
+
+
+class Speculators(Schema):
+    """``hs_I.safetensors`` (``token_ids``, ``hidden_states`` [T, k+1, H], the last slot the final state BEFORE the
+    norm: speculators applies the verifier norm itself); the item is ``ArrowDataset[I]``."""
+
+    name = "speculators"
+
+    def record(self, s):
+        states = torch.stack(
+            [s["layers"][k] for k in sorted(s["layers"])] + [s["final_hidden_state_prenorm"]], dim=1
+        )
+        return {"hidden_states": states.contiguous(), "token_ids": s["input_ids"].long().contiguous()}
+
+    def item(self, record, s):
+        """``ArrowDataset._get_raw_data`` + ``BaseDataset.__getitem__``; the loss mask is the table's row (int64)."""
+        states, ids = record["hidden_states"], record["token_ids"]
+        return {
+            "hidden_states": states[:, :-1].flatten(1),
+            "input_ids": ids,
+            "verifier_last_hidden_states": states[:, -1],
+            "loss_mask": s["loss_mask"].long(),
+            "lengths": torch.tensor([ids.shape[0]], dtype=torch.long),
+            "position_ids": torch.arange(ids.shape[0], dtype=torch.long),
+        }
+
+
+class ModelOpt(Schema):
+    """``torch.load`` of ModelOpt's ``conv_I.pt``; the item is ``OfflineSupervisedDataset[I]`` with
+    ``answer_only_loss=True`` (the stored mask) or ``False`` (all ones)."""
+
+    name = "modelopt"
+
+    def __init__(self, answer_only_loss: bool = True):
+        self.answer_only_loss = answer_only_loss
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].long(),
+            "hidden_states": s["final_hidden_state"],
+            "aux_hidden_states": s["hidden_states"],
+            "loss_mask": s["loss_mask"].long(),
+            "conversation_id": s["sample_id"],
+        }
+
+    def item(self, record, s=None):
+        ids = record["input_ids"]
+        labels = torch.full_like(ids, IGNORE_TOKEN_ID)
+        labels[..., :-1] = ids[..., 1:]
+        if self.answer_only_loss:
+            loss_mask = record["loss_mask"].to(ids.dtype)
+        else:
+            loss_mask = torch.ones_like(ids)
+        return {
+            "input_ids": ids,
+            "base_model_hidden_states": record["hidden_states"],
+            "aux_hidden_states": record["aux_hidden_states"],
+            "attention_mask": torch.ones_like(ids),
+            "loss_mask": loss_mask,
+            "labels": labels,
+            "base_hidden_prenorm": bool(record.get("hidden_states_prenorm", False)),
+        }
+
+
+SCHEMAS: dict[str, Schema] = {
+    s.name: s for s in (Raw(), SpecForgeDFlash(), SpecForgeEagle3(), Speculators(), ModelOpt())
+}
+
+
+def get_schema(schema: str | Schema) -> Schema:
+    """A schema by name (``raw``, ``specforge-dflash``, ``specforge-eagle3``, ``speculators``, ``modelopt``)."""
+    if isinstance(schema, Schema):
+        return schema
+    if schema not in SCHEMAS:
+        raise HsextractError(f"schema {schema!r} is not one of {', '.join(SCHEMAS)}")
+    return SCHEMAS[schema]

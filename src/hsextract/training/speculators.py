@@ -1,0 +1,47 @@
+"""speculators' seam: a ``hs_connectors.HiddenStatesTransfer`` that reads an output's states in place.
+
+speculators' ``ArrowDataset(max_len, datapath, transfer=...)`` takes the samples' table from ``datapath`` and each
+sample's states from ``transfer.get_cached(file_idx)``; ``hsextract export OUTPUT DEST --format speculators
+--index-only`` writes that table (row I = sample I of the output, in manifest order), and ``OutputTransfer(OUTPUT)``
+returns sample I's record exactly as ``hs_I.safetensors`` of a full export would hold it (schemas.Speculators):
+
+    from speculators.train.data import ArrowDataset
+    from hsextract.training.speculators import OutputTransfer
+    data = ArrowDataset(max_len, "DEST", transfer=OutputTransfer("s3://bucket/run1", endpoint_url=URL),
+                        on_missing="raise")
+
+Its batches then come from speculators' own sampler and collator unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hs_connectors.transfer import HiddenStatesTransfer
+
+from hsextract.training.dataset import StatesMapDataset
+
+
+class OutputTransfer(HiddenStatesTransfer):
+    """Sample ``file_idx`` of an output as speculators' hs file: ``hidden_states`` [T, k+1, H], ``token_ids`` [T].
+
+    Opened lazily in each process (``setup`` or the first read), so it pickles into DataLoader workers."""
+
+    def __init__(self, output, *, endpoint_url: str | None = None, verify: bool = True, dtype=torch.bfloat16):
+        self.data = StatesMapDataset(
+            output, "speculators", endpoint_url=endpoint_url, verify=verify, dtype=dtype
+        )
+
+    def setup(self) -> None:
+        self.data.reader()
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
+        if not 0 <= file_idx < len(self.data):
+            return None  # speculators then applies its on_missing policy
+        return self.data.record(file_idx)
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        raise NotImplementedError(
+            "an hsextract output holds extracted states only; it generates none (use on_missing='raise')"
+        )
