@@ -150,6 +150,11 @@ def main():
     type=float,
     help="Seconds without a heartbeat or a finished batch before a shard is reported stalled (default 180).",
 )
+@click.option(
+    "--kernel-cache",
+    help="Root of the per-user kernel cache shared by jobs on this machine (default $HSEXTRACT_KERNEL_CACHE, "
+    "else ~/.cache/hsextract/triton); a subdirectory per GPU and software setup.",
+)
 @click.option("--only-shards", help="Run only these shards, e.g. 2,3.")
 @click.option(
     "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."

@@ -125,8 +125,14 @@ class RunConfig:
     stopped; a stall that ends is reported as recovered."""
 
     prewarm: bool = True
-    """On GPUs with flash-linear-attention: compile its kernels once into a shared Triton cache before the shards
-    start, instead of every shard compiling them at once."""
+    """On GPUs with flash-linear-attention: compile its kernels once into the kernel cache while the shards load
+    their weights (the shards wait for it before their first batch), instead of every shard compiling them at
+    once; skipped when the cache's stamp already covers the plan (model/kernel_cache.py)."""
+
+    kernel_cache: str | None = None
+    """Root of the kernel cache shared by every job of this user on the machine (Triton's compiled kernels and
+    autotune results, in a subdirectory per GPU and software setup). Default ``$HSEXTRACT_KERNEL_CACHE``, else an
+    already set ``TRITON_CACHE_DIR`` (used as it is), else ``$XDG_CACHE_HOME/hsextract/triton``."""
 
     random_weights: bool = False
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""

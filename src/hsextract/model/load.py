@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from hsextract.errors import HsextractError, load_or_explain
+from hsextract.model.autotune import pin_token_count_autotune
 
 
 def load_model_config(model: str):
@@ -67,6 +68,8 @@ def load_model_for(cfg, device) -> object:
     )
     swapped = kernels.apply(lm, cfg.kernel_mode)
     log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
+    if device.type == "cuda":  # as the warm-up does, so both look up the same autotune results
+        pin_token_count_autotune()
     return lm
 
 

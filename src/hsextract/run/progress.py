@@ -40,7 +40,7 @@ from hsextract.prepare.plan import Plan
 from hsextract.run.rundir import RunDir
 from hsextract.storage.fileio import atomic_write
 
-LIVE_STATES = ("starting", "loading", "running", "waiting-for-uploader", "draining")
+LIVE_STATES = ("starting", "loading", "waiting-for-kernels", "running", "waiting-for-uploader", "draining")
 
 
 FINAL_STATES = ("done", "failed", "stopped")
@@ -60,7 +60,8 @@ keeps a point every few seconds, a week-long one a point every half hour, and th
 class ShardProgress:
     shard: int
     state: str = "starting"
-    """starting | loading | running | waiting-for-uploader | draining | done | failed | stopped (by a signal)"""
+    """starting | loading | waiting-for-kernels | running | waiting-for-uploader | draining | done | failed |
+    stopped (by a signal)"""
     pid: int = 0
     host: str = ""
     batches_total: int = 0

@@ -48,11 +48,12 @@ from hsextract.model.load import load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.pipeline import Extractor
+from hsextract.run.prewarm import wait_for_warmup
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress, stall_note
 from hsextract.run.rundir import RunDir, RunInfo
 from hsextract.run.uploader import Uploader
-from hsextract.run.writer import read_metadata, write_batch_file
+from hsextract.run.writer import read_metadata, staged_bytes, write_batch_file
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
 
@@ -63,17 +64,6 @@ REFRESH_S = 0.5
 
 """The progress file is rewritten when it is this old at a tick; ticks come at least every 0.5 s (the pipeline's
 wait for a slot, the drain loop, the helper thread), so it is never more than about a second old."""
-
-
-def staged_bytes(staging: Path) -> int:
-    total = 0
-    for entry in os.scandir(staging):
-        if entry.name.endswith(".safetensors"):
-            try:
-                total += entry.stat().st_size
-            except FileNotFoundError:  # uploaded and removed meanwhile
-                pass
-    return total
 
 
 class ShardRun:
@@ -361,7 +351,7 @@ class ShardRun:
             len(self.batches),
             self.progress.tokens_total,
             self.staging,
-        )
+        )  # noqa: E501
         sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
         all_done = self.run_dir.done_keys()
         self._mark_done(k for k in self.by_key if k in all_done)
@@ -426,6 +416,8 @@ class ShardRun:
         with self._ticking("loading"):
             lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
+        with self._ticking("waiting-for-kernels"):  # the kernel warm-up, if one runs beside the load
+            wait_for_warmup()
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.

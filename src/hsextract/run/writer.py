@@ -22,6 +22,7 @@ after a crash is byte-identical to the first attempt.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from itertools import pairwise
 from pathlib import Path
@@ -133,3 +134,15 @@ def read_metadata(path: Path) -> dict[str, str]:
         return json.loads(head[HEADER_LENGTH_BYTES:]).get("__metadata__", {})
     except (ValueError, AttributeError) as e:
         raise HsextractError(f"{path} has a garbled header ({e})") from None
+
+
+def staged_bytes(staging: Path) -> int:
+    """Bytes of the batch files in a staging directory (what the worker's staging budget counts)."""
+    total = 0
+    for entry in os.scandir(staging):
+        if entry.name.endswith(".safetensors"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # uploaded and removed meanwhile
+                pass
+    return total
