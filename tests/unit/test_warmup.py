@@ -15,7 +15,14 @@ from hsextract.model import kernel_cache as kc
 from hsextract.model.autotune import PIN_ENV, pin_token_count_autotune
 from hsextract.model.warmup import plan_shapes, warm_shapes
 from hsextract.prepare.plan import make_plan
-from hsextract.run.prewarm import WARMUP_FLAG_ENV, Warmup, open_kernel_cache, wait_for_warmup, warm_missing
+from hsextract.run.prewarm import (
+    WARMUP_FLAG_ENV,
+    Warmup,
+    open_kernel_cache,
+    wait_for_warmup,
+    warm_missing,
+    warmup_pending,
+)
 
 H200 = [{"name": "NVIDIA H200", "driver": "580.159.04"}]
 PACKAGES = {"torch": "2.11.0+cu130", "triton": "3.6.0", "fla-core": "0.6.0", "liger-kernel": "0.8.5"}
@@ -264,10 +271,11 @@ def test_the_flag_is_written_when_the_warm_up_ends_however_it_ends(tmp_path):
 
 
 def test_worker_waits_for_the_flag_only_when_a_warm_up_runs(tmp_path):
-    assert wait_for_warmup(env={}) is None
+    assert wait_for_warmup(env={}) is None and not warmup_pending(env={})
     flag = tmp_path / "warmup.done"
     timer = threading.Timer(0.4, flag.write_text, args=("0\n",))
     timer.start()
+    assert warmup_pending(env={WARMUP_FLAG_ENV: str(flag)})
     waited = wait_for_warmup(env={WARMUP_FLAG_ENV: str(flag)}, poll_s=0.02)
     assert 0.3 < waited < 10
     assert wait_for_warmup(env={WARMUP_FLAG_ENV: str(flag)}) < 0.1  # already there

@@ -135,6 +135,11 @@ class Warmup:
         atomic_write(self.flag, f"{self.proc.returncode}\n")
 
 
+def warmup_pending(env=None) -> bool:
+    """In a worker: a warm-up was started beside it (its flag may already be written)."""
+    return bool((os.environ if env is None else env).get(WARMUP_FLAG_ENV))
+
+
 def wait_for_warmup(env=None, timeout: float = WARMUP_WAIT_S, poll_s: float = 0.2) -> float | None:
     """In a worker: wait until the warm-up's flag file exists (or ``timeout``); the seconds waited, or None when
     no warm-up runs for this worker. A stop signal interrupts the sleep (``Terminated``)."""

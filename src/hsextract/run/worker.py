@@ -48,7 +48,7 @@ from hsextract.model.load import load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.pipeline import Extractor
-from hsextract.run.prewarm import wait_for_warmup
+from hsextract.run.prewarm import wait_for_warmup, warmup_pending
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress, stall_note
 from hsextract.run.rundir import RunDir, RunInfo
@@ -416,8 +416,9 @@ class ShardRun:
         with self._ticking("loading"):
             lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
-        with self._ticking("waiting-for-kernels"):  # the kernel warm-up, if one runs beside the load
-            wait_for_warmup()
+        if warmup_pending():  # the kernel warm-up runs beside the load: its kernels before the first batch
+            with self._ticking("waiting-for-kernels"):
+                wait_for_warmup()
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.
