@@ -9,7 +9,8 @@ durable, each under ``--step-timeout`` seconds:
   cold    a new job with an empty kernel cache (``--kernel-cache WORK/kernels``, emptied first): every kernel
           compiled and autotuned;
   warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
-  resume  the warm job's command again: it resumes (staged files uploaded, the rest computed).
+  resume  the warm job's command again: it resumes (staged files uploaded, the rest computed);
+  load    (only when asked) ``load_model`` alone in a fresh process per reader thread count (--load-threads).
 
 For each step: seconds to the first durable batch (its marker) and to the first batch computed in that attempt,
 and the phases parsed from the launcher's output and the run's logs: preparation, pre-warm (or skipped), model
@@ -161,6 +162,42 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
     return result
 
 
+LOAD_PROBE = """
+import sys, time, torch
+from hsextract.model.load import load_model
+t0 = time.perf_counter()
+lm = load_model(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3])
+if sys.argv[3] != "cpu":
+    torch.cuda.synchronize()
+print(f"{time.perf_counter() - t0:.2f}")
+"""
+
+
+def time_loads(model: Path, device: str, dtype: str, threads: list[int], timeout: float, env: dict) -> dict:
+    """Seconds ``load_model`` takes in a fresh process, per reader thread count (HSEXTRACT_LOAD_THREADS)."""
+    out: dict = {}
+    t0 = time.time()
+    for n in threads:
+        left = timeout - (time.time() - t0)
+        if left < 10:
+            break
+        dev = "cuda:0" if device == "cuda" else "cpu"
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", LOAD_PROBE, str(model), dtype, dev],
+                env={**env, "HSEXTRACT_LOAD_THREADS": str(n)},
+                capture_output=True,
+                text=True,
+                timeout=left,
+            )
+        except subprocess.TimeoutExpired:
+            out[f"threads_{n}_s"] = "timeout"
+            break
+        lines = r.stdout.strip().splitlines()
+        out[f"threads_{n}_s"] = float(lines[-1]) if r.returncode == 0 and lines else r.stderr[-300:]
+    return out
+
+
 def machine() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -210,7 +247,11 @@ def main():
     ap.add_argument(
         "--output-root", help="where outputs and staging go (default /dev/shm on CUDA, --work on CPU)"
     )
-    ap.add_argument("--steps", default="cold,warm,resume")
+    ap.add_argument(
+        "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
+    )
+    ap.add_argument("--steps", default="cold,warm,resume", help="of cold, warm, resume, load")
+    ap.add_argument("--load-threads", default="4,16", help="load step: reader thread counts to time")
     ap.add_argument("--step-timeout", type=float, default=240.0, help="seconds each step may take")
     ap.add_argument(
         "--total-timeout", type=float, help="seconds all steps together may take (a step gets the rest)"
@@ -266,6 +307,7 @@ def main():
             "float32" if cpu else "bfloat16",
         ]
         argv += ["--max-tokens-per-batch", batch, "--max-length", max_length, "--no-progress"]
+        argv += ["--staging-max-gb", args.staging_max_gb]
         return argv, run_dir
 
     steps = {"cold": "cold", "warm": "warm", "resume": "warm"}  # the job each step runs
@@ -277,12 +319,19 @@ def main():
         if limit < 10:
             print(f'figure {step}.skipped "no time left"', flush=True)
             continue
+        if step == "load":
+            threads = [int(n) for n in args.load_threads.split(",")]
+            dtype = "float32" if cpu else "bfloat16"
+            report[step] = result = time_loads(model, args.device, dtype, threads, limit, env)
+            print_figures(step, result)
+            continue
         argv, run_dir = job_args(steps[step])
         result = attempt(step, argv, run_dir, work, limit, env)
         report[step] = result
         print_figures(step, result)
-        # Done with the cold job's output: frees /dev/shm for the next step.
-        shutil.rmtree(out_root / "cold-out", ignore_errors=True)
+        # Done with the cold job: its output and staging go, to keep /dev/shm (and the page cache) free.
+        for leftover in ("cold-out", "cold-staging"):
+            shutil.rmtree(out_root / leftover, ignore_errors=True)
         if args.json_out:  # after every step: a later one cut short keeps the earlier figures
             Path(args.json_out).write_text(json.dumps(report, indent=1))
     report["total_s"] = round(time.time() - t_all, 1)
@@ -290,7 +339,8 @@ def main():
     shutil.rmtree(out_root, ignore_errors=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
-    ok = all(report.get(s, {}).get("first_durable_s") is not None for s in args.steps.split(","))
+    jobs = [s for s in args.steps.split(",") if s != "load"]
+    ok = all(report.get(s, {}).get("first_durable_s") is not None for s in jobs)
     sys.exit(0 if ok else 1)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from hsextract.errors import HsextractError, load_or_explain
@@ -29,6 +30,39 @@ def load_model_config(model: str):
     return config, text, num_layers
 
 
+LOAD_THREADS_ENV = "HSEXTRACT_LOAD_THREADS"
+
+"""Threads transformers reads a checkpoint with onto a GPU (its ``core_model_loading.GLOBAL_WORKERS``, 4 by default,
+chosen for disks). From the page cache more may read faster; the same bytes land either way.
+``scripts/bench_startup.py --steps load`` times the load with 4 and 16."""
+
+
+def load_threads(env=None) -> int | None:
+    """``$HSEXTRACT_LOAD_THREADS`` as a positive int, or None (transformers' own count); a clear error if bad."""
+    value = (os.environ if env is None else env).get(LOAD_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise HsextractError(f"{LOAD_THREADS_ENV}={value!r}: give a positive number of threads, e.g. 16")
+    return int(value)
+
+
+@contextmanager
+def reader_threads(n: int | None):
+    """transformers' checkpoint reader with ``n`` threads for the duration (None: as it is)."""
+    from transformers import core_model_loading
+
+    old = getattr(core_model_loading, "GLOBAL_WORKERS", None)
+    if n is None or old is None:
+        yield
+        return
+    core_model_loading.GLOBAL_WORKERS = n
+    try:
+        yield
+    finally:
+        core_model_loading.GLOBAL_WORKERS = old
+
+
 def load_model(
     model: str, *, dtype: str, device: str, attn_implementation: str = "sdpa", random_weights=False
 ):
@@ -46,9 +80,10 @@ def load_model(
     else:
         # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
         placement = {} if device == "cpu" else {"device_map": {"": device}}
-        lm = AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch_dtype, attn_implementation=attn_implementation, **placement
-        )
+        with reader_threads(None if device == "cpu" else load_threads()):
+            lm = AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch_dtype, attn_implementation=attn_implementation, **placement
+            )
     lm.eval()
     lm.requires_grad_(False)
     return lm

@@ -36,7 +36,7 @@ from hsextract.format.records import (
     read_job,
 )
 from hsextract.model.layers import layer_types, resolve_layer_ids
-from hsextract.model.load import load_model_config
+from hsextract.model.load import load_model_config, load_threads
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.rows import data_fingerprint
 from hsextract.prepare.tokenize import (
@@ -95,6 +95,8 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
         raise HsextractError(f"--run-dir {run_dir} is a file, not a directory: choose a directory path")
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
+    if cfg.device == "cuda":
+        load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     preflight(cfg.output, cfg.s3_endpoint_url)
