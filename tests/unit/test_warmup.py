@@ -298,13 +298,16 @@ def test_pinning_drops_the_token_count_from_autotune_keys(monkeypatch):
     module.l2norm_fwd_kernel = Autotuner(["D", "NB"])
     module.layer_norm_gated_fwd_kernel = Autotuner(["D", "NB", "HAS_RESIDUAL", "IS_RMS_NORM"])
     module.l2norm_fwd_kernel1 = Autotuner(["D"])
+    module.wrapped = types.SimpleNamespace(fn=Autotuner(["NB", "D"]))  # triton.heuristics over the autotuner
+    module.not_a_kernel = types.SimpleNamespace(keys=["NB"])
     monkeypatch.setitem(sys.modules, "fake_fla_norms", module)
     monkeypatch.setenv(PIN_ENV, "0")
     assert pin_token_count_autotune(["fake_fla_norms"]) == []
     assert module.l2norm_fwd_kernel.keys == ["D", "NB"]
     monkeypatch.delenv(PIN_ENV)
     got = pin_token_count_autotune(["fake_fla_norms", "no_such_module_here"])
-    assert got == ["l2norm_fwd_kernel", "layer_norm_gated_fwd_kernel"]
+    assert got == ["l2norm_fwd_kernel", "layer_norm_gated_fwd_kernel", "wrapped"]
+    assert module.wrapped.fn.keys == ["D"] and module.not_a_kernel.keys == ["NB"]
     assert module.l2norm_fwd_kernel.keys == ["D"]
     assert module.layer_norm_gated_fwd_kernel.keys == ["D", "HAS_RESIDUAL", "IS_RMS_NORM"]
     assert module.l2norm_fwd_kernel1.keys == ["D"]

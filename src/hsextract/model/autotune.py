@@ -46,10 +46,20 @@ def pin_token_count_autotune(modules=PINNED_MODULES) -> list[str]:
         except Exception:  # absent (CPU), or failing to import: the forward meets the same and says so
             continue
         for name, obj in sorted(vars(module).items()):
-            keys = getattr(obj, "keys", None)
-            if type(obj).__name__ == "Autotuner" and isinstance(keys, list) and TOKEN_COUNT_KEY in keys:
-                obj.keys = [k for k in keys if k != TOKEN_COUNT_KEY]
+            tuner = _autotuner(obj)
+            keys = getattr(tuner, "keys", None)
+            if isinstance(keys, list) and TOKEN_COUNT_KEY in keys:
+                tuner.keys = [k for k in keys if k != TOKEN_COUNT_KEY]
                 pinned.append(name)
     if pinned:
         log.info("autotune keys without the token count: %s", ", ".join(pinned))
     return pinned
+
+
+def _autotuner(obj, depth: int = 4):
+    """The Triton ``Autotuner`` that ``obj`` is or wraps (``triton.heuristics`` on top keeps it in ``.fn``)."""
+    for _ in range(depth):
+        if obj is None or type(obj).__name__ == "Autotuner":
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
