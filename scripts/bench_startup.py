@@ -9,6 +9,7 @@ durable, each under ``--step-timeout`` seconds:
   cold    a new job with an empty kernel cache (``--kernel-cache WORK/kernels``, emptied first): every kernel
           compiled and autotuned;
   warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
+  fresh   a new job on new data of the same size (other lengths, so other batch shapes), same kernel cache;
   resume  the warm job's command again: it resumes (staged files uploaded, the rest computed);
   load    (only when asked) ``load_model`` alone in a fresh process per reader thread count (--load-threads).
 
@@ -250,7 +251,7 @@ def main():
     ap.add_argument(
         "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
     )
-    ap.add_argument("--steps", default="cold,warm,resume", help="of cold, warm, resume, load")
+    ap.add_argument("--steps", default="cold,warm,resume", help="of cold, warm, fresh, resume, load")
     ap.add_argument("--load-threads", default="4,16", help="load step: reader thread counts to time")
     ap.add_argument("--step-timeout", type=float, default=240.0, help="seconds each step may take")
     ap.add_argument(
@@ -294,9 +295,14 @@ def main():
     }
     print(f"figure setup {json.dumps(report)}", flush=True)
 
+    fresh_data = work / "fresh-data.jsonl"
+    if "fresh" in args.steps.split(","):
+        write_data(fresh_data, tokens, vocab, max_length, seed=1)  # other lengths: other batch shapes
+
     def job_args(job: str) -> tuple[list, Path]:
         run_dir = work / f"{job}-run"
-        argv = ["run", "--model", model, "--data", data, "--output", out_root / f"{job}-out"]
+        job_data = fresh_data if job == "fresh" else data
+        argv = ["run", "--model", model, "--data", job_data, "--output", out_root / f"{job}-out"]
         argv += ["--run-dir", run_dir, "--staging", out_root / f"{job}-staging", "--kernel-cache", kernels]
         argv += [
             "--layers",
@@ -310,7 +316,7 @@ def main():
         argv += ["--staging-max-gb", args.staging_max_gb]
         return argv, run_dir
 
-    steps = {"cold": "cold", "warm": "warm", "resume": "warm"}  # the job each step runs
+    steps = {"cold": "cold", "warm": "warm", "fresh": "fresh", "resume": "warm"}  # the job each step runs
     t_all = time.time()
     for step in args.steps.split(","):
         limit = args.step_timeout
@@ -330,7 +336,7 @@ def main():
         report[step] = result
         print_figures(step, result)
         # Done with the cold job: its output and staging go, to keep /dev/shm (and the page cache) free.
-        for leftover in ("cold-out", "cold-staging"):
+        for leftover in ("cold-out", "cold-staging", "fresh-out", "fresh-staging"):
             shutil.rmtree(out_root / leftover, ignore_errors=True)
         if args.json_out:  # after every step: a later one cut short keeps the earlier figures
             Path(args.json_out).write_text(json.dumps(report, indent=1))

@@ -311,3 +311,27 @@ def test_pinning_drops_the_token_count_from_autotune_keys(monkeypatch):
     assert module.l2norm_fwd_kernel.keys == ["D"]
     assert module.layer_norm_gated_fwd_kernel.keys == ["D", "HAS_RESIDUAL", "IS_RMS_NORM"]
     assert module.l2norm_fwd_kernel1.keys == ["D"]
+
+
+def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_falls_back(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "file").write_text("not a directory")
+    key = kc.setup_key("cuda", gpus=H200, packages=PACKAGES)
+    kc.check_writable(kc.resolve(str(tmp_path / "new" / "root"), "cuda", env={}, key=key))  # creatable
+    with pytest.raises(kc.HsextractError, match=r"cannot be created: .*file is not a writable directory"):
+        kc.check_writable(kc.resolve(str(tmp_path / "file" / "root"), "cuda", env={}, key=key))
+    # The default root under a HOME that cannot hold it: this job keeps its kernels in the run dir, as before.
+    monkeypatch.delenv(kc.KERNEL_CACHE_ENV, raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))
+    (tmp_path / "run").mkdir()
+    cfg = RunConfig(model="m", data="d", output=str(tmp_path / "out"), run_dir=str(tmp_path / "run"))
+    got = open_kernel_cache(cfg)
+    assert got.dir == tmp_path / "run" / "kernel-cache" and got.source == "run dir"
+    assert (got.dir / "key.json").exists() and kc.read_pointer(
+        tmp_path / "run" / "kernel-cache.json"
+    ) == got.dir
+    chosen = RunConfig(**{**cfg.__dict__, "kernel_cache": str(tmp_path / "file" / "k")})
+    with pytest.raises(kc.HsextractError, match="--kernel-cache"):
+        open_kernel_cache(chosen)

@@ -153,6 +153,18 @@ def prepare(kc: KernelCache) -> None:
         ) from None
 
 
+def check_writable(kc: KernelCache) -> None:
+    """Before any work: the directory, or the nearest existing one above it, can be written (creates nothing)."""
+    place = kc.dir
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir() or not os.access(place, os.W_OK | os.X_OK):
+        raise HsextractError(
+            f"kernel cache {kc.dir} (from {kc.source}) cannot be created: {place} is not a writable directory; "
+            f"choose another directory with --kernel-cache or {KERNEL_CACHE_ENV}"
+        )
+
+
 def write_pointer(path: Path, kc: KernelCache) -> None:
     """The run dir's note of the kernel cache it used."""
     atomic_write(path, json.dumps({"dir": str(kc.dir), "source": kc.source, "key": kc.key}, indent=1))

@@ -4,8 +4,8 @@
 ``CUDA_VISIBLE_DEVICES`` set before torch is imported there, and a parent-death signal so a killed launcher takes
 its workers with it. Every process of the run uses the per-user kernel cache (model/kernel_cache.py) as its
 Triton cache; on GPUs the kernel warm-up (prewarm.py) runs beside the workers' weight load, unless the cache
-already covers the plan. It draws a progress bar per shard from the progress files, waits for every worker, and exits
-non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
+already covers the plan. It draws a progress bar per shard from the progress files, waits for every worker, and
+exits non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
 manifest to the output, last: an output with a manifest is complete, and removes the run's emptied staging
 directories.
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from hsextract.config import RunConfig
+from hsextract.errors import HsextractError
 from hsextract.model import kernel_cache
 from hsextract.model.kernel_cache import KernelCache, WarmSet
 from hsextract.model.warmup import fla_available
@@ -43,7 +44,15 @@ def open_kernel_cache(cfg: RunConfig) -> KernelCache:
     dir's pointer naming it."""
     kc = kernel_cache.resolve(cfg.kernel_cache, cfg.device)
     if cfg.device == "cuda":
-        kernel_cache.prepare(kc)
+        try:
+            kernel_cache.prepare(kc)
+        except HsextractError:
+            if kc.source != "default":
+                raise
+            # A home directory that cannot be written (some cluster nodes): the run dir, as before, for this job.
+            log.warning("kernel cache %s cannot be written; using the run dir's", kc.dir)
+            kc = KernelCache(RunDir(cfg.run_dir).root.absolute() / "kernel-cache", kc.key, "run dir")
+            kernel_cache.prepare(kc)
     kernel_cache.write_pointer(RunDir(cfg.run_dir).kernel_cache_pointer, kc)
     return kc
 
