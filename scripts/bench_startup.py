@@ -11,7 +11,9 @@ durable, each under ``--step-timeout`` seconds:
   warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
   fresh   a new job on new data of the same size (other lengths, so other batch shapes), same kernel cache;
   resume  the warm job's command again: it resumes (staged files uploaded, the rest computed);
-  load    (only when asked) ``load_model`` alone in a fresh process per reader thread count (--load-threads).
+  load    (only when asked) ``load_model`` alone in a fresh process per variant (--load-variants): the fast reader
+          (HSEXTRACT_FAST_LOAD=1) and a reader thread count (HSEXTRACT_LOAD_THREADS); the runs above load with
+          transformers' 4 threads.
 
 For each step: seconds to the first durable batch (its marker) and to the first batch computed in that attempt,
 and the phases parsed from the launcher's output and the run's logs: preparation, pre-warm (or skipped), model
@@ -164,38 +166,54 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
 
 
 LOAD_PROBE = """
-import sys, time, torch
+import json, logging, sys, time, torch
 from hsextract.model.load import load_model
+seen = []
+handler = logging.Handler()
+handler.emit = lambda record: seen.append(record.getMessage())
+logging.getLogger("hsextract").addHandler(handler)
+logging.getLogger("hsextract").setLevel(logging.INFO)
 t0 = time.perf_counter()
 lm = load_model(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3])
 if sys.argv[3] != "cpu":
     torch.cuda.synchronize()
-print(f"{time.perf_counter() - t0:.2f}")
+fast = [m for m in seen if m.startswith("fast load")]
+print(json.dumps({"s": round(time.perf_counter() - t0, 2), "fast": fast[0] if fast else None}))
 """
 
 
-def time_loads(model: Path, device: str, dtype: str, threads: list[int], timeout: float, env: dict) -> dict:
-    """Seconds ``load_model`` takes in a fresh process, per reader thread count (HSEXTRACT_LOAD_THREADS)."""
+def time_loads(model: Path, device: str, dtype: str, variants: list[str], timeout: float, env: dict) -> dict:
+    """Seconds ``load_model`` takes in a fresh process per variant: a number of reader threads
+    (HSEXTRACT_LOAD_THREADS), or ``fast`` (HSEXTRACT_FAST_LOAD=1: model/fastload.py; its log line says whether it
+    was used or fell back)."""
     out: dict = {}
     t0 = time.time()
-    for n in threads:
+    for variant in variants:
         left = timeout - (time.time() - t0)
         if left < 10:
             break
+        extra = {"HSEXTRACT_FAST_LOAD": "1"} if variant == "fast" else {"HSEXTRACT_LOAD_THREADS": variant}
+        name = "fast" if variant == "fast" else f"threads_{variant}"
         dev = "cuda:0" if device == "cuda" else "cpu"
         try:
             r = subprocess.run(
                 [sys.executable, "-c", LOAD_PROBE, str(model), dtype, dev],
-                env={**env, "HSEXTRACT_LOAD_THREADS": str(n)},
+                env={**env, **extra},
                 capture_output=True,
                 text=True,
                 timeout=left,
             )
         except subprocess.TimeoutExpired:
-            out[f"threads_{n}_s"] = "timeout"
+            out[f"{name}_s"] = "timeout"
             break
         lines = r.stdout.strip().splitlines()
-        out[f"threads_{n}_s"] = float(lines[-1]) if r.returncode == 0 and lines else r.stderr[-300:]
+        if r.returncode != 0 or not lines:
+            out[f"{name}_s"] = r.stderr[-300:]
+            continue
+        got = json.loads(lines[-1])
+        out[f"{name}_s"] = got["s"]
+        if variant == "fast":
+            out["fast_log"] = got["fast"]
     return out
 
 
@@ -252,7 +270,9 @@ def main():
         "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
     )
     ap.add_argument("--steps", default="cold,warm,resume", help="of cold, warm, fresh, resume, load")
-    ap.add_argument("--load-threads", default="4,16", help="load step: reader thread counts to time")
+    ap.add_argument(
+        "--load-variants", default="fast,16", help="load step: 'fast' and/or reader thread counts to time"
+    )
     ap.add_argument("--step-timeout", type=float, default=240.0, help="seconds each step may take")
     ap.add_argument(
         "--total-timeout", type=float, help="seconds all steps together may take (a step gets the rest)"
@@ -326,9 +346,9 @@ def main():
             print(f'figure {step}.skipped "no time left"', flush=True)
             continue
         if step == "load":
-            threads = [int(n) for n in args.load_threads.split(",")]
             dtype = "float32" if cpu else "bfloat16"
-            report[step] = result = time_loads(model, args.device, dtype, threads, limit, env)
+            variants = args.load_variants.split(",")
+            report[step] = result = time_loads(model, args.device, dtype, variants, limit, env)
             print_figures(step, result)
             continue
         argv, run_dir = job_args(steps[step])
