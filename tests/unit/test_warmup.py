@@ -335,3 +335,54 @@ def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_fa
     chosen = RunConfig(**{**cfg.__dict__, "kernel_cache": str(tmp_path / "file" / "k")})
     with pytest.raises(kc.HsextractError, match="--kernel-cache"):
         open_kernel_cache(chosen)
+
+
+def test_warm_up_process_agrees_with_the_launcher_on_what_the_stamp_covers(
+    finished_run, tmp_path, monkeypatch, capsys
+):
+    from hsextract.model import warmup
+    from hsextract.prepare.plan import Plan
+
+    run_dir = finished_run[0] / "run"
+    cfg = RunConfig.load(run_dir / "config.json")
+    plan = Plan.load(run_dir / "plan.json")
+    cache = tmp_path / "cache"
+    missing = warm_missing(cfg, plan, cache)  # what the launcher would start a warm-up for
+    assert missing.buckets and missing.classes
+    text = __import__("transformers").AutoConfig.from_pretrained(cfg.model).get_text_config()
+    kc.add_to_stamp(cache, kc.run_signature(cfg, text), missing)
+    assert not warm_missing(cfg, plan, cache)
+    # The warm-up process reads the same stamp under the same signature, and stops before touching a GPU.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert warmup.main([str(run_dir)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["covered_by_stamp"] is True
+
+
+def test_start_skips_a_covered_plan_and_otherwise_runs_the_warm_up_process(
+    finished_run, tmp_path, monkeypatch
+):
+    import dataclasses
+
+    from hsextract.prepare.plan import Plan
+    from hsextract.run import prewarm
+
+    monkeypatch.setattr(prewarm, "fla_available", lambda: True)  # as on a GPU machine with FLA installed
+    src = finished_run[0] / "run"
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    for name in ("config.json", "plan.json"):
+        (run_dir / name).write_text((src / name).read_text())
+    cfg = dataclasses.replace(RunConfig.load(src / "config.json"), run_dir=str(run_dir))
+    cfg.save(run_dir / "config.json")
+    plan = Plan.load(src / "plan.json")
+    cache = kc.resolve(str(tmp_path / "kernels"), "cpu", env={})
+    said = []
+    warm = Warmup.start(cfg, plan, cache, echo=said.append)
+    assert warm is not None and "pre-warming kernels into" in said[-1] and "token-count bucket(s)" in said[-1]
+    assert warm.worker_env() == {WARMUP_FLAG_ENV: str(run_dir / "warmup.done")}
+    warm.proc.wait(timeout=120)  # no GPU here: the real warm-up process fails, and says why in its log
+    assert warm.poll() and "warm-up failed" in said[-1] and (run_dir / "warmup.done").exists()
+    assert "Traceback" in (run_dir / "logs" / "shard-00000.warmup.log").read_text()
+    text = __import__("transformers").AutoConfig.from_pretrained(cfg.model).get_text_config()
+    kc.add_to_stamp(cache.dir, kc.run_signature(cfg, text), warm_missing(cfg, plan, cache.dir))
+    assert Warmup.start(cfg, plan, cache, echo=said.append) is None and "pre-warm skipped" in said[-1]

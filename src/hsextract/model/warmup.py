@@ -106,6 +106,9 @@ def main(argv=None) -> int:
     heads = kernel_cache.bucket_heads(text, cfg.kernel_mode)
     need = kernel_cache.plan_needs(plan.batches, heads)
     missing = need.minus(kernel_cache.read_stamp(cache_dir, signature)) if cache_dir else need
+    if not missing:  # another job warmed it meanwhile
+        print(json.dumps({"warmup_s": 0.0, "shapes": 0, "covered_by_stamp": True}), flush=True)
+        return 0
     types = layer_types(text)
     depth = next((i + 1 for i in range(len(types)) if set(types[: i + 1]) == set(types)), len(types))
     text.num_hidden_layers = depth
