@@ -6,6 +6,7 @@
 #   bash scripts/gpu_session.sh fused    # (a), (b) against (a'), (b') with fused kernels; warm start-up after it
 #   bash scripts/gpu_session.sh issue13  # kernels, then fused
 #   bash scripts/gpu_session.sh fp8      # (a), (b), (b8) with the final state; fp8 error on real states
+#   bash scripts/gpu_session.sh startup  # the real command's start-up, cold / warm / resume (~9 min)
 # flash-linear-attention and liger-kernel come from wheels in .whl/ (fla-core, flash-linear-attention,
 # liger-kernel) when they are not installed.
 set -uo pipefail
@@ -66,4 +67,28 @@ if [[ "${1:-}" == "multishard" ]]; then
     --json-out "$OUT/multishard.json" 2>&1 | tee "$OUT/multishard.log"
   df -h /tmp /dev/shm | tee -a "$OUT/multishard.log"
   tail -n 20 /tmp/ms/multi-run/logs/shard-00000.log > "$OUT/shard0.log" 2>/dev/null
+fi
+# Start-up of the real command: a 64-layer random checkpoint of Qwen3.6-27B's shape (made once, ~54 GB,
+# then read from the page cache), then scripts/bench_startup.py: time from `hsextract run` to the first durable
+# batch with an empty kernel cache (cold), in a new job with the cache cold left (warm), in a new job on new data
+# (fresh), and the warm job resumed, each stopped after its first durable batch; phases from the logs; then the
+# model load alone with the fast reader (HSEXTRACT_FAST_LOAD=1) and with 16 reader threads (the runs load with
+# transformers' 4). 300,000 tokens of data (about 7 batches of 65,536), output and staging in /dev/shm. CKPT=DIR
+# reuses a checkpoint made earlier on this machine.
+if [[ "${1:-}" == "startup" ]]; then
+  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
+  T0=$SECONDS
+  if [[ ! -f "$CKPT/.complete" ]]; then
+    rm -rf "$CKPT"
+    timeout "${CKPT_TIMEOUT:-200}" python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" 2>&1 | tee "$OUT/ckpt.json" \
+      && touch "$CKPT/.complete"
+  fi
+  df -h /tmp /dev/shm | tail -2
+  # What is left of ~9 minutes goes to the steps (each at most STEP_TIMEOUT s); figures print as they come.
+  LEFT=$(( ${SESSION_S:-520} - (SECONDS - T0) ))
+  timeout $(( LEFT + 20 )) python3 scripts/bench_startup.py --model "$CKPT" --work /tmp/hsextract-startup \
+    --tokens "${STARTUP_TOKENS:-300000}" --steps "${STEPS:-cold,warm,fresh,resume,load}" --step-timeout "${STEP_TIMEOUT:-200}" \
+    --total-timeout "$LEFT" \
+    --json-out "$OUT/startup_run.json" 2>&1 | tee "$OUT/startup_run.log"
+  grep -h "^figure" "$OUT/startup_run.log" | grep -E "first_durable_s|prepare_s|prewarm_s |prewarm_skipped|\.load_s|kernel_wait_s|first_batch_after_load_s|first_upload_s|threads_|load.fast"
 fi

@@ -147,8 +147,14 @@ class RunConfig:
     device and costs two reductions per batch. Off only for a model known to produce such states."""
 
     prewarm: bool = _opt(True, "run")
-    """On GPUs with flash-linear-attention: compile its kernels once into a shared Triton cache before the shards
-    start, instead of every shard compiling them at once."""
+    """On GPUs with flash-linear-attention: compile its kernels once into the kernel cache while the shards load
+    their weights (the shards wait for it before their first batch), instead of every shard compiling them at
+    once; skipped when the cache's stamp already covers the plan (model/kernel_cache.py)."""
+
+    kernel_cache: str | None = _opt(None, "run")
+    """Root of the kernel cache shared by every job of this user on the machine (Triton's compiled kernels and
+    autotune results, in a subdirectory per GPU and software setup). Default ``$HSEXTRACT_KERNEL_CACHE``, else an
+    already set ``TRITON_CACHE_DIR`` (used as it is), else ``$XDG_CACHE_HOME/hsextract/triton``."""
 
     random_weights: bool = _opt(False, None)
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""

@@ -74,6 +74,17 @@ def test_unwritable_staging(base, tmp_path):
     _fails(_replace(args, "--staging", ro / "x"), "not writable")
 
 
+def test_bad_kernel_cache_and_load_threads_fail_before_tokenizing(base, tmp_path):
+    root, args = base
+    (tmp_path / "file").write_text("x")
+    cuda = _replace(args, "--device", "cuda")
+    blocked = cuda + ["--kernel-cache", tmp_path / "file" / "k"]
+    _fails(blocked, "kernel cache", "cannot be created", "--kernel-cache")
+    r = run_cli(*cuda, check=False, env={"HSEXTRACT_LOAD_THREADS": "lots"})
+    assert r.returncode == 2 and "HSEXTRACT_LOAD_THREADS='lots'" in r.stderr, r.stderr
+    assert not (root / "run" / "plan.json").exists()
+
+
 def test_missing_options_are_named(tmp_path):
     r = run_cli("run", "--device", "cpu", check=False)
     assert r.returncode == 2 and "--model" in r.stderr and "--data" in r.stderr

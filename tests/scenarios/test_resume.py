@@ -46,7 +46,7 @@ from hsextract.run.rundir import RunDir
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SHARDS = 2
-LIVE_STATES = {"starting", "loading", "running", "waiting-for-uploader", "draining"}
+LIVE_STATES = {"starting", "loading", "waiting-for-kernels", "running", "waiting-for-uploader", "draining"}
 
 
 # -- runs ---------------------------------------------------------------------------------------------------------

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from hsextract.errors import HsextractError, load_or_explain
+from hsextract.model.autotune import pin_token_count_autotune
+from hsextract.model.fastload import fast_load_enabled
 
 
 def load_model_config(model: str):
@@ -28,6 +32,39 @@ def load_model_config(model: str):
     return config, text, num_layers
 
 
+LOAD_THREADS_ENV = "HSEXTRACT_LOAD_THREADS"
+
+"""Threads transformers reads a checkpoint with onto a GPU (its ``core_model_loading.GLOBAL_WORKERS``, 4 by default,
+chosen for disks). From the page cache more may read faster; the same bytes land either way.
+``scripts/bench_startup.py --steps load`` times the load with 4 and 16."""
+
+
+def load_threads(env=None) -> int | None:
+    """``$HSEXTRACT_LOAD_THREADS`` as a positive int, or None (transformers' own count); a clear error if bad."""
+    value = (os.environ if env is None else env).get(LOAD_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise HsextractError(f"{LOAD_THREADS_ENV}={value!r}: give a positive number of threads, e.g. 16")
+    return int(value)
+
+
+@contextmanager
+def reader_threads(n: int | None):
+    """transformers' checkpoint reader with ``n`` threads for the duration (None: as it is)."""
+    from transformers import core_model_loading
+
+    old = getattr(core_model_loading, "GLOBAL_WORKERS", None)
+    if n is None or old is None:
+        yield
+        return
+    core_model_loading.GLOBAL_WORKERS = n
+    try:
+        yield
+    finally:
+        core_model_loading.GLOBAL_WORKERS = old
+
+
 def load_model(
     model: str, *, dtype: str, device: str, attn_implementation: str = "sdpa", random_weights=False
 ):
@@ -45,12 +82,64 @@ def load_model(
     else:
         # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
         placement = {} if device == "cpu" else {"device_map": {"": device}}
-        lm = AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch_dtype, attn_implementation=attn_implementation, **placement
-        )
+        lm = None
+        if device != "cpu" and fast_load_enabled():
+            lm = fast_from_pretrained(
+                model, dtype=torch_dtype, attn_implementation=attn_implementation, device=device
+            )
+        if lm is None:
+            with reader_threads(None if device == "cpu" else load_threads()):
+                lm = AutoModelForCausalLM.from_pretrained(
+                    model, dtype=torch_dtype, attn_implementation=attn_implementation, **placement
+                )
     lm.eval()
     lm.requires_grad_(False)
     return lm
+
+
+def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device: str):
+    """The model built by transformers from a state dict read by fastload.py (straight to ``device``); None when
+    the checkpoint has no safetensors files or anything fails (the caller then loads it the usual way)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    from hsextract.model.fastload import checkpoint_files, no_allocator_warmup, read_state_dict
+
+    files = checkpoint_files(model)
+    if not files:
+        return None
+    state = None
+    try:
+        t0 = time.perf_counter()
+        state = read_state_dict(files, device)
+        t_read = time.perf_counter() - t0
+        config = AutoConfig.from_pretrained(model)
+        # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.
+        model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+        with no_allocator_warmup():
+            lm = model_class.from_pretrained(
+                None,
+                config=config,
+                state_dict=state,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                device_map={"": device},
+            )
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        log.info(
+            "fast load: %.1f GB read in %.1f s, model built in %.1f s",
+            size / 1e9,
+            t_read,
+            time.perf_counter() - t0 - t_read,
+        )
+        return lm
+    except Exception as e:  # any failure: transformers' own reader, as without the option
+        log.warning("fast load failed (%r); loading with transformers' reader", e)
+        state = None
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        return None
 
 
 def load_model_for(cfg, device) -> object:
@@ -67,6 +156,8 @@ def load_model_for(cfg, device) -> object:
     )
     swapped = kernels.apply(lm, cfg.kernel_mode)
     log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
+    if device.type == "cuda":  # as the warm-up does, so both look up the same autotune results
+        pin_token_count_autotune()
     return lm
 
 

@@ -17,6 +17,7 @@ it was. So ``prepare_run`` goes:
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import socket
 from dataclasses import asdict, dataclass
@@ -36,8 +37,10 @@ from hsextract.format.records import (
     publish_job_files,
     read_job,
 )
+from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
+from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
 from hsextract.model.layers import layer_types, resolve_layer_ids
-from hsextract.model.load import load_model_config
+from hsextract.model.load import load_model_config, load_threads
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (
@@ -99,6 +102,12 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     check_same_output(cfg)
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)
+    if cfg.device == "cuda":
+        load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
+        if cfg.kernel_cache or os.environ.get(
+            KERNEL_CACHE_ENV
+        ):  # one the user chose (the default falls back)
+            check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     preflight(cfg.output, cfg.s3_endpoint_url)

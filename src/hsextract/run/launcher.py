@@ -2,9 +2,10 @@
 
 ``launch`` starts one worker process per shard (``hsextract.run.worker.main`` with RUN_DIR SHARD) with
 ``CUDA_VISIBLE_DEVICES`` set before torch is imported there, and a parent-death signal so a killed launcher takes
-its workers with it. On GPUs it first pre-warms flash-linear-attention's kernels into the run's shared Triton
-cache (warmup.py). It draws a progress bar per shard from the progress files, waits for every worker, and exits
-non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
+its workers with it. Every process of the run uses the per-user kernel cache (model/kernel_cache.py) as its
+Triton cache; on GPUs the kernel warm-up (prewarm.py) runs beside the workers' weight load, unless the cache
+already covers the plan. It draws a progress bar per shard from the progress files, waits for every worker, and
+exits non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
 manifest to the output, last: an output with a manifest is complete, and removes the run's emptied staging
 directories.
 
@@ -34,6 +35,7 @@ from hsextract.format.manifest import has_manifest
 from hsextract.format.records import done_in_output
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
+from hsextract.run.prewarm import Warmup, open_kernel_cache
 from hsextract.run.procs import Terminated, die_with_parent
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
@@ -51,9 +53,13 @@ def _die_with_launcher():
     return functools.partial(die_with_parent, os.getpid())
 
 
-def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
+def start_worker(
+    cfg: RunConfig, shard: int, kernel_dir: Path | None = None, extra_env: dict | None = None
+) -> subprocess.Popen:
+    """The worker of ``shard``; ``kernel_dir`` is the run's kernel cache (Triton's cache directory), and
+    ``extra_env`` what else it needs (the warm-up's flag)."""
     run_dir = RunDir(cfg.run_dir)
-    env = {**os.environ, **cfg.child_env()}
+    env = {**os.environ, **cfg.child_env(), **(extra_env or {})}
     if cfg.device == "cuda":
         gpus = cfg.gpus or tuple(range(cfg.shards))
         env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard - cfg.local_shards[0]])
@@ -64,8 +70,9 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // cfg.shards)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # One Triton cache for every process of the run: kernels compiled once (by the warm-up) serve all shards.
-    env.setdefault("TRITON_CACHE_DIR", str(run_dir.triton_cache))
+    # One Triton cache for every process of every job on the machine: kernels compiled once serve all shards.
+    if kernel_dir is not None:
+        env["TRITON_CACHE_DIR"] = str(kernel_dir)
     out = run_dir.log_file(shard, "stderr")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
@@ -79,38 +86,6 @@ def start_worker(cfg: RunConfig, shard: int) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_launcher(),
         )
-
-
-def prewarm(cfg: RunConfig, echo=print) -> None:
-    """Compile flash-linear-attention's kernels once into the shared Triton cache before the shards start."""
-    from hsextract.model.warmup import fla_available
-
-    if not fla_available():
-        echo(
-            "flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
-            "(pip install -e .[gpu])"
-        )
-        return
-    run_dir = RunDir(cfg.run_dir)
-    env = dict(os.environ)
-    env.setdefault("TRITON_CACHE_DIR", str(run_dir.triton_cache))
-    env["CUDA_VISIBLE_DEVICES"] = str((cfg.gpus or (0,))[0])
-    t0 = time.time()
-    echo("pre-warming flash-linear-attention kernels into the shared Triton cache ...")
-    log = run_dir.log_file(0, "warmup")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as f:
-        r = subprocess.run(
-            [sys.executable, "-m", "hsextract.model.warmup", str(run_dir.root)],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_launcher(),
-        )
-    if r.returncode == 0:
-        echo(f"kernels warm in {time.time() - t0:.0f} s")
-    else:
-        echo(f"warm-up failed (exit {r.returncode}, see {log}); shards compile themselves")
 
 
 def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
@@ -151,14 +126,21 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
         echo(f"shards already complete in the output: {sorted(set(shards) - set(todo))}")
+    kc = open_kernel_cache(cfg)
+    warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:
-        prewarm(cfg, echo=echo)
-    procs = {s: start_worker(cfg, s) for s in todo}
+        warm = Warmup.start(cfg, plan, kc, echo=echo)
+    extra = warm.worker_env() if warm else {}
+    procs = {s: start_worker(cfg, s, kc.dir, extra) for s in todo}
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
     stalls = StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
+    if warm:
+        warm.echo = bars.write_with(echo)
     failed: dict[int, int] = {}
     try:
         while procs:
+            if warm:
+                warm.poll()
             for s, p in list(procs.items()):
                 rc = p.poll()
                 if rc is not None:
@@ -171,6 +153,8 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
             bars.update(progress)
             time.sleep(0.25)
     except Terminated as e:
+        if warm:
+            warm.stop()
         _stop_workers(procs)
         bars.close()
         stopped = sorted(procs)
@@ -182,6 +166,8 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
         )
         return e.exit_code
     finally:
+        if warm:
+            warm.stop()
         bars.close()
     for s, rc in sorted(failed.items()):
         echo(failure_message(run_dir, s, rc))

@@ -43,6 +43,7 @@ class ShardState(str, enum.Enum):
 
     STARTING = "starting"
     LOADING = "loading"
+    WAITING_FOR_KERNELS = "waiting-for-kernels"
     RUNNING = "running"
     WAITING_FOR_UPLOADER = "waiting-for-uploader"
     DRAINING = "draining"
@@ -59,7 +60,8 @@ class ShardState(str, enum.Enum):
 
 
 LIVE_STATES = tuple(
-    ShardState(s) for s in ("starting", "loading", "running", "waiting-for-uploader", "draining")
+    ShardState(s)
+    for s in ("starting", "loading", "waiting-for-kernels", "running", "waiting-for-uploader", "draining")
 )
 """A worker process is at work."""
 FINAL_STATES = (ShardState.DONE, ShardState.FAILED, ShardState.STOPPED)
@@ -80,7 +82,8 @@ keeps a point every few seconds, a week-long one a point every half hour, and th
 class ShardProgress:
     shard: int
     state: str = "starting"
-    """starting | loading | running | waiting-for-uploader | draining | done | failed | stopped (by a signal)"""
+    """starting | loading | waiting-for-kernels | running | waiting-for-uploader | draining | done | failed |
+    stopped (by a signal)"""
     pid: int = 0
     host: str = ""
     batches_total: int = 0

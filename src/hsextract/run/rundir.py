@@ -12,7 +12,8 @@ A run directory is what a rerun resumes from. Layout::
     progress/shard-SSSSS.json                           counters and state of a shard (what status shows)
     logs/shard-SSSSS[.role].log                         each process's log
     locks/shard-SSSSS.lock                              held by the process running the shard
-    triton-cache/        compiled kernels shared by every process of the run
+    kernel-cache.json    names the kernel cache the run used (a per-user directory: model/kernel_cache.py)
+    warmup.done          written when the kernel warm-up ends; the shards wait for it before their first batch
     COMPLETE             written after the manifest: the run is finished
 
 Output keys are ``shard-SSSSS/batch-BBBBBB.safetensors``; staging uses the same shard directory names. A run given
@@ -119,8 +120,12 @@ class RunDir:
         return self.root / "locks"
 
     @property
-    def triton_cache(self) -> Path:
-        return self.root / "triton-cache"
+    def kernel_cache_pointer(self) -> Path:
+        return self.root / "kernel-cache.json"
+
+    @property
+    def warmup_done_file(self) -> Path:
+        return self.root / "warmup.done"
 
     def progress_file(self, shard: int) -> Path:
         return self.progress_dir / f"{shard_name(shard)}.json"

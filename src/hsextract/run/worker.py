@@ -47,6 +47,7 @@ from hsextract.model.load import load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.pipeline import Extractor
+from hsextract.run.prewarm import wait_for_warmup, warmup_pending
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir, RunInfo, scan_staging
@@ -339,7 +340,7 @@ class ShardRun:
             len(self.batches),
             self.progress.tokens_total,
             self.staging,
-        )
+        )  # noqa: E501
         sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
         self._sync_with_output(sink)
         self.session_tokens = 0
@@ -402,6 +403,9 @@ class ShardRun:
         with self._ticking("loading"):
             lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
+        if warmup_pending():  # the kernel warm-up runs beside the load: its kernels before the first batch
+            with self._ticking("waiting-for-kernels"):
+                wait_for_warmup()
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.

@@ -1,0 +1,374 @@
+"""Start-up of the real command: time from ``hsextract run`` to the first durable batch, cold, warm and on resume.
+
+    python scripts/bench_startup.py --model CKPT --work /tmp/bs [--tokens 300000] [--step-timeout 240]
+    python scripts/bench_startup.py --device cpu --work /tmp/bs-cpu      # dry run: the demo's tiny model
+
+Three steps, each a real ``hsextract run`` subprocess stopped (SIGTERM, a clean stop) once its first batch is
+durable, each under ``--step-timeout`` seconds:
+
+  cold    a new job with an empty kernel cache (``--kernel-cache WORK/kernels``, emptied first): every kernel
+          compiled and autotuned;
+  warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
+  fresh   a new job on new data of the same size (other lengths, so other batch shapes), same kernel cache;
+  resume  the warm job's command again: it resumes (staged files uploaded, the rest computed);
+  load    (only when asked) ``load_model`` alone in a fresh process per variant (--load-variants): the fast reader
+          (HSEXTRACT_FAST_LOAD=1) and a reader thread count (HSEXTRACT_LOAD_THREADS); the runs above load with
+          transformers' 4 threads.
+
+For each step: seconds to the first durable batch (its marker) and to the first batch computed in that attempt,
+and the phases parsed from the launcher's output and the run's logs: preparation, pre-warm (or skipped), model
+load, the wait for the warm-up, first batch written after the load, first upload. Every figure is printed on one
+line (``figure STEP.NAME VALUE``) and all of them go to ``--json-out``. The data is a pre-tokenized file of the
+realistic length mix (median 221, mean ~330 tokens), ``--tokens`` long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+sys.path.insert(0, str(SRC))
+
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def write_data(path: Path, tokens: int, vocab: int, max_length: int, seed: int = 0) -> int:
+    """Pre-tokenized rows of the realistic length mix; the number of rows."""
+    rng = np.random.default_rng(seed)
+    n = total = 0
+    with open(path, "w") as f:
+        while total < tokens:
+            length = int(np.clip(rng.lognormal(np.log(221), 0.9), 2, max_length))
+            f.write(
+                json.dumps({"id": f"s{n:07d}", "input_ids": rng.integers(1, vocab, length).tolist()}) + "\n"
+            )
+            n += 1
+            total += length
+    return n
+
+
+def markers(run_dir: Path) -> set[str]:
+    root = run_dir / "markers"
+    return {str(p.relative_to(root)) for p in root.rglob("*.done")} if root.exists() else set()
+
+
+def log_lines(path: Path, since: float) -> list[tuple[float, str]]:
+    """(epoch seconds, line) of a run log's lines written at or after ``since``."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        m = LOG_TIME.match(line)
+        if m:
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if t >= since - 1.0:  # the log's clock has millisecond steps
+                out.append((t, line))
+    return out
+
+
+def first(lines, pattern: str):
+    """(time, match) of the first line matching ``pattern``, or (None, None)."""
+    for t, line in lines:
+        m = re.search(pattern, line)
+        if m:
+            return t, m
+    return None, None
+
+
+def phases(run_dir: Path, launcher_out: str, t0: float) -> dict:
+    """What the launcher printed and shard 0's logs say about this attempt (started at ``t0``)."""
+    got: dict = {}
+    m = re.search(r"prepared in ([0-9.]+) s", launcher_out)
+    got["prepare_s"] = float(m.group(1)) if m else None
+    m = re.search(r"kernels warm in ([0-9.]+) s", launcher_out)
+    got["prewarm_s"] = float(m.group(1)) if m else None
+    got["prewarm_skipped"] = "pre-warm skipped" in launcher_out
+    m = re.search(r"\((\d+) token-count bucket\(s\), (\d+) shape class\(es\) new\)", launcher_out)
+    got["prewarm_new_buckets"], got["prewarm_new_classes"] = (int(m[1]), int(m[2])) if m else (None, None)
+    got["prewarm_failed"] = "warm-up failed" in launcher_out
+    warm_log = run_dir / "logs" / "shard-00000.warmup.log"
+    if warm_log.exists() and got["prewarm_s"] is not None:
+        reports = [ln for ln in warm_log.read_text(errors="replace").splitlines() if ln.startswith("{")]
+        if reports:
+            got["prewarm_report"] = json.loads(reports[-1])
+    shard = log_lines(run_dir / "logs" / "shard-00000.log", t0)
+    t_loaded, m = first(shard, r"model loaded in ([0-9.]+) s")
+    got["load_s"] = float(m.group(1)) if m else None
+    got["loaded_at_s"] = t_loaded - t0 if t_loaded else None
+    _, m = first(shard, r"waited ([0-9.]+) s for the kernel warm-up")
+    got["kernel_wait_s"] = float(m.group(1)) if m else 0.0
+    t_written, m = first(shard, r"batch \d+ written: .* ([0-9.]+) MB in ([0-9.]+) s")
+    got["first_batch_written_at_s"] = t_written - t0 if t_written else None
+    got["first_batch_after_load_s"] = t_written - t_loaded if t_written and t_loaded else None
+    got["first_batch_write_s"] = float(m.group(2)) if m else None
+    uploads = log_lines(run_dir / "logs" / "shard-00000.uploader.log", t0)
+    t_up, m = first(uploads, r"uploaded \S+: (\d+) bytes in ([0-9.]+) s")
+    got["first_upload_s"] = float(m.group(2)) if m else None
+    got["first_upload_bytes"] = int(m.group(1)) if m else None
+    got["first_uploaded_at_s"] = t_up - t0 if t_up else None
+    return got
+
+
+def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, env: dict) -> dict:
+    """One ``hsextract run``, stopped once a batch it made durable appears; its figures."""
+    before = markers(run_dir)
+    out_path = work / f"{name}.out"
+    t0 = time.time()
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        result: dict = {"first_durable_s": None}
+        while time.time() - t0 < timeout:
+            if markers(run_dir) - before:
+                result["first_durable_s"] = round(time.time() - t0, 2)
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        result["timed_out"] = result["first_durable_s"] is None and proc.poll() is None
+        stopped = proc.poll() is None
+        if stopped:
+            proc.send_signal(signal.SIGTERM)  # a clean stop: the next attempt resumes
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    result["exit_code"] = proc.returncode
+    result["stopped_by_bench"] = stopped
+    result["new_durable_batches"] = len(markers(run_dir) - before)
+    text = out_path.read_text(errors="replace")
+    result.update(
+        {k: round(v, 2) if isinstance(v, float) else v for k, v in phases(run_dir, text, t0).items()}
+    )
+    if result["first_durable_s"] is None:
+        result["launcher_tail"] = text[-1500:]
+    return result
+
+
+LOAD_PROBE = """
+import json, logging, sys, time, torch
+from hsextract.model.load import load_model
+seen = []
+handler = logging.Handler()
+handler.emit = lambda record: seen.append(record.getMessage())
+logging.getLogger("hsextract").addHandler(handler)
+logging.getLogger("hsextract").setLevel(logging.INFO)
+t0 = time.perf_counter()
+lm = load_model(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3])
+if sys.argv[3] != "cpu":
+    torch.cuda.synchronize()
+fast = [m for m in seen if m.startswith("fast load")]
+print(json.dumps({"s": round(time.perf_counter() - t0, 2), "fast": fast[0] if fast else None}))
+"""
+
+
+def time_loads(model: Path, device: str, dtype: str, variants: list[str], timeout: float, env: dict) -> dict:
+    """Seconds ``load_model`` takes in a fresh process per variant: a number of reader threads
+    (HSEXTRACT_LOAD_THREADS), or ``fast`` (HSEXTRACT_FAST_LOAD=1: model/fastload.py; its log line says whether it
+    was used or fell back)."""
+    out: dict = {}
+    t0 = time.time()
+    for variant in variants:
+        left = timeout - (time.time() - t0)
+        if left < 10:
+            break
+        extra = {"HSEXTRACT_FAST_LOAD": "1"} if variant == "fast" else {"HSEXTRACT_LOAD_THREADS": variant}
+        name = "fast" if variant == "fast" else f"threads_{variant}"
+        dev = "cuda:0" if device == "cuda" else "cpu"
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", LOAD_PROBE, str(model), dtype, dev],
+                env={**env, **extra},
+                capture_output=True,
+                text=True,
+                timeout=left,
+            )
+        except subprocess.TimeoutExpired:
+            out[f"{name}_s"] = "timeout"
+            break
+        lines = r.stdout.strip().splitlines()
+        if r.returncode != 0 or not lines:
+            out[f"{name}_s"] = r.stderr[-300:]
+            continue
+        got = json.loads(lines[-1])
+        out[f"{name}_s"] = got["s"]
+        if variant == "fast":
+            out["fast_log"] = got["fast"]
+    return out
+
+
+def machine() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    info = {}
+    for dist in ("torch", "transformers", "triton", "fla-core", "liger-kernel"):
+        try:
+            info[dist] = version(dist)
+        except PackageNotFoundError:
+            info[dist] = None
+    try:
+        info["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,power.limit", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        info["gpu"] = None
+    return info
+
+
+def print_figures(step: str, result: dict) -> None:
+    for key, value in result.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                print(f"figure {step}.{key}.{k} {json.dumps(v)}", flush=True)
+        elif key != "launcher_tail":
+            print(f"figure {step}.{key} {json.dumps(value)}", flush=True)
+    if "launcher_tail" in result:
+        print(
+            f"--- {step}: no durable batch; the launcher's last output:\n{result['launcher_tail']}",
+            flush=True,
+        )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--model", help="checkpoint (scripts/make_checkpoint.py); default on CPU: the demo's tiny model"
+    )
+    ap.add_argument("--work", default="/tmp/hsextract-startup")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tokens", type=int, help="tokens of data (default 300,000 on CUDA, 20,000 on CPU)")
+    ap.add_argument("--layers", default="dflash")
+    ap.add_argument("--max-tokens-per-batch", type=int)
+    ap.add_argument("--max-length", type=int)
+    ap.add_argument(
+        "--output-root", help="where outputs and staging go (default /dev/shm on CUDA, --work on CPU)"
+    )
+    ap.add_argument(
+        "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
+    )
+    ap.add_argument("--steps", default="cold,warm,resume", help="of cold, warm, fresh, resume, load")
+    ap.add_argument(
+        "--load-variants", default="fast,16", help="load step: 'fast' and/or reader thread counts to time"
+    )
+    ap.add_argument("--step-timeout", type=float, default=240.0, help="seconds each step may take")
+    ap.add_argument(
+        "--total-timeout", type=float, help="seconds all steps together may take (a step gets the rest)"
+    )
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if args.model:
+        model = Path(args.model)
+    elif cpu:
+        from hsextract.demo import build_model
+
+        model = build_model(work / "tiny-model")
+    else:
+        ap.error("--model is required on CUDA (scripts/make_checkpoint.py configs/qwen3.6-27b DIR)")
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(model)))
+    batch = args.max_tokens_per_batch or (2048 if cpu else 65536)
+    max_length = args.max_length or min(batch, 512 if cpu else 4096)
+    tokens = args.tokens or (20_000 if cpu else 300_000)
+    data = work / "data.jsonl"
+    rows = write_data(data, tokens, vocab, max_length)
+    out_root = Path(args.output_root or (work if cpu else "/dev/shm")) / "hsextract-bench-startup"
+    shutil.rmtree(out_root, ignore_errors=True)
+    kernels = work / "kernels"  # empty: the cold start
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    report: dict = {
+        "machine": machine(),
+        "model": str(model),
+        "device": args.device,
+        "rows": rows,
+        "tokens": tokens,
+        "max_tokens_per_batch": batch,
+    }
+    print(f"figure setup {json.dumps(report)}", flush=True)
+
+    fresh_data = work / "fresh-data.jsonl"
+    if "fresh" in args.steps.split(","):
+        write_data(fresh_data, tokens, vocab, max_length, seed=1)  # other lengths: other batch shapes
+
+    def job_args(job: str) -> tuple[list, Path]:
+        run_dir = work / f"{job}-run"
+        job_data = fresh_data if job == "fresh" else data
+        argv = ["run", "--model", model, "--data", job_data, "--output", out_root / f"{job}-out"]
+        argv += ["--run-dir", run_dir, "--staging", out_root / f"{job}-staging", "--kernel-cache", kernels]
+        argv += [
+            "--layers",
+            args.layers,
+            "--device",
+            args.device,
+            "--dtype",
+            "float32" if cpu else "bfloat16",
+        ]
+        argv += ["--max-tokens-per-batch", batch, "--max-length", max_length, "--no-progress"]
+        argv += ["--staging-max-gb", args.staging_max_gb]
+        return argv, run_dir
+
+    steps = {"cold": "cold", "warm": "warm", "fresh": "fresh", "resume": "warm"}  # the job each step runs
+    t_all = time.time()
+    for step in args.steps.split(","):
+        limit = args.step_timeout
+        if args.total_timeout:
+            limit = min(limit, args.total_timeout - (time.time() - t_all))
+        if limit < 10:
+            print(f'figure {step}.skipped "no time left"', flush=True)
+            continue
+        if step == "load":
+            dtype = "float32" if cpu else "bfloat16"
+            variants = args.load_variants.split(",")
+            report[step] = result = time_loads(model, args.device, dtype, variants, limit, env)
+            print_figures(step, result)
+            continue
+        argv, run_dir = job_args(steps[step])
+        result = attempt(step, argv, run_dir, work, limit, env)
+        report[step] = result
+        print_figures(step, result)
+        # Done with the cold job: its output and staging go, to keep /dev/shm (and the page cache) free.
+        for leftover in ("cold-out", "cold-staging", "fresh-out", "fresh-staging"):
+            shutil.rmtree(out_root / leftover, ignore_errors=True)
+        if args.json_out:  # after every step: a later one cut short keeps the earlier figures
+            Path(args.json_out).write_text(json.dumps(report, indent=1))
+    report["total_s"] = round(time.time() - t_all, 1)
+    print(f"figure total_s {report['total_s']}", flush=True)
+    shutil.rmtree(out_root, ignore_errors=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    jobs = [s for s in args.steps.split(",") if s != "load"]
+    ok = all(report.get(s, {}).get("first_durable_s") is not None for s in jobs)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

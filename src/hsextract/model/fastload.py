@@ -1,0 +1,169 @@
+"""Reading a safetensors checkpoint straight onto a GPU: large parallel reads into pinned buffers, async copies.
+
+transformers 5.17 reads each tensor from the file's mmap into fresh host memory, then copies it to the GPU from
+that pageable memory, in 4 threads: ~2 GB/s from the page cache for the 54 GB of Qwen3.6-27B (FACTS.md).
+``read_state_dict`` instead reads each file in ``CHUNK`` pieces with ``os.preadv`` into pinned buffers (one per
+thread, reused) and copies each piece into the tensors it overlaps with non-blocking copies on the thread's own
+stream. transformers then builds the model from that state dict (its key renaming and dtype handling unchanged),
+so the bytes that land are the file's, whichever path read them.
+
+Opt-in (``HSEXTRACT_FAST_LOAD=1``) until ``scripts/bench_startup.py --steps load`` shows it faster on a GPU; any
+failure falls back to transformers' own reader (model/load.py). On CPU it is never used by a run; the tests read
+into CPU tensors to check every byte against the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+FAST_LOAD_ENV = "HSEXTRACT_FAST_LOAD"
+
+
+CHUNK = 64 << 20
+
+"""Bytes per read: large enough to stream at page-cache speed, small enough to keep a pinned buffer per thread."""
+
+
+THREADS = 8
+
+
+def fast_load_enabled(env=None) -> bool:
+    return (os.environ if env is None else env).get(FAST_LOAD_ENV, "0") == "1"
+
+
+def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoint's safetensors files (from its index when it has one); [] when it has none."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / n for n in names]
+    return sorted(root.glob("*.safetensors")) if root.is_dir() else []
+
+
+def _dtypes():
+    import torch
+
+    return {
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "F32": torch.float32,
+        "F64": torch.float64,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The safetensors header (name -> dtype, shape, data_offsets) and where the data starts in the file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"short read at byte {offset + done}")
+        done += got
+
+
+def read_state_dict(files, device, *, threads: int = THREADS, chunk: int = CHUNK) -> dict:
+    """Every tensor of ``files``, on ``device``, read in ``chunk``-byte pieces by ``threads`` threads."""
+    import torch
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    dtypes = _dtypes()
+    local = threading.local()
+    state: dict = {}
+
+    def buffers():
+        if not hasattr(local, "host"):
+            local.host = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
+            local.stream = torch.cuda.Stream(device) if cuda else None
+        return local.host, local.stream
+
+    def job(fd: int, start: int, end: int, pieces) -> None:
+        host, stream = buffers()
+        _read_exactly(fd, memoryview(host.numpy())[: end - start], start)
+        with torch.cuda.stream(stream) if cuda else _nothing():
+            for target, lo, hi, at in pieces:  # file bytes [lo, hi) go to target's bytes from ``at``
+                target[at : at + hi - lo].copy_(host[lo - start : hi - start], non_blocking=cuda)
+        if cuda:
+            stream.synchronize()  # the pinned buffer is read again by the next job
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for path in files:
+            header, data_start = read_header(path)
+            spans = []
+            for name, meta in header.items():
+                t = torch.empty(meta["shape"], dtype=dtypes[meta["dtype"]], device=device)
+                state[name] = t
+                b, e = meta["data_offsets"]
+                if e > b:
+                    spans.append((data_start + b, data_start + e, t.view(-1).view(torch.uint8)))
+            spans.sort(key=lambda s: s[0])
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                futures, i = [], 0
+                end_of_data = spans[-1][1] if spans else data_start
+                for start in range(data_start, end_of_data, chunk):
+                    end = min(start + chunk, end_of_data)
+                    while i < len(spans) and spans[i][1] <= start:
+                        i += 1
+                    pieces, j = [], i
+                    while j < len(spans) and spans[j][0] < end:
+                        lo, hi = max(spans[j][0], start), min(spans[j][1], end)
+                        pieces.append((spans[j][2], lo, hi, lo - spans[j][0]))
+                        j += 1
+                    futures.append(pool.submit(job, fd, start, end, pieces))
+                for f in futures:
+                    f.result()
+            finally:
+                os.close(fd)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return state
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+@contextmanager
+def no_allocator_warmup():
+    """transformers reserves the model's size on the GPU before loading (``caching_allocator_warmup``); with the
+    weights already there that would double the peak, so it is skipped for the duration."""
+    from transformers import modeling_utils
+
+    original = getattr(modeling_utils, "caching_allocator_warmup", None)
+    if original is None:
+        yield
+        return
+    modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        modeling_utils.caching_allocator_warmup = original

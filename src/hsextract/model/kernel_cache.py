@@ -1,0 +1,319 @@
+"""The kernel cache: Triton's compiled kernels and autotune results, shared by every job of a user on a machine.
+
+Compiling flash-linear-attention's kernels and autotuning them costs one to two minutes, and they are the same for
+every job on a machine with the same GPU and software. So they live in a per-user directory, not in the run dir:
+
+    <root>/<key>/            TRITON_CACHE_DIR of every process of every job with this setup
+    <root>/<key>/key.json    what the key stands for
+    <root>/<key>/hsextract-warm/<model signature>.json   the stamp: what the warm-up has compiled (``WarmSet``)
+
+``root`` is ``--kernel-cache``, else ``$HSEXTRACT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/hsextract/triton``
+(``~/.cache/hsextract/triton``). ``key`` names the GPU model(s), the driver, torch (with its CUDA build), Triton
+and flash-linear-attention versions, so another GPU or another version never reuses an entry made for a different
+one; it is ``cpu`` on CPU. A ``TRITON_CACHE_DIR`` already set in the environment (and no ``--kernel-cache``) is
+used as it is. The run dir keeps a pointer, ``kernel-cache.json``, naming the directory a run used.
+
+The stamp lists the token-count buckets and the shape classes the warm-up has run (``plan_needs``): FLA autotunes
+``l2norm_fwd_kernel`` and ``layer_norm_gated_fwd_kernel`` per ``NB = cdiv(rows, 2048)`` of the rows they see
+(tokens x heads), and Triton compiles a kernel again for integer arguments equal to 1 or divisible by 16. A job
+whose plan needs nothing the stamp lacks skips the warm-up. Nothing here imports torch: the launcher uses it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from hsextract.errors import HsextractError
+from hsextract.model.autotune import pin_enabled
+from hsextract.storage.fileio import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+KERNEL_CACHE_ENV = "HSEXTRACT_KERNEL_CACHE"
+
+
+STAMP_DIR = "hsextract-warm"
+
+
+NB_ROWS = 2048
+
+"""FLA's ``NB = triton.cdiv(T, 2048)`` for ``T`` rows of head dim <= 512 (fla/modules/l2norm.py, fused_norm_gate.py)."""
+
+
+# Distributions whose version changes what Triton compiles or which autotuned config is valid.
+KEY_PACKAGES = ("torch", "triton", "fla-core", "flash-linear-attention", "liger-kernel")
+
+
+@dataclass(frozen=True)
+class KernelCache:
+    dir: Path
+    key: dict
+    source: str
+    """Where ``dir`` came from: ``--kernel-cache``, the environment variable's name, or ``default``."""
+
+
+def _package_version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def gpu_inventory() -> list[dict]:
+    """Name and driver of each GPU ``nvidia-smi`` lists (no CUDA context is made); [] when it cannot tell."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if r.returncode != 0:
+        return []
+    gpus = []
+    for line in r.stdout.splitlines():
+        name, _, driver = line.rpartition(",")
+        if name.strip():
+            gpus.append({"name": name.strip(), "driver": driver.strip()})
+    return gpus
+
+
+def setup_key(device: str, gpus: list[dict] | None = None, packages: dict | None = None) -> dict:
+    """What a compiled kernel depends on, beyond its source: ``{"device": "cpu"}`` on CPU; on CUDA the distinct
+    GPU names, the driver and the versions of ``KEY_PACKAGES`` (torch's carries its CUDA build, e.g. +cu130).
+    ``gpus`` and ``packages`` default to what this machine has."""
+    if device != "cuda":
+        return {"device": "cpu"}
+    gpus = gpu_inventory() if gpus is None else gpus
+    if packages is None:
+        packages = {p: _package_version(p) for p in KEY_PACKAGES}
+    return {
+        "device": "cuda",
+        "gpus": sorted({g["name"] for g in gpus}) or ["unknown"],
+        "driver": sorted({g["driver"] for g in gpus}) or ["unknown"],
+        **{p: v for p, v in sorted(packages.items()) if v is not None},
+    }
+
+
+def key_name(key: dict) -> str:
+    """A directory name for ``key``: ``cpu``, or the GPU's name made safe plus a hash of the whole key."""
+    if key.get("device") != "cuda":
+        return "cpu"
+    gpu = "+".join(key.get("gpus", ["unknown"]))
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu.lower().removeprefix("nvidia ")).strip("-")[:40] or "gpu"
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{slug}-{digest}"
+
+
+def default_root(env=None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
+    return Path(base) / "hsextract" / "triton"
+
+
+def resolve(option: str | None, device: str, env=None, key: dict | None = None) -> KernelCache:
+    """The kernel cache a run uses: ``option`` (``--kernel-cache``) or ``$HSEXTRACT_KERNEL_CACHE`` as the root,
+    keyed; else a ``TRITON_CACHE_DIR`` already set, as it is; else the default root, keyed."""
+    env = os.environ if env is None else env
+    key = setup_key(device) if key is None else key
+    if option:
+        root, source = Path(option).expanduser(), "--kernel-cache"
+    elif env.get(KERNEL_CACHE_ENV):
+        root, source = Path(env[KERNEL_CACHE_ENV]).expanduser(), KERNEL_CACHE_ENV
+    elif env.get("TRITON_CACHE_DIR"):
+        return KernelCache(Path(env["TRITON_CACHE_DIR"]).expanduser().absolute(), key, "TRITON_CACHE_DIR")
+    else:
+        root, source = default_root(env), "default"
+    return KernelCache(root.absolute() / key_name(key), key, source)
+
+
+def prepare(kc: KernelCache) -> None:
+    """Create the directory (and its ``key.json``); a clear error if it cannot be written."""
+    try:
+        kc.dir.mkdir(parents=True, exist_ok=True)
+        if not (kc.dir / "key.json").exists():
+            atomic_write(kc.dir / "key.json", json.dumps(kc.key, indent=1, sort_keys=True))
+    except OSError as e:
+        raise HsextractError(
+            f"kernel cache {kc.dir} (from {kc.source}) cannot be written ({e.strerror or e}): choose another "
+            f"directory with --kernel-cache or {KERNEL_CACHE_ENV}"
+        ) from None
+
+
+def check_writable(kc: KernelCache) -> None:
+    """Before any work: the directory, or the nearest existing one above it, can be written (creates nothing)."""
+    place = kc.dir
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir() or not os.access(place, os.W_OK | os.X_OK):
+        raise HsextractError(
+            f"kernel cache {kc.dir} (from {kc.source}) cannot be created: {place} is not a writable directory; "
+            f"choose another directory with --kernel-cache or {KERNEL_CACHE_ENV}"
+        )
+
+
+def write_pointer(path: Path, kc: KernelCache) -> None:
+    """The run dir's note of the kernel cache it used."""
+    atomic_write(path, json.dumps({"dir": str(kc.dir), "source": kc.source, "key": kc.key}, indent=1))
+
+
+def read_pointer(path: Path) -> Path | None:
+    try:
+        return Path(json.loads(Path(path).read_text())["dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- what a plan needs warmed ----------------------------------------------------------------------------------
+
+
+SIGNATURE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "partial_rotary_factor",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "full_attention_interval",
+)
+
+
+def model_signature(
+    text_config, *, kernel_mode: str, dtype: str, attn_implementation: str, pinned: bool = True
+) -> str:
+    """What decides which kernels a forward compiles (layer shapes, not depth), and how (``pinned``: the
+    autotune keys without the token count, model/autotune.py): a short hash."""
+    shape = {f: getattr(text_config, f, None) for f in SIGNATURE_FIELDS}
+    types = getattr(text_config, "layer_types", None) or []
+    shape["layer_types"] = sorted(set(types))
+    facts = {**shape, "kernels": kernel_mode, "dtype": dtype, "attn": attn_implementation, "pinned": pinned}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_signature(cfg, text_config) -> str:
+    """The stamp's name for a run's (RunConfig) model and kernels: the same in the launcher and the warm-up."""
+    return model_signature(
+        text_config,
+        kernel_mode=cfg.kernel_mode,
+        dtype=cfg.dtype,
+        attn_implementation=cfg.attn_implementation,
+        pinned=pin_enabled(),
+    )
+
+
+def bucket_heads(text_config, kernel_mode: str) -> tuple[int, ...]:
+    """Heads per token of the rows FLA's ``NB``-keyed kernels see: the q/k l2 norm (the key heads when fused,
+    grouped; the value heads in transformers' stock path, which repeats q and k) and the gated norm (the value
+    heads). () for a model without Gated-DeltaNet layers."""
+    hk = getattr(text_config, "linear_num_key_heads", None)
+    hv = getattr(text_config, "linear_num_value_heads", None)
+    if not hk or not hv:
+        return ()
+    return (hk if kernel_mode == "fused" else hv, hv)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def token_bucket(padded_tokens: int, heads: tuple[int, ...]) -> tuple[int, ...]:
+    """FLA's autotune key ``NB`` for each of ``heads`` (rows = tokens x heads)."""
+    return tuple(cdiv(padded_tokens * h, NB_ROWS) for h in heads)
+
+
+def shape_class(rows: int, padded_length: int) -> tuple[bool, bool, bool, bool]:
+    """Triton compiles a kernel once per integer argument equal to 1 or divisible by 16 (and once for the
+    rest): a batch's class by its row count and padded length."""
+    return (rows == 1, rows % 16 == 0, padded_length == 1, padded_length % 16 == 0)
+
+
+@dataclass
+class WarmSet:
+    """Token-count buckets and shape classes: what a plan needs, or what a stamp says is warm."""
+
+    buckets: set = field(default_factory=set)
+    classes: set = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets or self.classes)
+
+    def minus(self, other: WarmSet) -> WarmSet:
+        return WarmSet(self.buckets - other.buckets, self.classes - other.classes)
+
+    def union(self, other: WarmSet) -> WarmSet:
+        return WarmSet(self.buckets | other.buckets, self.classes | other.classes)
+
+    def to_json(self) -> dict:
+        return {
+            "buckets": sorted(list(b) for b in self.buckets),
+            "classes": sorted(list(c) for c in self.classes),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> WarmSet:
+        return cls(
+            buckets={tuple(int(x) for x in b) for b in d.get("buckets", [])},
+            classes={tuple(bool(x) for x in c) for c in d.get("classes", [])},
+        )
+
+
+def batch_needs(rows: int, padded_length: int, heads: tuple[int, ...]) -> WarmSet:
+    buckets = {token_bucket(rows * padded_length, heads)} if heads else set()
+    return WarmSet(buckets, {shape_class(rows, padded_length)})
+
+
+def plan_needs(batches, heads: tuple[int, ...]) -> WarmSet:
+    """What the batches (``rows``, ``padded_length``) of a plan need warmed."""
+    need = WarmSet()
+    for b in batches:
+        need = need.union(batch_needs(b.rows, b.padded_length, heads))
+    return need
+
+
+def stamp_path(cache_dir: Path, signature: str) -> Path:
+    return Path(cache_dir) / STAMP_DIR / f"{signature}.json"
+
+
+def read_stamp(cache_dir: Path, signature: str) -> WarmSet:
+    """What earlier warm-ups in this cache compiled for this model signature; empty if none (or unreadable)."""
+    try:
+        return WarmSet.from_json(json.loads(stamp_path(cache_dir, signature).read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return WarmSet()
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def add_to_stamp(cache_dir: Path, signature: str, warmed: WarmSet) -> WarmSet:
+    """Record ``warmed`` (after a successful warm-up), merged with what the stamp held; returns the new stamp.
+    Locked, so that two jobs finishing at once both count."""
+    path = stamp_path(cache_dir, signature)
+    with _locked(path):
+        merged = read_stamp(cache_dir, signature).union(warmed)
+        atomic_write(path, json.dumps(merged.to_json()))
+    return merged
