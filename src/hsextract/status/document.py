@@ -175,18 +175,7 @@ def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
         ],
         "data_report": {
             key: report[key]
-            for key in (
-                "rows",
-                "kept",
-                "truncated",
-                "skipped_empty",
-                "skipped_malformed",
-                "skipped_too_long",
-                "skipped_duplicate",
-                "duplicate_ids_renamed",
-                "tokens",
-                "max_length",
-            )
+            for key in (*COUNTS, "duplicate_ids_renamed", "tokens", "max_length")
             if key in report
         },
         "data_sources": [
