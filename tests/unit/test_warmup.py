@@ -293,9 +293,13 @@ class Autotuner:
         self.keys = list(keys)
 
 
+class CachedAutotuner(Autotuner):
+    """fla's own subclass (``fla.ops.utils.cache``), which ``l2norm_fwd_kernel`` is in fla 0.6."""
+
+
 def test_pinning_drops_the_token_count_from_autotune_keys(monkeypatch):
     module = types.ModuleType("fake_fla_norms")
-    module.l2norm_fwd_kernel = Autotuner(["D", "NB"])
+    module.l2norm_fwd_kernel = CachedAutotuner(["D", "NB"])
     module.layer_norm_gated_fwd_kernel = Autotuner(["D", "NB", "HAS_RESIDUAL", "IS_RMS_NORM"])
     module.l2norm_fwd_kernel1 = Autotuner(["D"])
     module.wrapped = types.SimpleNamespace(fn=Autotuner(["NB", "D"]))  # triton.heuristics over the autotuner

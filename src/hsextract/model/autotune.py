@@ -57,9 +57,10 @@ def pin_token_count_autotune(modules=PINNED_MODULES) -> list[str]:
 
 
 def _autotuner(obj, depth: int = 4):
-    """The Triton ``Autotuner`` that ``obj`` is or wraps (``triton.heuristics`` on top keeps it in ``.fn``)."""
+    """The Triton ``Autotuner`` that ``obj`` is or wraps (``triton.heuristics`` on top keeps it in ``.fn``), also a
+    subclass of it (fla 0.6's ``l2norm_fwd_kernel`` is a ``CachedAutotuner``, which an H200 run showed unpinned)."""
     for _ in range(depth):
-        if obj is None or type(obj).__name__ == "Autotuner":
+        if obj is None or any(c.__name__ == "Autotuner" for c in type(obj).__mro__):
             return obj
         obj = getattr(obj, "fn", None)
     return None
