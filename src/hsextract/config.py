@@ -141,7 +141,8 @@ class RunConfig:
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
     def __post_init__(self):
-        from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
+        # Lazy, to keep this module's import light; parsing reads nothing.
+        from hsextract.prepare.sources import parse_sources
 
         if isinstance(self.data, Path):
             object.__setattr__(self, "data", str(self.data))
