@@ -117,8 +117,9 @@ def _build_config(**opts) -> RunConfig:
     values = load_yaml(opts.pop("config_file")) if opts.get("config_file") else {}
     opts.pop("config_file", None)
     for key, value in opts.items():
-        # An option given no times leaves the file's value (multiple=True options then come as ()).
-        if value is not None and value != ():
+        if (
+            value is not None and value != ()
+        ):  # an option given no times (multiple=True) leaves the file's value
             values[key] = value
     for key in ("gpus",):
         if key in values:

@@ -141,8 +141,7 @@ class RunConfig:
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
     def __post_init__(self):
-        # Lazy, to keep this module's import light; parsing reads nothing.
-        from hsextract.prepare.sources import parse_sources
+        from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
 
         if isinstance(self.data, Path):
             object.__setattr__(self, "data", str(self.data))
