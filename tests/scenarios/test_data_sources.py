@@ -174,3 +174,28 @@ def test_a_mix_of_four_sources_runs_and_each_row_matches_itself_alone(
     assert r.returncode == 2, r.stdout + r.stderr
     assert "holds a different plan" in r.stderr and "sources.hub.limit: 10 -> 9" in r.stderr
     assert (tmp_path / "run" / "plan.json").read_bytes() == plan_before
+
+
+@pytest.mark.parametrize("bad", ["column", "s3 key"])
+def test_a_bad_source_in_a_mix_fails_naming_it_before_any_work(
+    tmp_path, tiny_model, s3: S3Endpoint, s3_bucket: str, bad
+):
+    good = write_jsonl(make_conversations(3, seed=25), tmp_path / "good.jsonl")
+    if bad == "column":
+        source, needle = f"{good}?name=renamed&columns=messages:dialog", "data source 'renamed' ("
+        needle2 = "column 'dialog' (given for messages) is not in its rows"
+    else:
+        source, needle = (
+            f"s3://{s3_bucket}/missing/prefix",
+            f"data source 'prefix' (s3://{s3_bucket}/missing/prefix)",
+        )
+        needle2 = "no data file at"
+
+    r = hsextract(run_args(tmp_path, tiny_model, [str(good), source], s3), cli_env())
+
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr and needle2 in r.stderr and "Traceback" not in r.stderr
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "plan.json").exists() and not (run_dir / "tokens.safetensors").exists()
+    assert not (run_dir / "logs").exists()  # no worker started, so no weight was loaded
+    assert not list((tmp_path / "out").glob("shard-*"))

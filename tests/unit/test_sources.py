@@ -182,7 +182,12 @@ def test_a_hub_layout_folder_edited_in_place_is_read_anew(tmp_path):
     assert again.fingerprint() != first.fingerprint()
 
 
-def test_unknown_hub_id_offline_says_so_and_how_to_fill_the_cache():
+def test_unknown_hub_id_offline_says_so_and_how_to_fill_the_cache(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(
+        datasets.config, "HF_HUB_OFFLINE", True
+    )  # as HF_HUB_OFFLINE=1 sets it (conftest does)
     with pytest.raises(HsextractError) as error:
         resolve_sources("hf:no-such-org/no-such-dataset?split=train")
     message = str(error.value)

@@ -97,3 +97,24 @@ def test_a_crashed_shard_shows_its_state_and_log_on_the_page(run_dir):
     page = render_body(doc, history(run_dir))
     assert 'data-shard="0" data-state="crashed"' in page and 'class="state error"' in page
     assert f"worker process gone, no error recorded; log: {RunDir(run_dir).log_file(0)}" in page
+
+
+def test_a_mix_shows_per_source_counts_in_the_document_and_on_the_page(run_dir):
+    counts = {"truncated": 0, "skipped_empty": 0, "skipped_malformed": 1, "skipped_too_long": 0}
+    sources = [
+        {"name": "chat", "source": "convs/*.jsonl", "rows": 3, "kept": 2, **counts, "skipped_duplicate": 0},
+        {"name": "tools", "source": "hf:org/tools", "rows": 2, "kept": 1, **counts, "skipped_duplicate": 1},
+    ]
+    report = {"rows": 5, "kept": 3, "tokens": 340, "sources": sources}
+    RunDir(run_dir).data_report_file.write_text(json.dumps(report))
+
+    doc = status_document(run_dir)
+
+    assert [(s["name"], s["kept"], s["skipped_duplicate"]) for s in doc["plan"]["data_sources"]] == [
+        ("chat", 2, 0),
+        ("tools", 1, 1),
+    ]
+    page = render_body(doc, history(run_dir))
+    table = page[page.index('<table id="data-sources">') :]
+    assert '<td class="l">tools</td><td class="l mono">hf:org/tools</td><td>2</td><td>1</td>' in table
+    assert table.index("chat") < table.index("tools") and "<th>duplicate</th>" in table

@@ -251,14 +251,27 @@ class _Gathered:
             self.pending_ids, self.pending_masks = [], []
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The concatenated ids, mask and offsets. Each block is freed as soon as it is copied, so the peak is one
+        copy of the arrays plus a block, not two copies (as ``np.concatenate`` of the list would hold)."""
         self._flush()
         lengths = np.asarray(self.lengths, dtype=np.int64)
-        empty = np.zeros(0, dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
         return (
-            np.concatenate(self.ids) if self.ids else empty,
-            np.concatenate(self.masks) if self.masks else empty.astype(np.uint8),
-            np.concatenate([[0], np.cumsum(lengths)]),
+            _drain(self.ids, int(offsets[-1]), np.int32),
+            _drain(self.masks, int(offsets[-1]), np.uint8),
+            offsets,
         )
+
+
+def _drain(blocks: list[np.ndarray], total: int, dtype) -> np.ndarray:
+    out = np.empty(total, dtype=dtype)
+    at = 0
+    blocks.reverse()
+    while blocks:
+        block = blocks.pop()
+        out[at : at + len(block)] = block
+        at += len(block)
+    return out
 
 
 def _tokenize(
