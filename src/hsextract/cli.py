@@ -220,7 +220,13 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
     help="Serve a self-refreshing page, /metrics and /api/status over HTTP (RUN_DIR).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: address to listen on.")
-@click.option("--port", default=8000, show_default=True, help="With --serve: port (0 picks a free one).")
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="With --serve: port (0 picks a free one).",
+)
 @_user_errors
 def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.

@@ -30,7 +30,7 @@ from pathlib import Path
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
-from hsextract.format.records import done_in_output
+from hsextract.format.records import verified_done
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output, is_complete
 from hsextract.run.procs import Terminated, die_with_parent
@@ -150,11 +150,12 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
 
 def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo) -> int:
     run_dir = RunDir(cfg.run_dir)
-    # One listing of the output's completion records; a worker checks each of its shard's batches in full.
-    done = done_in_output(open_sink(cfg.output, cfg.s3_endpoint_url))
+    # What the output records and bears out (each record and object, as a worker checks them), not the markers.
+    keys = {b.key for s in shards for b in plan.for_shard(s)}
+    done, _ = verified_done(open_sink(cfg.output, cfg.s3_endpoint_url), "", keys, plan.plan_hash)
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
-        echo(f"shards already complete in the output: {sorted(set(shards) - set(todo))}")
+        echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
     if todo and cfg.device == "cuda" and cfg.prewarm:
         prewarm(cfg, echo=echo)
     procs = {s: start_worker(cfg, s) for s in todo}

@@ -180,6 +180,11 @@ class RunDir:
         and staging under a run that is still going."""
         if self.root.exists() and not self.root.is_dir():
             raise HsextractError(f"--run-dir {self.root} is a file, not a directory: choose a directory path")
+        if self.locks_dir.exists() and not self.locks_dir.is_dir():
+            raise HsextractError(
+                f"{self.locks_dir} is a file where the run dir keeps its locks (a directory): remove it, "
+                "or choose another --run-dir"
+            )
         self.locks_dir.mkdir(parents=True, exist_ok=True)
         with open(self.locks_dir / "launcher.lock", "a+") as f:
             try:
