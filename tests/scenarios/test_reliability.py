@@ -16,7 +16,18 @@ import time
 from pathlib import Path
 
 import pytest
-from support.cli import TINY_LIMITS, cli_run_args, copy_finished_run, run_cli, write_mixed_dataset
+from support.cli import (
+    TINY_LIMITS,
+    cli_run_args,
+    copy_finished_run,
+    launched,
+    launcher_output,
+    marker_count,
+    run_cli,
+    status_json,
+    wait_for,
+    write_mixed_dataset,
+)
 from support.damage import flip
 from support.s3server import cli_env, free_port
 
@@ -395,3 +406,16 @@ def test_status_page_on_a_public_address_warns_that_it_has_no_authentication(ref
         p.communicate(timeout=30)
     assert lines[0].startswith("serving the status of"), lines
     assert lines[1].startswith("warning: listening on 0.0.0.0") and "no authentication" in lines[1], lines
+
+
+def test_sigint_to_the_launcher_is_the_signal_status_names(tmp_path, tiny_model, dataset):
+    """The launcher passed every stop on as SIGTERM: after a SIGINT `status` said "stopped by SIGTERM"."""
+    args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
+    with launched(args, tmp_path) as proc:
+        wait_for(lambda: marker_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
+    assert "terminated by SIGINT" in launcher_output(tmp_path)
+    rows = status_json(tmp_path / "run")["shards"]
+    stopped = [r for r in rows if r["state"] == "stopped"]
+    assert stopped and all(r["error"] == "stopped by SIGINT" for r in stopped), rows

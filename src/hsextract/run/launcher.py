@@ -176,7 +176,7 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
             bars.update(progress)
             time.sleep(0.25)
     except Terminated as e:
-        _stop_workers(procs)
+        _stop_workers(procs, e.signum)
         bars.close()
         stopped = sorted(procs)
         n_done = len(run_dir.done_keys() & {b.key for b in plan.batches})
@@ -196,10 +196,11 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     return 0
 
 
-def _stop_workers(procs: dict[int, subprocess.Popen]) -> None:
-    """SIGTERM (and SIGCONT, for a worker stopped with SIGSTOP) to every worker; SIGKILL after ``STOP_GRACE_S``."""
+def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+    """The launcher's stop signal (SIGTERM or SIGINT: each worker then records the one the user sent), and
+    SIGCONT for a worker stopped with SIGSTOP, to every worker; SIGKILL after ``STOP_GRACE_S``."""
     for p in procs.values():
-        for sig in (signal.SIGTERM, signal.SIGCONT):
+        for sig in (signum, signal.SIGCONT):
             try:
                 p.send_signal(sig)
             except ProcessLookupError:
