@@ -319,8 +319,8 @@ def finalize(output, s3_endpoint_url):
     from hsextract.run.finalize import finalize_output
     from hsextract.storage import open_sink
 
-    code, _damaged = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
-    sys.exit(code)
+    code, missing = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
+    sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 
 @main.command()

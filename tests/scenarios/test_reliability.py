@@ -130,6 +130,21 @@ def test_an_output_deleted_behind_the_run_is_recomputed_even_with_restart(
     assert_verified(tmp_path / "out")
 
 
+def test_a_rerun_of_a_finished_run_replaces_an_edited_manifest_and_exit_0_means_verify_is_clean(
+    tmp_path, tiny_model, dataset, reference
+):
+    copy_finished_run(reference, tmp_path)
+    manifest = tmp_path / "out" / MANIFEST
+    edited = json.loads(manifest.read_text())
+    edited["layer_ids"] = edited["fingerprint"]["layer_ids"] = [0, 3, 6]
+    manifest.write_text(json.dumps(edited))
+    assert run_cli("verify", tmp_path / "out", check=False).returncode != 0
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset))
+    assert "shards already complete: [0, 1]" in r.stdout and "done:" in r.stdout, r.stdout
+    assert json.loads(manifest.read_text()) == json.loads((reference / "out" / MANIFEST).read_text())
+    assert_verified(tmp_path / "out")
+
+
 # -- 3. a damaged file is never listed in a manifest -------------------------------------------------------------
 def test_a_flipped_byte_in_an_uploaded_local_file_is_found_before_the_manifest_and_recomputed(
     tmp_path, tiny_model, dataset, reference
@@ -419,3 +434,26 @@ def test_sigint_to_the_launcher_is_the_signal_status_names(tmp_path, tiny_model,
     rows = status_json(tmp_path / "run")["shards"]
     stopped = [r for r in rows if r["state"] == "stopped"]
     assert stopped and all(r["error"] == "stopped by SIGINT" for r in stopped), rows
+
+
+def test_an_s3_output_emptied_behind_the_run_is_recomputed_by_the_same_command(
+    tmp_path, tiny_model, dataset, reference, s3, s3_bucket
+):
+    """The same finding on S3 (an endpoint replaced by an empty one, a prefix deleted): every rerun said "N of N
+    batches still to do", exit 0, no manifest."""
+    output = f"s3://{s3_bucket}/job"
+    args = args_for(tmp_path, tiny_model, dataset, output=output, s3_endpoint_url=s3.url)
+    run_cli(*args, env=cli_env(), timeout=400)
+    client = s3.client()
+    for key in s3.object_keys(s3_bucket):
+        client.delete_object(Bucket=s3_bucket, Key=key)
+    r = run_cli(*args, env=cli_env(), timeout=400)
+    assert "done:" in r.stdout, r.stdout
+    got = {
+        k[len("job/") :]: s3.get_object(s3_bucket, k)
+        for k in s3.object_keys(s3_bucket)
+        if k.startswith("job/shard-")
+    }
+    assert got == batch_bytes(reference / "out")
+    v = run_cli("verify", output, "--s3-endpoint-url", s3.url, env=cli_env(), check=False)
+    assert v.returncode == 0 and "all good" in v.stdout, v.stdout + v.stderr
