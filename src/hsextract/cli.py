@@ -180,7 +180,13 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
     help="Serve a self-refreshing page, /metrics and /api/status over HTTP (RUN_DIR).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: address to listen on.")
-@click.option("--port", default=8000, show_default=True, help="With --serve: port (0 picks a free one).")
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="With --serve: port (0 picks a free one).",
+)
 @_user_errors
 def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.
@@ -226,8 +232,8 @@ def finalize(output, s3_endpoint_url):
     from hsextract.run.finalize import finalize_output
     from hsextract.storage import open_sink
 
-    code, _damaged = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
-    sys.exit(code)
+    code, missing = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
+    sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 
 @main.command()

@@ -53,7 +53,7 @@ from hsextract.format.batch import (
 )
 from hsextract.format.final_norm import FinalNorm, read_final_norm
 from hsextract.format.fp8 import dequantize_fp8
-from hsextract.format.manifest import read_manifest, require_checksums
+from hsextract.format.manifest import header_expectations, header_mismatch, read_manifest, require_checksums
 from hsextract.run.writer import SAFETENSORS_DTYPES
 from hsextract.storage import open_sink
 
@@ -209,9 +209,12 @@ class BatchFile:
     """One batch file read through ranged reads; only its header and index tensors are held in memory.
 
     ``entry`` is the file's batch entry in the manifest (its sample ids, size and header checksum); with ``verify``
-    the header, the index tensors and every sample read are checked against their checksums."""
+    the header, the index tensors and every sample read are checked against their checksums. ``expect`` holds
+    header fields that must match (``manifest.header_expectations``: plan hash, layer ids, batch id, shard)."""
 
-    def __init__(self, sink, key: str, entry: dict | None = None, *, verify: bool = True):
+    def __init__(
+        self, sink, key: str, entry: dict | None = None, *, verify: bool = True, expect: dict | None = None
+    ):
         self.sink, self.key, self.verify = sink, key, verify
         entry = entry or {}
         head = read_head(
@@ -236,6 +239,8 @@ class BatchFile:
                 )
         if "sample_ids" in entry and entry["sample_ids"] != h.sample_ids:
             raise self.damaged("holds other samples than the manifest lists for it")
+        if expect and (mismatch := header_mismatch(h.metadata, expect)):
+            raise self.damaged(f"{mismatch}: the manifest was edited or describes another output")
         self.metadata, self.tensors, self.sample_ids = h.metadata, h.tensors, h.sample_ids
         self.cu_seqlens = self._read_index()
 
@@ -408,7 +413,13 @@ class Output:
             yield f.sample(row, self._view)
 
     def _file(self, key: str) -> BatchFile:
-        f = self._files.pop(key, None) or BatchFile(self.sink, key, self._entries[key], verify=self.verify)
+        f = self._files.pop(key, None) or BatchFile(
+            self.sink,
+            key,
+            self._entries[key],
+            verify=self.verify,
+            expect=header_expectations(self.manifest, self._entries[key]),
+        )
         self._files[key] = f
         while len(self._files) > self._cache_files:
             self._files.popitem(last=False)

@@ -14,16 +14,19 @@ storage client release the GIL; xxhash does not, so on a local disk more than a 
 
 from __future__ import annotations
 
+import json
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from hsextract.errors import CorruptOutputError
+from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.format.batch import new_checksum, update_checksum
 from hsextract.format.final_norm import read_checked_final_norm
-from hsextract.format.manifest import read_manifest, require_checksums
+from hsextract.format.manifest import MANIFEST, header_expectations, read_manifest, require_checksums
+from hsextract.format.records import JOB_FILES
+from hsextract.prepare.plan import Plan
 from hsextract.reader import BatchFile
 from hsextract.storage import open_sink
 from hsextract.storage.base import Sink
@@ -59,8 +62,9 @@ class VerifyReport:
         }
 
 
-def check_file(sink: Sink, entry: dict, progress=None) -> None:
+def check_file(sink: Sink, entry: dict, progress=None, expect: dict | None = None) -> None:
     """Check one batch file against its manifest ``entry``; raise ``CorruptOutputError`` saying what is wrong.
+    An entry with only ``key`` and ``size`` checks a file against itself: its header's checksums (a staged file).
 
     ``progress(n)``, if given, is called with the number of bytes read as the file is read."""
     key = entry["key"]
@@ -74,7 +78,8 @@ def check_file(sink: Sink, entry: dict, progress=None) -> None:
         raise damaged("does not exist (listed in the manifest)") from None
     if size != entry["size"]:
         raise damaged(f"has {size} bytes; the manifest recorded {entry['size']}")
-    f = BatchFile(sink, key, entry, verify=True)  # header, its checksum, structure, index tensors
+    # Header, its checksum, structure, index tensors, and what the header says against the manifest.
+    f = BatchFile(sink, key, entry, verify=True, expect=expect)
     h = f.header
     # Byte ranges of each sample's rows, in file order: (start, stop, row).
     segments = []
@@ -112,10 +117,44 @@ def check_file(sink: Sink, entry: dict, progress=None) -> None:
         named = ", ".join(f"{f.sample_ids[row]!r} (row {row})" for row in bad_rows[:3])
         more = f" and {len(bad_rows) - 3} more" if len(bad_rows) > 3 else ""
         problems.append(f"{len(bad_rows)} sample(s) do not match their checksums: {named}{more}")
-    if f"{crc:08x}" != entry["crc32"]:
+    if entry.get("crc32") is not None and f"{crc:08x}" != entry["crc32"]:
         problems.append(f"its CRC32 is {crc:08x}; the manifest recorded {entry['crc32']}")
     if problems:
         raise damaged("; ".join(problems))
+
+
+def check_against_plan(sink: Sink, manifest: dict) -> None:
+    """The manifest lists exactly the batches of the plan the output holds (``hsextract/plan.json``), in order,
+    with their samples: a batch entry dropped, repeated or altered by hand is ``CorruptOutputError``. Outputs
+    without a plan (older hsextract) are checked against their batch headers only."""
+    try:
+        plan = Plan.from_json(json.loads(sink.get_bytes(JOB_FILES["plan"])), where=JOB_FILES["plan"])
+        sample_ids = json.loads(sink.get_bytes(JOB_FILES["samples"]))
+    except FileNotFoundError:
+        return
+    except (ValueError, HsextractError) as e:
+        raise CorruptOutputError(sink.url, JOB_FILES["plan"], f"is damaged ({e})") from None
+
+    def differs(problem: str) -> CorruptOutputError:
+        return CorruptOutputError(
+            sink.url, MANIFEST, f"{problem}; the manifest was edited or is another job's"
+        )
+
+    if manifest.get("plan_hash") != plan.plan_hash:
+        raise differs(f"has plan {manifest.get('plan_hash')}, the output's plan is {plan.plan_hash}")
+    listed = [b["key"] for b in manifest["batches"]]
+    planned = [b.key for b in plan.batches]
+    if listed != planned:
+        missing = sorted(set(planned) - set(listed))
+        extra = sorted(set(listed) - set(planned))
+        raise differs(
+            f"lists {len(listed)} batches, the plan {len(planned)}"
+            + (f"; missing {missing[:3]}" if missing else "")
+            + (f"; not planned {extra[:3]}" if extra else "")
+        )
+    for entry, batch in zip(manifest["batches"], plan.batches, strict=True):
+        if entry["sample_ids"] != [sample_ids[i] for i in batch.sample_indices]:
+            raise differs(f"lists other samples for {batch.key} than the plan")
 
 
 def verify_output(
@@ -133,6 +172,7 @@ def verify_output(
     sink = open_sink(output, endpoint_url, retry_deadline_s=retry_deadline_s)
     manifest = read_manifest(sink)
     require_checksums(sink, manifest, "there is nothing to verify its files against")
+    check_against_plan(sink, manifest)
     batches = manifest["batches"]
     report = VerifyReport(sink.url, len(batches), sum(b["size"] for b in batches))
     from tqdm import tqdm
@@ -149,7 +189,7 @@ def verify_output(
 
         def check(entry: dict) -> CorruptOutputError | None:
             try:
-                check_file(sink, entry, progress=bar.update)
+                check_file(sink, entry, progress=bar.update, expect=header_expectations(manifest, entry))
             except CorruptOutputError as e:
                 return e
             return None

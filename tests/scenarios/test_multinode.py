@@ -181,3 +181,15 @@ def test_command_line_wins_and_bad_ranks_are_refused():
             node_place(nodes, rank, environ={})
     with pytest.raises(HsextractError, match="not integers"):
         node_place(environ={"NNODES": "two", "NODE_RANK": "0"})
+
+
+def test_nodes_without_a_rank_take_it_from_the_scheduler_or_are_refused():
+    """``--nodes 2`` without ``--node-rank`` under SLURM_NODEID=1 used to run as node 0."""
+    slurm = {"SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    place = node_place(2, None, environ=slurm)
+    assert (place.nodes, place.rank, place.source) == (2, 1, "SLURM_NNODES/SLURM_NODEID")
+    with pytest.raises(HsextractError, match="--nodes 2 without --node-rank, and no scheduler variable"):
+        node_place(2, None, environ={})
+    with pytest.raises(HsextractError, match="--nodes 4 but SLURM_NNODES/SLURM_NODEID says 2 nodes"):
+        node_place(4, None, environ=slurm)
+    assert node_place(1, None, environ=slurm).rank == 0

@@ -3,10 +3,11 @@
 Each test reproduces one finding of the reliability review with real processes and real damage (files deleted or
 altered in the output behind the run, the output deleted, an unreachable endpoint with a password in its URL, a
 model whose states overflow), on the tiny model. Tests that start from a finished run copy one module-scoped run
-(output and run dir, the copy's run dir bound to the copied output) instead of running their own.
+(``copy_finished_run``) instead of running their own.
 """
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -15,12 +16,25 @@ import time
 from pathlib import Path
 
 import pytest
-from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.cli import (
+    TINY_LIMITS,
+    cli_run_args,
+    copy_finished_run,
+    launched,
+    launcher_output,
+    marker_count,
+    run_cli,
+    status_json,
+    wait_for,
+    write_mixed_dataset,
+)
 from support.damage import flip
 from support.s3server import cli_env, free_port
 
+from hsextract.config import run_staging_dir
 from hsextract.format.manifest import MANIFEST
 from hsextract.format.records import done_key
+from hsextract.prepare.plan import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -54,17 +68,6 @@ def reference(tmp_path_factory, tiny_model, dataset):
     return root
 
 
-def copy_run(reference: Path, root: Path) -> Path:
-    """The reference's output and run dir under ``root``, the run dir's config naming the copied output."""
-    shutil.copytree(reference / "out", root / "out")
-    shutil.copytree(reference / "run", root / "run", ignore=shutil.ignore_patterns("locks"))
-    config = root / "run" / "config.json"
-    cfg = json.loads(config.read_text())
-    cfg.update(output=str(root / "out"), run_dir=str(root / "run"), staging=str(root / "staging"))
-    config.write_text(json.dumps(cfg))
-    return root
-
-
 def batch_bytes(out: Path) -> dict[str, bytes]:
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shard-*/*.safetensors"))}
 
@@ -80,7 +83,7 @@ def test_a_run_dir_is_bound_to_its_output_another_output_is_refused_naming_both(
 ):
     """The same command with another --output and the old run dir used to exit 0 ("shards already complete",
     no manifest) on every rerun, leaving the new output empty."""
-    copy_run(reference, tmp_path)
+    copy_finished_run(reference, tmp_path)
     other = tmp_path / "B"
     r = run_cli(*args_for(tmp_path, tiny_model, dataset, output=other), check=False)
     text = r.stdout + r.stderr
@@ -99,7 +102,7 @@ def test_a_batch_whose_record_and_file_are_deleted_from_the_output_is_recomputed
     tmp_path, tiny_model, dataset, reference
 ):
     """The run dir's markers said done; the output lacked the batch: every rerun exited 0 "1 of N still to do"."""
-    copy_run(reference, tmp_path)
+    copy_finished_run(reference, tmp_path)
     out = tmp_path / "out"
     (out / MANIFEST).unlink()
     victim = sorted(out.glob("shard-00001/*.safetensors"))[1].relative_to(out).as_posix()
@@ -119,11 +122,26 @@ def test_a_batch_whose_record_and_file_are_deleted_from_the_output_is_recomputed
 def test_an_output_deleted_behind_the_run_is_recomputed_even_with_restart(
     tmp_path, tiny_model, dataset, reference
 ):
-    copy_run(reference, tmp_path)
+    copy_finished_run(reference, tmp_path)
     shutil.rmtree(tmp_path / "out")
     r = run_cli(*args_for(tmp_path, tiny_model, dataset), "--restart")
     assert "done:" in r.stdout, r.stdout
     assert batch_bytes(tmp_path / "out") == batch_bytes(reference / "out")
+    assert_verified(tmp_path / "out")
+
+
+def test_a_rerun_of_a_finished_run_replaces_an_edited_manifest_and_exit_0_means_verify_is_clean(
+    tmp_path, tiny_model, dataset, reference
+):
+    copy_finished_run(reference, tmp_path)
+    manifest = tmp_path / "out" / MANIFEST
+    edited = json.loads(manifest.read_text())
+    edited["layer_ids"] = edited["fingerprint"]["layer_ids"] = [0, 3, 6]
+    manifest.write_text(json.dumps(edited))
+    assert run_cli("verify", tmp_path / "out", check=False).returncode != 0
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset))
+    assert "shards already complete: [0, 1]" in r.stdout and "done:" in r.stdout, r.stdout
+    assert json.loads(manifest.read_text()) == json.loads((reference / "out" / MANIFEST).read_text())
     assert_verified(tmp_path / "out")
 
 
@@ -133,7 +151,7 @@ def test_a_flipped_byte_in_an_uploaded_local_file_is_found_before_the_manifest_a
 ):
     """On a local output only the size was checked before the manifest: a file with one byte changed was listed,
     the run ended "done", and `verify` found it afterwards."""
-    copy_run(reference, tmp_path)
+    copy_finished_run(reference, tmp_path)
     out = tmp_path / "out"
     (out / MANIFEST).unlink()
     victim = sorted(out.glob("shard-00000/*.safetensors"))[0]
@@ -142,6 +160,36 @@ def test_a_flipped_byte_in_an_uploaded_local_file_is_found_before_the_manifest_a
     key = victim.relative_to(out).as_posix()
     assert f"output check: {key}: batch file CRC32" in r.stdout, r.stdout
     assert "recomputing 1 batch(es) of shard(s) [0]" in r.stdout and "done:" in r.stdout
+    assert batch_bytes(out) == batch_bytes(reference / "out")
+    assert_verified(out)
+
+
+def test_staged_files_truncated_or_altered_after_a_crash_are_recomputed_not_uploaded(
+    tmp_path, tiny_model, dataset, reference
+):
+    """A staged file with a readable header was uploaded as it was: its completion record then vouched for the
+    damaged bytes, and the manifest listed them."""
+    copy_finished_run(reference, tmp_path)
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    (out / MANIFEST).unlink()
+    (run_dir / "COMPLETE").unlink()
+    staging = run_staging_dir(tmp_path / "staging", run_dir) / "shard-00000"
+    staging.mkdir(parents=True)
+    truncated, altered = [b.key for b in Plan.load(run_dir / "plan.json").for_shard(0)[1:3]]
+    for key in (truncated, altered):
+        (out / key).unlink()
+        (out / done_key(key)).unlink()
+        (run_dir / "markers" / f"{key}.done").unlink()
+        shutil.copyfile(reference / "out" / key, staging / Path(key).name)
+    with open(staging / Path(truncated).name, "r+b") as f:
+        f.truncate(f.seek(0, 2) - 64)
+    flip(staging / Path(altered).name, (staging / Path(altered).name).stat().st_size // 2)
+    r = run_cli(*args_for(tmp_path, tiny_model, dataset))
+    assert "done:" in r.stdout, r.stdout
+    log = (run_dir / "logs" / "shard-00000.log").read_text()
+    assert f"discarded staged file {Path(truncated).name}: its header describes" in log, log
+    assert f"discarded staged file {Path(altered).name}: 1 sample(s) do not match their checksums" in log, log
+    assert "0 staged to upload, 2 to compute" in log
     assert batch_bytes(out) == batch_bytes(reference / "out")
     assert_verified(out)
 
@@ -312,3 +360,100 @@ def test_a_local_output_without_room_for_the_plan_is_refused_before_the_model_lo
         text
     )
     assert not (tmp_path / "run" / "logs").exists() and not list(out.rglob("*.safetensors"))
+
+
+# -- loud: tracebacks and silences -------------------------------------------------------------------------------
+def test_bad_ports_half_set_credentials_a_file_for_the_locks_and_a_fifo_get_messages_not_tracebacks(
+    tmp_path, tiny_model, dataset, reference
+):
+    partial = cli_env()
+    del partial["AWS_SECRET_ACCESS_KEY"]
+    locks = tmp_path / "locked"
+    (locks / "run").mkdir(parents=True)
+    (locks / "run" / "locks").write_text("a file")
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    cases = [
+        (["status", reference / "run", "--serve", "--port", "70000"], None, "70000 is not in the range"),
+        (["status", reference / "run", "--serve", "--port", "-1"], None, "-1 is not in the range"),
+        (
+            ["verify", "s3://bucket/x", "--s3-endpoint-url", f"http://127.0.0.1:{free_port()}"],
+            partial,
+            "no usable AWS credentials",
+        ),
+        (args_for(locks, tiny_model, dataset), None, "locks is a file where the run dir keeps its locks"),
+        (args_for(tmp_path, tiny_model, fifo), None, "is not a regular file (a FIFO"),
+    ]
+    for args, env, needle in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env or cli_env(),
+            timeout=120,
+        )
+        text = r.stdout + r.stderr
+        assert r.returncode == 2 and needle in text and "Traceback" not in text, (args, text)
+
+
+def test_status_page_on_a_public_address_warns_that_it_has_no_authentication(reference):
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hsextract.cli",
+            "status",
+            reference / "run",
+            "--serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = [p.stdout.readline(), p.stdout.readline()]
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=30)
+    assert lines[0].startswith("serving the status of"), lines
+    assert lines[1].startswith("warning: listening on 0.0.0.0") and "no authentication" in lines[1], lines
+
+
+def test_sigint_to_the_launcher_is_the_signal_status_names(tmp_path, tiny_model, dataset):
+    """The launcher passed every stop on as SIGTERM: after a SIGINT `status` said "stopped by SIGTERM"."""
+    args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
+    with launched(args, tmp_path) as proc:
+        wait_for(lambda: marker_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
+    assert "terminated by SIGINT" in launcher_output(tmp_path)
+    rows = status_json(tmp_path / "run")["shards"]
+    stopped = [r for r in rows if r["state"] == "stopped"]
+    assert stopped and all(r["error"] == "stopped by SIGINT" for r in stopped), rows
+
+
+def test_an_s3_output_emptied_behind_the_run_is_recomputed_by_the_same_command(
+    tmp_path, tiny_model, dataset, reference, s3, s3_bucket
+):
+    """The same finding on S3 (an endpoint replaced by an empty one, a prefix deleted): every rerun said "N of N
+    batches still to do", exit 0, no manifest."""
+    output = f"s3://{s3_bucket}/job"
+    args = args_for(tmp_path, tiny_model, dataset, output=output, s3_endpoint_url=s3.url)
+    run_cli(*args, env=cli_env(), timeout=400)
+    client = s3.client()
+    for key in s3.object_keys(s3_bucket):
+        client.delete_object(Bucket=s3_bucket, Key=key)
+    r = run_cli(*args, env=cli_env(), timeout=400)
+    assert "done:" in r.stdout, r.stdout
+    got = {
+        k[len("job/") :]: s3.get_object(s3_bucket, k)
+        for k in s3.object_keys(s3_bucket)
+        if k.startswith("job/shard-")
+    }
+    assert got == batch_bytes(reference / "out")
+    v = run_cli("verify", output, "--s3-endpoint-url", s3.url, env=cli_env(), check=False)
+    assert v.returncode == 0 and "all good" in v.stdout, v.stdout + v.stderr

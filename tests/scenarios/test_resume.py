@@ -23,6 +23,7 @@ from safetensors import safe_open
 from support.cli import (
     POLL_S,
     RUN_TIMEOUT_S,
+    copy_finished_run,
     crash_run_args,
     launched,
     launcher_output,
@@ -139,12 +140,6 @@ def reference(tmp_path_factory, tiny_model, dataset):
         "too few batches to kill mid-run"
     )
     return root
-
-
-def copy_finished_run(reference: Path, root: Path) -> None:
-    """A finished run's run dir and output under ``root``, as if they had been made there."""
-    for sub in ("run", "out"):
-        shutil.copytree(reference / sub, root / sub)
 
 
 # -- (a) a worker killed mid-run; status while it runs and after it crashed ------------------------------------------

@@ -158,6 +158,20 @@ def crash_run_args(root: Path, model, data, **overrides) -> list[str]:
     return cli_run_args(root, model, data, **options)
 
 
+def copy_finished_run(reference: Path, root: Path) -> Path:
+    """A finished run's output and run dir (``out``, ``run``) under ``root``, as if they had been made there: the
+    copied run dir's config names the copied output (a run dir serves one output)."""
+    import shutil
+
+    shutil.copytree(reference / "out", root / "out")
+    shutil.copytree(reference / "run", root / "run", ignore=shutil.ignore_patterns("locks"))
+    config = root / "run" / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg.update(output=str(root / "out"), run_dir=str(root / "run"))
+    config.write_text(json.dumps(cfg))
+    return root
+
+
 def status(run_dir: Path, *extra, check=True):
     return run_cli("status", run_dir, *extra, timeout=60, check=check)
 

@@ -297,6 +297,22 @@ def test_bad_rows_are_counted_with_examples_when_truncating(tmp_path, tokenizer)
     assert DataReport.from_json(json.loads(json.dumps(report.to_json()))) == report
 
 
+def test_a_deeply_nested_row_is_malformed_and_a_fifo_is_refused(tmp_path, tokenizer):
+    """A row nested 100000 deep raised RecursionError; a FIFO was read twice, the second time empty, and hung."""
+    import os
+
+    path = tmp_path / "nested.jsonl"
+    good = {"id": "good", "input_ids": [5, 6, 7], "loss_mask": [1, 1, 1]}
+    path.write_text(json.dumps(good) + "\n" + "[" * 100000 + "]" * 100000 + "\n")
+    samples, report = load(path, tokenizer, max_length=64)
+    assert samples.sample_ids == ["good"] and report.skipped_malformed == 1
+    assert "line 2 nests too deeply to be a row" in report.examples[0]["reason"]
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(HsextractError, match="is not a regular file"):
+        load(fifo, tokenizer, max_length=64)
+
+
 def test_too_long_rows_are_skipped_under_the_skip_policy(tmp_path, tokenizer):
     path = write_bad_rows(tmp_path / "bad.jsonl", " ".join(["word"] * 200))
 

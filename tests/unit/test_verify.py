@@ -65,3 +65,62 @@ def test_verify_names_a_damaged_manifest_and_fails(output, damage, says):
     assert r.returncode == 2
     assert f"{output / 'manifest.json'}: {says}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def edit_manifest(out, edit) -> dict:
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    return manifest
+
+
+def relabel_layers(m):
+    """Layer 7 relabelled 6 everywhere the manifest says it, so that only the batch headers disagree."""
+    for field in ("layer_ids", "slot_layer_ids"):
+        m[field] = [6 if k == 7 else k for k in m[field]]
+    m["fingerprint"]["layer_ids"] = m["layer_ids"]
+
+
+def drop_batch(m):
+    m["num_samples"] -= len(m["batches"].pop(3)["sample_ids"])
+
+
+def repeat_batch(m):
+    m["batches"].insert(4, m["batches"][3])
+
+
+@pytest.mark.parametrize(
+    "edit, verify_says, reader_says",
+    [
+        (
+            relabel_layers,
+            "its header says layer_ids [0, 3, 7], the manifest [0, 3, 6]",
+            "header says layer_ids",
+        ),
+        (drop_batch, "lists 15 batches, the plan 16; missing ['shard-0000", None),
+        (repeat_batch, "twice", "twice"),
+        (
+            lambda m: m.update(layer_ids=[0, 3, 6]),
+            "says layer_ids [0, 3, 6] but its fingerprint",
+            "fingerprint",
+        ),
+    ],
+    ids=["layer-ids", "batch-dropped", "batch-repeated", "layer-ids-only"],
+)
+def test_a_hand_edited_manifest_is_caught_by_verify_and_the_reader(output, edit, verify_says, reader_says):
+    """verify exited 0 on each of these and the reader returned layer 7's states as layer 6, or 79 or 81
+    samples. The reader checks what it can as it opens each file; verify checks the manifest against the plan."""
+    from hsextract.errors import CorruptOutputError
+    from hsextract.reader import open_output
+
+    edit_manifest(output, edit)
+    r = run_cli("verify", output, check=False)
+    assert r.returncode in (1, 2) and verify_says in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    if reader_says is None:
+        return  # a consistent manifest without one batch: only the plan says so
+    with pytest.raises(CorruptOutputError, match=reader_says.replace("[", r"\[")):
+        out = open_output(output)
+        for sample in out:
+            assert 6 not in sample["layers"] or 7 in sample["layers"]

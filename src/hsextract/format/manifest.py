@@ -139,6 +139,7 @@ def read_manifest(sink) -> dict:
             ) from None
         if version >= 2 and not all(isinstance(batch.get(f), t) for f, t in STORED_FIELDS.items()):
             raise damaged(f"batch entry {i} ({batch['key']}) lacks its size or checksums")
+    check_consistent(manifest, damaged)
     return manifest
 
 
@@ -149,3 +150,53 @@ def require_checksums(sink, manifest: dict, hint: str) -> None:
             f"{sink.url}/{MANIFEST} was written by an hsextract before checksums (format "
             f"{manifest['format_version']}): {hint}"
         )
+
+
+def check_consistent(manifest: dict, damaged) -> None:
+    """What a manifest says twice must agree (a hand edit changes one place): no batch or sample listed twice,
+    as many samples as it counts, the layer ids its fingerprint records."""
+    keys, sample_ids = set(), set()
+    for batch in manifest["batches"]:
+        if batch["key"] in keys:
+            raise damaged(f"lists batch {batch['key']} twice")
+        keys.add(batch["key"])
+        for sid in batch["sample_ids"]:
+            if sid in sample_ids:
+                raise damaged(f"lists sample {sid!r} twice (again in {batch['key']})")
+            sample_ids.add(sid)
+    counted = manifest.get("num_samples")
+    if isinstance(counted, int) and counted != len(sample_ids):
+        raise damaged(f"counts {counted} samples but its batches list {len(sample_ids)}")
+    planned = (manifest.get("fingerprint") or {}).get("layer_ids")
+    if planned is not None and list(planned) != list(manifest["layer_ids"]):
+        raise damaged(f"says layer_ids {manifest['layer_ids']} but its fingerprint records {planned}")
+
+
+def header_expectations(manifest: dict, entry: dict) -> dict:
+    """What the header of the batch file ``entry`` must say, from the manifest: the run's plan and layer ids, the
+    batch's id and shard (its sample ids are compared apart). A header field a file lacks is not compared."""
+    expect = {"plan_hash": manifest.get("plan_hash"), "layer_ids": list(manifest["layer_ids"])}
+    if "slot_layer_ids" in manifest:
+        expect["slot_layer_ids"] = list(manifest["slot_layer_ids"])
+    for field in ("batch_id", "shard"):
+        if field in entry:
+            expect[field] = entry[field]
+    return {k: v for k, v in expect.items() if v is not None}
+
+
+def header_mismatch(metadata: dict[str, str], expect: dict) -> str | None:
+    """How a batch file's header ``metadata`` contradicts ``expect`` (``header_expectations``), or None."""
+    for field, want in expect.items():
+        got = metadata.get(field)
+        if got is None:
+            continue
+        if isinstance(want, list):
+            try:
+                same = json.loads(got) == want
+            except ValueError:
+                same = False
+        else:
+            same = got == str(want)
+        if not same:
+            return f"its header says {field} {got}, the manifest {want}"
+    return None

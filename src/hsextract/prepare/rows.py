@@ -42,6 +42,11 @@ def _data_format(path: Path) -> str:
         raise HsextractError(f"data path {path} does not exist; give a {ACCEPTED_FORMATS}")
     if path.is_dir():
         return "dataset_dir"
+    if not path.is_file():
+        raise HsextractError(
+            f"data path {path} is not a regular file (a FIFO, a device?): hsextract reads the data more than "
+            "once (its fingerprint, then its rows); write it to a file first"
+        )
     kind = file_format(path)
     if kind is None:
         raise HsextractError(
@@ -121,16 +126,18 @@ def _jsonl_rows(path: Path) -> Iterator[Any]:
             yield json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             yield UnreadableRow(f"line {line_no} is not valid JSON ({e})")
+        except RecursionError:
+            yield UnreadableRow(f"line {line_no} nests too deeply to be a row")
 
 
 def _json_rows(path: Path) -> list:
     try:
         with open(path, "rb") as f:
             data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise HsextractError(
-            f"cannot parse {path} as JSON ({e}); a .jsonl file holds one row per line"
-        ) from e
+            f"cannot parse {path} as JSON ({type(e).__name__}: {e}); a .jsonl file holds one row per line"
+        ) from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):

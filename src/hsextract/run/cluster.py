@@ -39,28 +39,45 @@ class NodePlace:
 
 
 def node_place(nodes: int | None = None, rank: int | None = None, environ=None) -> NodePlace:
-    """This node's place in the job; a clear error for inconsistent numbers."""
+    """This node's place in the job; a clear error for inconsistent numbers. ``--nodes`` without ``--node-rank``
+    takes the rank from the scheduler's environment, and is refused without one: every node would run as 0."""
     env = os.environ if environ is None else environ
-    if nodes is not None or rank is not None:
+    if rank is None and nodes is not None and nodes > 1:
+        from_env = _env_place(env)
+        if from_env is None:
+            raise HsextractError(
+                f"--nodes {nodes} without --node-rank, and no scheduler variable gives this node's rank "
+                f"({', '.join(r for _, r in _ENV_SOURCES)}): give --node-rank 0..{nodes - 1}"
+            )
+        if from_env.nodes != nodes:
+            raise HsextractError(
+                f"--nodes {nodes} but {from_env.source} says {from_env.nodes} nodes: give --node-rank too, or "
+                "drop --nodes"
+            )
+        place = NodePlace(nodes, from_env.rank, from_env.source)
+    elif nodes is not None or rank is not None:
         place = NodePlace(
             nodes if nodes is not None else 1, rank if rank is not None else 0, "--nodes/--node-rank"
         )
     else:
-        place = NodePlace(1, 0, "single node")
-        for count_var, rank_var in _ENV_SOURCES:
-            if count_var in env and rank_var in env:
-                try:
-                    place = NodePlace(int(env[count_var]), int(env[rank_var]), f"{count_var}/{rank_var}")
-                except ValueError:
-                    raise HsextractError(
-                        f"{count_var}={env[count_var]!r} / {rank_var}={env[rank_var]!r} are not integers"
-                    ) from None
-                break
+        place = _env_place(env) or NodePlace(1, 0, "single node")
     if place.nodes < 1 or not 0 <= place.rank < place.nodes:
         raise HsextractError(
             f"node rank {place.rank} of {place.nodes} nodes (from {place.source}): the rank must be in 0..nodes-1"
         )
     return place
+
+
+def _env_place(env) -> NodePlace | None:
+    for count_var, rank_var in _ENV_SOURCES:
+        if count_var in env and rank_var in env:
+            try:
+                return NodePlace(int(env[count_var]), int(env[rank_var]), f"{count_var}/{rank_var}")
+            except ValueError:
+                raise HsextractError(
+                    f"{count_var}={env[count_var]!r} / {rank_var}={env[rank_var]!r} are not integers"
+                ) from None
+    return None
 
 
 def node_shards(total_shards: int, nodes: int, rank: int) -> list[int]:

@@ -19,7 +19,7 @@ import json
 
 from hsextract.errors import HsextractError
 from hsextract.format.final_norm import read_final_norm_meta
-from hsextract.format.manifest import build_manifest, has_manifest, write_manifest
+from hsextract.format.manifest import build_manifest, write_manifest
 from hsextract.format.records import JOB_FILES, check_batches, done_in_output, done_key
 from hsextract.prepare.plan import Plan
 from hsextract.run.rundir import RunInfo
@@ -64,17 +64,18 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
         for key in problems:
             sink.delete(done_key(key))
         return 1, set(problems)
-    if not has_manifest(sink):
-        manifest = build_manifest(
-            info=info,
-            plan=plan,
-            dtype=plan.fingerprint.get("dtype", ""),
-            sample_ids=sample_ids,
-            data_report=data_report,
-            stored=records,
-            final_norm=read_final_norm_meta(sink) if info.final_state else None,
-        )
-        write_manifest(sink, manifest)
+    # Written even over a manifest already there: built from the plan and the records just checked, it is the
+    # same bytes on every node, and one edited or left by an earlier attempt is replaced by one that holds.
+    manifest = build_manifest(
+        info=info,
+        plan=plan,
+        dtype=plan.fingerprint.get("dtype", ""),
+        sample_ids=sample_ids,
+        data_report=data_report,
+        stored=records,
+        final_norm=read_final_norm_meta(sink) if info.final_state else None,
+    )
+    write_manifest(sink, manifest)
     echo(
         f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(keys)} batch files at {sink.url}"
     )

@@ -32,7 +32,7 @@ from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
 from hsextract.format.manifest import has_manifest
-from hsextract.format.records import done_in_output
+from hsextract.format.records import verified_done
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
 from hsextract.run.prewarm import Warmup, open_kernel_cache
@@ -121,8 +121,9 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
 
 def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo) -> int:
     run_dir = RunDir(cfg.run_dir)
-    # One listing of the output's completion records; a worker checks each of its shard's batches in full.
-    done = done_in_output(open_sink(cfg.output, cfg.s3_endpoint_url))
+    # What the output records and bears out (each record and object, as a worker checks them), not the markers.
+    keys = {b.key for s in shards for b in plan.for_shard(s)}
+    done, _ = verified_done(open_sink(cfg.output, cfg.s3_endpoint_url), "", keys, plan.plan_hash)
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
         echo(f"shards already complete in the output: {sorted(set(shards) - set(todo))}")
@@ -155,7 +156,7 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     except Terminated as e:
         if warm:
             warm.stop()
-        _stop_workers(procs)
+        _stop_workers(procs, e.signum)
         bars.close()
         stopped = sorted(procs)
         n_done = len(run_dir.done_keys() & {b.key for b in plan.batches})
@@ -177,10 +178,11 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     return 0
 
 
-def _stop_workers(procs: dict[int, subprocess.Popen]) -> None:
-    """SIGTERM (and SIGCONT, for a worker stopped with SIGSTOP) to every worker; SIGKILL after ``STOP_GRACE_S``."""
+def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+    """The launcher's stop signal (SIGTERM or SIGINT: each worker then records the one the user sent), and
+    SIGCONT for a worker stopped with SIGSTOP, to every worker; SIGKILL after ``STOP_GRACE_S``."""
     for p in procs.values():
-        for sig in (signal.SIGTERM, signal.SIGCONT):
+        for sig in (signum, signal.SIGCONT):
             try:
                 p.send_signal(sig)
             except ProcessLookupError:

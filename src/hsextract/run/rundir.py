@@ -190,6 +190,11 @@ class RunDir:
         locked one by one by their workers), exclusive for ``--restart``, which must not clear progress, markers
         and staging under a run that is still going."""
         self.check_is_dir()
+        if self.locks_dir.exists() and not self.locks_dir.is_dir():
+            raise HsextractError(
+                f"{self.locks_dir} is a file where the run dir keeps its locks (a directory): remove it, "
+                "or choose another --run-dir"
+            )
         self.locks_dir.mkdir(parents=True, exist_ok=True)
         with open(self.locks_dir / "launcher.lock", "a+") as f:
             try:

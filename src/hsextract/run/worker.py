@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from hsextract.config import RunConfig
-from hsextract.errors import HsextractError, redact
+from hsextract.errors import CorruptOutputError, HsextractError, redact
 from hsextract.format.batch import batch_metadata
 from hsextract.format.final_norm import write_final_norm
 from hsextract.format.keys import shard_name
@@ -56,6 +56,8 @@ from hsextract.run.uploader import Uploader
 from hsextract.run.writer import read_metadata, write_batch_file
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
+from hsextract.storage.local import LocalSink
+from hsextract.verify import check_file
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +266,12 @@ class ShardRun:
             return f"written for another plan ({meta.get('plan_hash')})"
         if (meta.get("shard"), meta.get("batch_id")) != (str(batch.shard), str(batch.batch_id)):
             return f"holds shard {meta.get('shard')} batch {meta.get('batch_id')}"
+        # Every byte against the checksums the writer put in its header: a file truncated or altered after a
+        # crash is recomputed, never uploaded (its record would then vouch for the damaged bytes).
+        try:
+            check_file(LocalSink(path.parent), {"key": path.name, "size": path.stat().st_size})
+        except CorruptOutputError as e:
+            return e.problem
         return None
 
     def _wait_for_budget(self, need: int) -> None:

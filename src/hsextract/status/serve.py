@@ -15,6 +15,7 @@ crashed or finished run. It has no authentication: it listens on loopback unless
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 from http import HTTPStatus
@@ -218,6 +219,11 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8000, echo=print) 
     )  # a run dir that cannot be read fails here, not on the first visit
     server = StatusServer(run_dir, host, port)
     echo(f"serving the status of {run_dir} at {server.url} (metrics: {server.url}metrics); Ctrl-C stops")
+    if not ipaddress.ip_address(server.server_address[0]).is_loopback:
+        echo(
+            f"warning: listening on {host}, beyond this machine: the page has no authentication, and anyone who "
+            "can reach the port sees the run's paths, hosts and logs' names; use 127.0.0.1 and an SSH tunnel"
+        )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -170,7 +170,13 @@ class S3Sink(Sink):
         )
         # A session per sink: boto3's default session is shared module state, not meant for several threads.
         session = boto3.session.Session()
-        self._client = session.client("s3", endpoint_url=resolve_endpoint(endpoint_url), config=config)
+        try:
+            self._client = session.client("s3", endpoint_url=resolve_endpoint(endpoint_url), config=config)
+        except Exception as e:  # credentials half set, a bad profile, a malformed endpoint: botocore's words
+            refusal = _explain_refusal(e, self)
+            if refusal is None:
+                raise HsextractError(f"cannot reach {self.url}: {type(e).__name__}: {e}") from None
+            raise HsextractError(refusal) from None
         self.endpoint = redact(self._client.meta.endpoint_url)  # for messages: never a credential
         # One transfer manager for the sink: max_concurrency then bounds all uploads in flight together.
         self._transfer = S3Transfer(
