@@ -197,6 +197,9 @@ def test_speculators_batches_from_the_output_equal_those_from_its_export(output,
     index = tmp_path / "index-only"
     run_cli("export", output, index, "--format", "speculators", "--index-only", "--no-progress")
     assert not (index / "hidden_states").exists()
+    with pytest.raises(HsextractError, match="--index-only is for --format speculators"):
+        exported(output, tmp_path, "modelopt", index_only=True)
+    assert not (tmp_path / "modelopt").exists()  # refused before anything is written
     assert sum(p.stat().st_size for p in index.rglob("*") if p.is_file()) < 0.05 * sum(
         p.stat().st_size for p in full.rglob("*") if p.is_file()
     )

@@ -168,8 +168,9 @@ class StatesDataset(_Reading, IterableDataset):
 
     # -- resume --------------------------------------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None) -> dict:
-        """Where this rank stands: ``consumed`` samples of this epoch taken from its DataLoader (count them in the
-        training loop; without workers the dataset counts them itself)."""
+        """Where this rank stands: ``consumed`` samples taken from its DataLoader since this iteration began (count
+        them in the training loop; a resumed iteration counts from the resume point; without workers the dataset
+        counts them itself). DataLoader workers copy the dataset at each iteration: leave persistent_workers off."""
         done = self._skip + self._served if consumed is None else self._skip + consumed
         return {
             "epoch": self.epoch,

@@ -95,17 +95,6 @@ class SampleIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def state_bytes(self, i: int) -> int:
-        """The stored bytes of sample ``i``'s states, from the manifest's shape (for throughput figures)."""
-        m = self.manifest
-        slots = len(m.get("slot_layer_ids") or m["layer_ids"])
-        itemsize = (
-            1
-            if m.get("storage_dtype") == "float8_e4m3fn"
-            else torch.empty((), dtype=self.where.dtype).element_size()
-        )
-        return self.lengths[i] * slots * m["hidden_size"] * itemsize
-
 
 def index_output(
     output,
