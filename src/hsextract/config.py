@@ -162,6 +162,9 @@ class RunConfig:
     def __post_init__(self):
         from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
 
+        missing = [name for name in ("model", "data", "output", "run_dir") if not getattr(self, name)]
+        if missing:
+            raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
         if isinstance(self.data, Path):
             object.__setattr__(self, "data", str(self.data))
         elif isinstance(self.data, list):
@@ -193,9 +196,6 @@ class RunConfig:
             raise HsextractError(f"node rank {self.node_rank} is not in 0..{self.nodes - 1}")
         if self.gpus is not None and len(self.gpus) < self.shards:
             raise HsextractError(f"--gpus lists {len(self.gpus)} GPUs for {self.shards} shards")
-        missing = [name for name in ("model", "data", "output", "run_dir") if not getattr(self, name)]
-        if missing:
-            raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
         if self.kernels not in (None, *KERNEL_MODES):
             raise HsextractError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.device not in DEVICES:

@@ -243,7 +243,12 @@ def test_a_password_in_the_endpoint_url_is_never_written_or_printed(
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "hsextract.cli", *_with(args, "--output", "s3://no-such-bucket-pw/x")],
+        [
+            sys.executable,
+            "-m",
+            "hsextract.cli",
+            *_with(_with(args, "--output", "s3://no-such-bucket-pw/x"), "--run-dir", tmp_path / "run-x"),
+        ],
         capture_output=True,
         text=True,
         env=cli_env(),

@@ -123,10 +123,12 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     run_dir = RunDir(cfg.run_dir)
     # What the output records and bears out (each record and object, as a worker checks them), not the markers.
     keys = {b.key for s in shards for b in plan.for_shard(s)}
-    done, _ = verified_done(open_sink(cfg.output, cfg.s3_endpoint_url), "", keys, plan.plan_hash)
+    done, problems = verified_done(open_sink(cfg.output, cfg.s3_endpoint_url), "", keys, plan.plan_hash)
+    for key, why in sorted(problems.items())[:10]:
+        echo(f"output check: {key}: {why}; it will be recomputed")
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
-        echo(f"shards already complete in the output: {sorted(set(shards) - set(todo))}")
+        echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
     kc = open_kernel_cache(cfg)
     warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:

@@ -240,7 +240,13 @@ class Extractor:
                         with torch.cuda.stream(self.copy_stream):
                             if health is not None:
                                 health.record_stream(self.copy_stream)  # read here after the loop drops it
-                                slot.health = health.to("cpu", non_blocking=True)
+                                # Into pinned memory: a copy to pageable memory would make the host wait for
+                                # this forward before it can launch the next.
+                                if slot.host_health is None:
+                                    slot.host_health = torch.empty(
+                                        health.shape, dtype=health.dtype, pin_memory=True
+                                    )
+                                slot.health = slot.host_health.copy_(health, non_blocking=True)
                             slot.host_buf[: out.numel()].copy_(out.view(-1), non_blocking=True)
                             if scale is not None:
                                 slot.host_scale[: scale.numel()].copy_(scale.view(-1), non_blocking=True)
