@@ -199,10 +199,13 @@ def test_sigterm_to_launcher_stops_workers_says_how_to_resume_and_the_rerun_comp
     assert not wait_dead(family), "processes outlived the stopped launcher"
 
     rows = status_json(run_dir)["shards"]
-    assert [row["state"] for row in rows] == ["stopped", "stopped"], rows
-    assert all(row["error"] == "stopped by SIGTERM" for row in rows)
+    # Shard 1 was frozen mid-run; shard 0 may have finished its share before the signal landed (then it is done).
+    stopped = [row for row in rows if row["batches_done"] < row["batches_total"]]
+    assert rows[1] in stopped, rows
+    assert all(row["state"] == "stopped" and row["error"] == "stopped by SIGTERM" for row in stopped), rows
+    assert all(row["state"] == "done" for row in rows if row not in stopped), rows
     text = status(run_dir).stdout
-    assert text.count("stopped by SIGTERM; rerun the same command to resume") == 2, text
+    assert text.count("stopped by SIGTERM; rerun the same command to resume") == len(stopped), text
     assert "crashed" not in text and "no error recorded" not in text
 
     rerun = run_cli(*args, timeout=RUN_TIMEOUT_S)
