@@ -124,9 +124,10 @@ class Slot:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scale_numel: int = 0):
         self.device_buf = torch.empty(numel, dtype=dtype, device=device)
         self.device_scale = torch.empty(scale_numel, dtype=torch.float32, device=device)
-        self.health: torch.Tensor | None = (
-            None  # state_health of the batch in the slot, on the host once copied
-        )
+        self.health: torch.Tensor | None = None
+        """``state_health`` of the batch in the slot, on the host once copied."""
+        self.host_health: torch.Tensor | None = None
+        """The pinned host buffer ``health`` is copied into on CUDA, made at the first checked batch."""
         if device.type == "cuda":
             self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
             self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
