@@ -10,7 +10,7 @@ last, and a lost run dir loses nothing:
 4. the manifest, built only from the plan and the sample ids, so every node builds the same bytes: two nodes
    finishing at once write the same object, which makes the race harmless.
 
-``output_status`` reads the same files for ``hsextract status OUTPUT``.
+``status.rows.output_status`` reads the same files for ``hsextract status OUTPUT``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Progress markers and per-shard progress files: what resume trusts and what ``hsextract status`` shows.
+"""Progress markers and per-shard progress files: what ``hsextract status`` shows of a run dir.
 
 - Markers (``RunDir.marker``): written by the uploader after the batch is durable in the output (renamed into
-  place locally, or confirmed in the bucket). The only thing resume trusts: a batch with a marker is never
-  recomputed, a batch without one is (or is re-uploaded from staging).
+  place locally, or confirmed in the bucket). A cache of the output's completion records: resume counts a batch
+  done only if the output bears it out (``records.verified_done``).
 - Progress files (``RunDir.progress_file``): counters, rates, ETA and state of each shard, replaced atomically by
   its worker. Informational; ``status`` recomputes the done counts from the markers.
 
@@ -17,8 +17,8 @@ launcher prints both kinds of stall and ``status`` shows them as ``stalled`` wit
 A progress file that does not hold what a worker writes (``null``, garbage, an unknown key, a wrong type) is
 reported as damaged, never a traceback: the markers still give the done counts.
 
-``shard_status`` combines the two for ``hsextract status``; it lives here, not in the launcher, so that status
-imports neither torch nor transformers and answers in a fraction of a second.
+``status/rows.py`` combines the two for ``hsextract status``; neither imports torch or transformers, so status
+answers in a fraction of a second.
 """
 
 from __future__ import annotations
