@@ -3,11 +3,14 @@
     python scripts/bench_startup.py --model CKPT --work /tmp/bs [--tokens 300000] [--step-timeout 240]
     python scripts/bench_startup.py --device cpu --work /tmp/bs-cpu      # dry run: the demo's tiny model
 
-Three steps, each a real ``hsextract run`` subprocess stopped (SIGTERM, a clean stop) once its first batch is
+Steps, each a real ``hsextract run`` subprocess stopped (SIGTERM, a clean stop) once its first batch is
 durable, each under ``--step-timeout`` seconds:
 
-  cold    a new job with an empty kernel cache (``--kernel-cache WORK/kernels``, emptied first): every kernel
-          compiled and autotuned;
+  untuned a new job with an empty kernel cache of its own and no autotune tables (``HSEXTRACT_TUNED=0``): every
+          kernel compiled and every candidate config timed, as before the tables; its warm-up records the
+          table that ``--ship-table`` copies into the package (model/tuned.py);
+  cold    a new job with an empty kernel cache (``--kernel-cache WORK/kernels``, emptied first): a machine that
+          never ran hsextract, with the package's shipped autotune table for its GPU;
   warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
   fresh   a new job on new data of the same size (other lengths, so other batch shapes), same kernel cache;
   resume  the warm job's command again: it resumes (staged files uploaded, the rest computed);
@@ -166,19 +169,32 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
 
 
 LOAD_PROBE = """
-import json, logging, sys, time, torch
+import cProfile, io, json, logging, os, pstats, sys, time
+t_start = time.perf_counter()
+import torch, transformers
 from hsextract.model.load import load_model
+t_imports = time.perf_counter() - t_start
 seen = []
 handler = logging.Handler()
 handler.emit = lambda record: seen.append(record.getMessage())
 logging.getLogger("hsextract").addHandler(handler)
 logging.getLogger("hsextract").setLevel(logging.INFO)
+profile = cProfile.Profile() if os.environ.get("BENCH_LOAD_PROFILE") else None
 t0 = time.perf_counter()
+if profile:
+    profile.enable()
 lm = load_model(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3])
 if sys.argv[3] != "cpu":
     torch.cuda.synchronize()
+s = round(time.perf_counter() - t0, 2)
+top = None
+if profile:
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+    top = text.getvalue()[-6000:]
 fast = [m for m in seen if m.startswith("fast load")]
-print(json.dumps({"s": round(time.perf_counter() - t0, 2), "fast": fast[0] if fast else None}))
+print(json.dumps({"s": s, "imports_s": round(t_imports, 2), "fast": fast[0] if fast else None, "profile": top}))
 """
 
 
@@ -192,8 +208,15 @@ def time_loads(model: Path, device: str, dtype: str, variants: list[str], timeou
         left = timeout - (time.time() - t0)
         if left < 10:
             break
-        extra = {"HSEXTRACT_FAST_LOAD": "1"} if variant == "fast" else {"HSEXTRACT_LOAD_THREADS": variant}
-        name = "fast" if variant == "fast" else f"threads_{variant}"
+        if variant in ("fast", "profile"):
+            extra = {
+                "HSEXTRACT_FAST_LOAD": "1",
+                **({"BENCH_LOAD_PROFILE": "1"} if variant == "profile" else {}),
+            }
+            name = variant
+        else:  # transformers' reader with that many threads
+            extra = {"HSEXTRACT_FAST_LOAD": "0", "HSEXTRACT_LOAD_THREADS": variant}
+            name = f"threads_{variant}"
         dev = "cuda:0" if device == "cuda" else "cpu"
         try:
             r = subprocess.run(
@@ -212,8 +235,11 @@ def time_loads(model: Path, device: str, dtype: str, variants: list[str], timeou
             continue
         got = json.loads(lines[-1])
         out[f"{name}_s"] = got["s"]
-        if variant == "fast":
-            out["fast_log"] = got["fast"]
+        out[f"{name}_imports_s"] = got["imports_s"]
+        if variant in ("fast", "profile"):
+            out[f"{name}_log"] = got["fast"]
+        if got.get("profile"):
+            print(f"--- load profile (cumulative):\n{got['profile']}", flush=True)
     return out
 
 
@@ -269,7 +295,11 @@ def main():
     ap.add_argument(
         "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
     )
-    ap.add_argument("--steps", default="cold,warm,resume", help="of cold, warm, fresh, resume, load")
+    ap.add_argument("--steps", default="cold,warm,resume", help="of untuned, cold, warm, fresh, resume, load")
+    ap.add_argument(
+        "--ship-table",
+        help="after the untuned step, copy the autotune table its warm-up recorded here (the shipped table)",
+    )
     ap.add_argument(
         "--load-variants", default="fast,16", help="load step: 'fast' and/or reader thread counts to time"
     )
@@ -323,7 +353,15 @@ def main():
         run_dir = work / f"{job}-run"
         job_data = fresh_data if job == "fresh" else data
         argv = ["run", "--model", model, "--data", job_data, "--output", out_root / f"{job}-out"]
-        argv += ["--run-dir", run_dir, "--staging", out_root / f"{job}-staging", "--kernel-cache", kernels]
+        job_kernels = work / "kernels-untuned" if job == "untuned" else kernels
+        argv += [
+            "--run-dir",
+            run_dir,
+            "--staging",
+            out_root / f"{job}-staging",
+            "--kernel-cache",
+            job_kernels,
+        ]
         argv += [
             "--layers",
             args.layers,
@@ -336,7 +374,8 @@ def main():
         argv += ["--staging-max-gb", args.staging_max_gb]
         return argv, run_dir
 
-    steps = {"cold": "cold", "warm": "warm", "fresh": "fresh", "resume": "warm"}  # the job each step runs
+    # the job each step runs
+    steps = {"untuned": "untuned", "cold": "cold", "warm": "warm", "fresh": "fresh", "resume": "warm"}
     t_all = time.time()
     for step in args.steps.split(","):
         limit = args.step_timeout
@@ -352,11 +391,25 @@ def main():
             print_figures(step, result)
             continue
         argv, run_dir = job_args(steps[step])
-        result = attempt(step, argv, run_dir, work, limit, env)
+        step_env = {**env, "HSEXTRACT_TUNED": "0"} if step == "untuned" else env
+        result = attempt(step, argv, run_dir, work, limit, step_env)
         report[step] = result
+        recorded = next(iter(sorted((work / "kernels-untuned").glob("*/hsextract-tuned.json"))), None)
+        if step == "untuned" and args.ship_table and recorded is not None:
+            # What this machine's first warm-up chose: the table shipped for this GPU (model/tuned.py).
+            Path(args.ship_table).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(recorded, args.ship_table)
+            print(f"figure untuned.table {json.dumps(str(args.ship_table))}", flush=True)
         print_figures(step, result)
         # Done with the cold job: its output and staging go, to keep /dev/shm (and the page cache) free.
-        for leftover in ("cold-out", "cold-staging", "fresh-out", "fresh-staging"):
+        for leftover in (
+            "untuned-out",
+            "untuned-staging",
+            "cold-out",
+            "cold-staging",
+            "fresh-out",
+            "fresh-staging",
+        ):
             shutil.rmtree(out_root / leftover, ignore_errors=True)
         if args.json_out:  # after every step: a later one cut short keeps the earlier figures
             Path(args.json_out).write_text(json.dumps(report, indent=1))

@@ -11,6 +11,7 @@ from pathlib import Path
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.model.autotune import pin_token_count_autotune
 from hsextract.model.fastload import fast_load_enabled
+from hsextract.model.tuned import install_here as install_tuned
 
 
 def load_model_config(model: str):
@@ -117,6 +118,7 @@ def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device:
         config = AutoConfig.from_pretrained(model)
         # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.
         model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+        t_class = time.perf_counter() - t0 - t_read
         with no_allocator_warmup():
             lm = model_class.from_pretrained(
                 None,
@@ -128,10 +130,11 @@ def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device:
             )
         size = sum(t.numel() * t.element_size() for t in state.values())
         log.info(
-            "fast load: %.1f GB read in %.1f s, model built in %.1f s",
+            "fast load: %.1f GB read in %.1f s, model class in %.1f s, model built in %.1f s",
             size / 1e9,
             t_read,
-            time.perf_counter() - t0 - t_read,
+            t_class,
+            time.perf_counter() - t0 - t_read - t_class,
         )
         return lm
     except Exception as e:  # any failure: transformers' own reader, as without the option
@@ -158,6 +161,7 @@ def load_model_for(cfg, device) -> object:
     log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
     if device.type == "cuda":  # as the warm-up does, so both look up the same autotune results
         pin_token_count_autotune()
+        install_tuned()
     return lm
 
 

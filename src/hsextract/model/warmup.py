@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hsextract.config import RunConfig
-    from hsextract.model import kernel_cache
+    from hsextract.model import kernel_cache, tuned
     from hsextract.model import qwen3_5 as kernels
     from hsextract.model.autotune import pin_token_count_autotune
     from hsextract.model.layers import layer_types
@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     lm.eval()
     kernels.apply(lm, cfg.kernel_mode)  # compile the kernels the shards will run
     pinned = pin_token_count_autotune()
+    answered = tuned.install_here()  # recorded choices: one compile per kernel, no timing of candidates
     decoder = base_model(lm)
     t_built = time.time()
     shapes = plan_shapes(plan, missing, heads)
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
             direct += 1
         torch.cuda.synchronize()
     if cache_dir:
+        recorded = tuned.record_here(cache_dir)
         kernel_cache.add_to_stamp(cache_dir, signature, warmed)
     report = {
         "warmup_s": round(time.time() - t0, 2),
@@ -160,6 +162,8 @@ def main(argv=None) -> int:
         "buckets_left": len(missing.buckets - warmed.buckets),
         "layers": depth,
         "pinned": pinned,
+        "tuned_installed": answered,
+        "tuned_recorded": recorded if cache_dir else None,
     }
     print(json.dumps(report), flush=True)
     return 0

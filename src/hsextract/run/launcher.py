@@ -73,6 +73,7 @@ def start_worker(
     # One Triton cache for every process of every job on the machine: kernels compiled once serve all shards.
     if kernel_dir is not None:
         env["TRITON_CACHE_DIR"] = str(kernel_dir)
+        env.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # a kernel no table answers is timed once per machine
     out = run_dir.log_file(shard, "stderr")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__

@@ -90,7 +90,7 @@ class Warmup:
             return None
         run_dir = RunDir(cfg.run_dir)
         run_dir.warmup_done_file.unlink(missing_ok=True)
-        env = {**os.environ, "TRITON_CACHE_DIR": str(kc.dir)}
+        env = {"TRITON_CACHE_AUTOTUNING": "1", **os.environ, "TRITON_CACHE_DIR": str(kc.dir)}
         env["CUDA_VISIBLE_DEVICES"] = str((cfg.gpus or (0,))[0])
         log_file = run_dir.log_file(0, "warmup")
         log_file.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from hsextract.format.keys import shard_name
 from hsextract.format.records import verified_done
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
+from hsextract.model.tuned import install_here as install_tuned
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.pipeline import Extractor
@@ -414,6 +415,7 @@ class ShardRun:
         if warmup_pending():  # the kernel warm-up runs beside the load: its kernels before the first batch
             with self._ticking("waiting-for-kernels"):
                 wait_for_warmup()
+            install_tuned()  # what the warm-up chose and recorded
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.

@@ -1,0 +1,300 @@
+"""Autotune choices recorded once per GPU model, so that no run times a kernel's candidate configs again.
+
+flash-linear-attention autotunes most of its Triton kernels: on the first call with a new key, every candidate
+config is compiled and timed (up to 90 per kernel), and the fastest kept in the process's ``Autotuner.cache``.
+On a machine that never ran hsextract that is most of the cold warm-up's ~100 s; in every later process it is
+the timing again, since the choice lives only in memory. The choice depends on the GPU model and the kernel, not
+on the weights or the data. So:
+
+- ``record(path)`` writes, for every autotuned kernel of the process that has chosen a config, the choice per
+  key: ``{"module:name": {"src": hash of its source, "entries": [[key, config], ...]}}``. The warm-up records
+  into the kernel cache (``<TRITON_CACHE_DIR>/hsextract-tuned.json``) after its forwards.
+- ``install()`` fills each autotuner's cache from the tables before the first forward: the kernel cache's,
+  then the one shipped with hsextract for this GPU model and Triton version (``model/autotune_tables/<gpu>.json``, made
+  on that GPU by ``scripts/gpu_session.sh startup``). A key the table lacks takes the entry of the same kernel
+  whose key differs only in numbers the table saw vary (token counts), nearest in log scale; a number the table
+  never saw vary (a head dim, a head count) must match exactly, and a kernel whose source changed is not used.
+  Triton then compiles the one chosen config instead of every candidate, and times nothing.
+
+Results do not depend on the config beyond float rounding of the reductions' order (the GPU tests compare the
+states with an HF forward either way). ``HSEXTRACT_TUNED=0`` leaves every autotuner as FLA made it. Nothing here
+imports torch or Triton at module import; it runs only on CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+from hsextract.model.autotune import _autotuner
+from hsextract.storage.fileio import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+TUNED_ENV = "HSEXTRACT_TUNED"
+
+
+TABLE_NAME = "hsextract-tuned.json"
+
+"""The table a machine's warm-ups record, in the kernel cache directory (``TRITON_CACHE_DIR``)."""
+
+
+SHIPPED_DIR = Path(__file__).with_name("autotune_tables")
+
+
+MODULE_PREFIXES = ("fla.", "liger_kernel.", "hsextract.")
+
+
+def tuned_enabled(env=None) -> bool:
+    return (os.environ if env is None else env).get(TUNED_ENV, "1") != "0"
+
+
+def gpu_file_name(gpu_name: str) -> str:
+    """``NVIDIA H200`` -> ``NVIDIA_H200.json``."""
+    return (re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu") + ".json"
+
+
+def _jit(tuner):
+    """The ``@triton.jit`` function under the autotuner (the object with the kernel's source)."""
+    fn = tuner.fn
+    for _ in range(4):
+        if isinstance(getattr(fn, "src", None), str):
+            return fn
+        fn = getattr(fn, "fn", None)
+    return None
+
+
+def _source_hash(tuner) -> str | None:
+    jit = _jit(tuner)
+    return hashlib.sha1(jit.src.encode()).hexdigest()[:16] if jit is not None else None
+
+
+def _config_dict(config) -> dict:
+    return {
+        "kwargs": dict(config.kwargs),
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "num_ctas": getattr(config, "num_ctas", 1),
+        "maxnreg": getattr(config, "maxnreg", None),
+    }
+
+
+def autotuners(prefixes=MODULE_PREFIXES):
+    """``("module:name", tuner)`` for every autotuned kernel defined at the top of an imported module."""
+    seen = set()
+    for module_name, module in sorted(sys.modules.items()):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        for name, obj in sorted(vars(module).items()):
+            tuner = _autotuner(obj)
+            if tuner is None or id(tuner) in seen:
+                continue
+            jit = _jit(tuner)
+            if jit is not None and getattr(jit, "module", module_name) != module_name:
+                continue  # imported here from where it is defined: named by that module
+            seen.add(id(tuner))
+            yield f"{module_name}:{name}", tuner
+
+
+def snapshot(prefixes=MODULE_PREFIXES) -> dict:
+    """The choices every autotuner of the process has made so far, as a table's ``kernels``."""
+    kernels = {}
+    for kernel_id, tuner in autotuners(prefixes):
+        entries = []
+        for key, config in dict.items(tuner.cache):
+            try:
+                entry = json.loads(json.dumps([list(key), _config_dict(config)]))
+            except (TypeError, ValueError):  # a key or kwarg that is not plain data: not recordable
+                continue
+            entries.append(entry)
+        if entries:
+            kernels[kernel_id] = {"src": _source_hash(tuner), "entries": entries}
+    return kernels
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``new``'s choices over ``old``'s, per kernel and key; a kernel whose source changed starts over."""
+    out = {k: {"src": v.get("src"), "entries": list(v.get("entries", []))} for k, v in old.items()}
+    for kernel_id, rec in new.items():
+        mine = out.get(kernel_id)
+        if mine is None or mine.get("src") != rec.get("src"):
+            out[kernel_id] = {"src": rec.get("src"), "entries": list(rec["entries"])}
+            continue
+        by_key = {json.dumps(k): [k, c] for k, c in mine["entries"]}
+        by_key.update({json.dumps(k): [k, c] for k, c in rec["entries"]})
+        mine["entries"] = list(by_key.values())
+    return out
+
+
+def software() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("triton", "fla-core"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def record(path: str | os.PathLike, gpu_name: str) -> int:
+    """Add this process's autotune choices to the table at ``path``; the number of kernels it holds."""
+    path = Path(path)
+    old = read_table(path) or {}
+    kernels = merge(old.get("kernels", {}), snapshot())
+    table = {"gpu": gpu_name, **software(), "kernels": kernels}
+    atomic_write(path, json.dumps(table, indent=1, sort_keys=True).encode())
+    return len(kernels)
+
+
+def read_table(path: str | os.PathLike) -> dict | None:
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return table if isinstance(table, dict) and isinstance(table.get("kernels"), dict) else None
+
+
+def tables(gpu_name: str, cache_dir: str | None = None) -> list[dict]:
+    """The tables that apply here, the machine's own first: the kernel cache's, then the shipped one for this GPU
+    model when it was made with this Triton version."""
+    found = []
+    if cache_dir:
+        t = read_table(Path(cache_dir) / TABLE_NAME)
+        if t is not None:
+            found.append(t)
+    shipped = read_table(SHIPPED_DIR / gpu_file_name(gpu_name))
+    if shipped is not None and shipped.get("triton") == software().get("triton"):
+        found.append(shipped)
+    return found
+
+
+class Choices:
+    """One kernel's recorded choices: exact keys, and the nearest for a key that differs only in numbers the
+    recorded keys vary in."""
+
+    def __init__(self, entries):
+        self.exact = {}
+        for key, config in entries:
+            self.exact.setdefault(_as_key(key), config)
+        keys = list(self.exact)
+        self.varying = set()
+        for i in range(max((len(k) for k in keys), default=0)):
+            values = {k[i] for k in keys if len(k) > i}
+            if len(values) > 1 and all(_is_number(v) for v in values):
+                self.varying.add(i)
+
+    def lookup(self, key: tuple):
+        if key in self.exact:
+            return self.exact[key]
+        best, best_d = None, math.inf
+        for k, config in self.exact.items():
+            if len(k) != len(key):
+                continue
+            d = 0.0
+            for i, (a, b) in enumerate(zip(k, key, strict=True)):
+                if a == b and type(a) is type(b):
+                    continue
+                if i in self.varying and _is_number(a) and _is_number(b):
+                    d += abs(math.log2(abs(a) + 1) - math.log2(abs(b) + 1))
+                else:
+                    d = math.inf
+                    break
+            if d < best_d:
+                best, best_d = config, d
+        return best
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_key(key) -> tuple:
+    return tuple(tuple(v) if isinstance(v, list) else v for v in key)
+
+
+class _TunedCache(dict):
+    """An autotuner's cache that answers a missing key from the recorded choices (Triton asks ``key in cache``,
+    then reads ``cache[key]``); the config handed out is the tuner's own candidate, with its pre-hook."""
+
+    def __init__(self, base: dict, choices: Choices, candidates):
+        super().__init__(base)
+        self.choices = choices
+        self.candidates = candidates
+
+    def __contains__(self, key) -> bool:
+        if dict.__contains__(self, key):
+            return True
+        wanted = self.choices.lookup(key)
+        config = _candidate(self.candidates, wanted) if wanted is not None else None
+        if config is None:
+            return False
+        self[key] = config
+        return True
+
+
+def _candidate(candidates, wanted: dict):
+    for c in candidates:
+        if _config_dict(c) == wanted:
+            return c
+    return None
+
+
+def install(gpu_name: str, cache_dir: str | None = None) -> int:
+    """Answer every autotuned kernel named in this machine's tables from them; the number of kernels answered.
+    Kernels not imported yet are imported (they are the ones the recorded forward met)."""
+    if not tuned_enabled():
+        return 0
+    merged: dict = {}
+    for table in reversed(tables(gpu_name, cache_dir)):  # the machine's own choices win
+        merged = merge(merged, table["kernels"])
+    answered = 0
+    for kernel_id, rec in merged.items():
+        module_name, _, name = kernel_id.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:
+            continue
+        tuner = _autotuner(getattr(module, name, None))
+        if tuner is None or _source_hash(tuner) != rec.get("src"):
+            continue
+        base = dict(tuner.cache)
+        tuner.cache = _TunedCache(base, Choices(rec["entries"]), list(tuner.configs))
+        answered += 1
+    if answered:
+        log.info("autotune choices from the recorded tables for %d kernels", answered)
+    return answered
+
+
+def install_here() -> int:
+    """``install`` for this process's GPU and kernel cache; 0 without CUDA. A table that cannot be used is
+    logged and left: the kernels then autotune as without it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        return install(torch.cuda.get_device_name(), os.environ.get("TRITON_CACHE_DIR"))
+    except Exception as e:
+        log.warning("autotune tables not used (%r); kernels autotune as usual", e)
+        return 0
+
+
+def record_here(cache_dir: str | os.PathLike) -> int:
+    """``record`` this process's choices into the kernel cache's table; 0 when that fails (logged)."""
+    import torch
+
+    try:
+        return record(Path(cache_dir) / TABLE_NAME, torch.cuda.get_device_name())
+    except Exception as e:
+        log.warning("autotune choices not recorded (%r)", e)
+        return 0
