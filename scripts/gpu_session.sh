@@ -70,11 +70,13 @@ if [[ "${1:-}" == "multishard" ]]; then
 fi
 # Start-up of the real command: a 64-layer random checkpoint of Qwen3.6-27B's shape (made once, ~54 GB,
 # then read from the page cache), then scripts/bench_startup.py: time from `hsextract run` to the first durable
-# batch with an empty kernel cache (cold), in a new job with the cache cold left (warm), in a new job on new data
-# (fresh), and the warm job resumed, each stopped after its first durable batch; phases from the logs; then the
-# model load alone with the fast reader (HSEXTRACT_FAST_LOAD=1) and with 16 reader threads (the runs load with
-# transformers' 4). 300,000 tokens of data (about 7 batches of 65,536), output and staging in /dev/shm. CKPT=DIR
-# reuses a checkpoint made earlier on this machine.
+# batch. untuned: an empty kernel cache and no autotune tables (every candidate config timed, as before the
+# tables); its warm-up's recorded table becomes the one shipped for this GPU (src/hsextract/model/autotune_tables/,
+# copied to $OUT). cold: an empty kernel cache with that table (a machine that never ran hsextract); warm: a new
+# job with the cache cold left; fresh: a new job on new data; resume: the warm job again; each stopped after its
+# first durable batch, phases from the logs. Then the model load alone (fast reader, its profile, transformers'
+# reader with 4 threads). 300,000 tokens of data (about 7 batches of 65,536), output and staging in /dev/shm.
+# CKPT=DIR reuses a checkpoint made earlier on this machine. The runs' logs go to $OUT/startup-logs.tgz.
 if [[ "${1:-}" == "startup" ]]; then
   CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
   T0=$SECONDS
@@ -84,11 +86,14 @@ if [[ "${1:-}" == "startup" ]]; then
       && touch "$CKPT/.complete"
   fi
   df -h /tmp /dev/shm | tail -2
+  TABLE=src/hsextract/model/autotune_tables/$(python3 -c "import torch, re; print(re.sub(r'[^0-9A-Za-z]+', '_', torch.cuda.get_device_name()).strip('_'))").json
   # What is left of ~9 minutes goes to the steps (each at most STEP_TIMEOUT s); figures print as they come.
   LEFT=$(( ${SESSION_S:-520} - (SECONDS - T0) ))
   timeout $(( LEFT + 20 )) python3 scripts/bench_startup.py --model "$CKPT" --work /tmp/hsextract-startup \
-    --tokens "${STARTUP_TOKENS:-300000}" --steps "${STEPS:-cold,warm,fresh,resume,load}" --step-timeout "${STEP_TIMEOUT:-200}" \
-    --total-timeout "$LEFT" \
+    --tokens "${STARTUP_TOKENS:-300000}" --steps "${STEPS:-untuned,cold,warm,fresh,resume,load}" --step-timeout "${STEP_TIMEOUT:-200}" \
+    --load-variants "${LOAD_VARIANTS:-fast,profile,4}" --ship-table "$TABLE" --total-timeout "$LEFT" \
     --json-out "$OUT/startup_run.json" 2>&1 | tee "$OUT/startup_run.log"
-  grep -h "^figure" "$OUT/startup_run.log" | grep -E "first_durable_s|prepare_s|prewarm_s |prewarm_skipped|\.load_s|kernel_wait_s|first_batch_after_load_s|first_upload_s|threads_|load.fast"
+  [[ -f "$TABLE" ]] && cp "$TABLE" "$OUT/"
+  tar czf "$OUT/startup-logs.tgz" /tmp/hsextract-startup/*-run/logs /tmp/hsextract-startup/*.out 2>/dev/null
+  grep -h "^figure" "$OUT/startup_run.log" | grep -E "first_durable_s|prepare_s|prewarm_s |prewarm_skipped|\.load_s|kernel_wait_s|first_batch_after_load_s|first_upload_s|threads_|load\.|tuned"
 fi
