@@ -128,6 +128,7 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
     stop_on_signals()  # SIGTERM / SIGINT: workers stopped cleanly, and a word on how to resume
     from hsextract.prepare.steps import prepare_run
     from hsextract.run.launcher import launch
+    from hsextract.run.prestart import Prestarted
     from hsextract.run.rundir import RunDir
 
     place = node_place(nodes, node_rank)
@@ -139,13 +140,25 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     t0 = time.time()
-    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart):
-        plan = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
+    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart), Prestarted(cfg) as early:
+        # On CUDA the workers import and start CUDA while the data is prepared (run/prestart.py).
+        plan = prepare_run(
+            cfg,
+            restart=restart,
+            echo=click.echo,
+            show_progress=not no_progress,
+            on_checked=early.start,
+        )
         click.echo(
             f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
         )
         code = launch(
-            cfg, plan, only_shards=_int_list(only_shards), show_progress=not no_progress, echo=click.echo
+            cfg,
+            plan,
+            only_shards=_int_list(only_shards),
+            show_progress=not no_progress,
+            echo=click.echo,
+            prestarted=early,
         )
     sys.exit(code)
 

@@ -45,6 +45,11 @@ from hsextract.storage.fileio import atomic_write
 
 STOP_GRACE_S = 30.0
 
+
+# Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
+# module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
+WORKER_ENTRY = "import sys; from hsextract.run.worker import main; sys.exit(main())"
+
 """How long stopped workers get to kill their uploaders and record their state before they are killed."""
 
 
@@ -54,10 +59,15 @@ def _die_with_launcher():
 
 
 def start_worker(
-    cfg: RunConfig, shard: int, kernel_dir: Path | None = None, extra_env: dict | None = None
+    cfg: RunConfig,
+    shard: int,
+    kernel_dir: Path | None = None,
+    extra_env: dict | None = None,
+    entry: str = WORKER_ENTRY,
 ) -> subprocess.Popen:
     """The worker of ``shard``; ``kernel_dir`` is the run's kernel cache (Triton's cache directory), and
-    ``extra_env`` what else it needs (the warm-up's flag)."""
+    ``extra_env`` what else it needs (the warm-up's flag). ``entry`` is the program (run/prestart.py starts the
+    worker before the plan is ready with its own)."""
     run_dir = RunDir(cfg.run_dir)
     env = {**os.environ, **cfg.child_env(), **(extra_env or {})}
     if cfg.device == "cuda":
@@ -76,9 +86,6 @@ def start_worker(
         env.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # a kernel no table answers is timed once per machine
     out = run_dir.log_file(shard, "stderr")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
-    # module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
-    entry = "import sys; from hsextract.run.worker import main; sys.exit(main())"
     with open(out, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-c", entry, str(run_dir.root), str(shard)],
@@ -89,7 +96,9 @@ def start_worker(
         )
 
 
-def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print) -> int:
+def launch(
+    cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print, prestarted=None
+) -> int:
     """Run the shards to completion and finish the output; returns the process exit code: 0 only once every batch
     of this node's shards is checked in the output and, if the whole job is done, the manifest is written (on one
     node: 0 means the manifest is written and holds).
@@ -97,14 +106,20 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
     The output, not the run dir, decides what is done: a shard is started unless the output records all its
     batches, and its worker recomputes every batch whose record or object is missing or does not match. A batch
     found missing or damaged by ``finalize`` (deleted or damaged behind the run's back) loses its record and its
-    marker, and its shard is run once more, which recomputes exactly those batches."""
+    marker, and its shard is run once more, which recomputes exactly those batches.
+
+    ``prestarted`` (run/prestart.py) holds workers started before the plan was ready; the first round takes
+    them, and those of shards with nothing to do are told to exit."""
     local = cfg.local_shards
     shards = sorted(only_shards) if only_shards else local
     bad = [s for s in shards if s not in local]
     if bad:
         raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
     for attempt in range(2):
-        code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo)
+        code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo, prestarted=prestarted)
+        if prestarted is not None:
+            prestarted.release()
+            prestarted = None
         if code:
             return code
         code, missing = finalize(cfg, plan, echo=echo)
@@ -120,7 +135,9 @@ def launch(cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool 
     return 1
 
 
-def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo) -> int:
+def _run_shards(
+    cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo, prestarted=None
+) -> int:
     run_dir = RunDir(cfg.run_dir)
     # What the output records and bears out (each record and object, as a worker checks them), not the markers.
     keys = {b.key for s in shards for b in plan.for_shard(s)}
@@ -135,7 +152,10 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     if todo and cfg.device == "cuda" and cfg.prewarm:
         warm = Warmup.start(cfg, plan, kc, echo=echo)
     extra = warm.worker_env() if warm else {}
-    procs = {s: start_worker(cfg, s, kc.dir, extra) for s in todo}
+    early = {s: prestarted.take(s, extra) for s in todo} if prestarted is not None else {}
+    if prestarted is not None:
+        prestarted.release()  # shards with nothing to do
+    procs = {s: early.get(s) or start_worker(cfg, s, kc.dir, extra) for s in todo}
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
     stalls = StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
     if warm:

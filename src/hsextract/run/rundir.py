@@ -127,6 +127,10 @@ class RunDir:
     def warmup_done_file(self) -> Path:
         return self.root / "warmup.done"
 
+    def prestart_file(self, shard: int) -> Path:
+        """The go (or stop) of a worker started before the plan was ready (run/prestart.py)."""
+        return self.root / "prestart" / f"{shard_name(shard)}.json"
+
     def progress_file(self, shard: int) -> Path:
         return self.progress_dir / f"{shard_name(shard)}.json"
 

@@ -1,0 +1,161 @@
+"""Workers started while the launcher prepares: their imports and CUDA start-up overlap the data's preparation.
+
+A GPU worker spends ~20 s importing torch, transformers' model code and flash-linear-attention before it reads a
+byte of weights (an H200 host, docs/PERFORMANCE.md), and the launcher spends ~12 s preparing the data; one after
+the other they were a third of a warm start. So on CUDA, once the cheap checks have passed (model config, layer
+ids, output, staging: ``prepare.steps.check_inputs``), the launcher starts one process per local shard that
+
+1. imports what the worker needs, including the model's own class (and through it FLA and Triton) and hsextract's
+   kernels, and starts CUDA on its GPU;
+2. waits for its go file (``RunDir.prestart_file``): ``{"run": true, "env": {...}}`` once the plan is accepted
+   (the warm-up's flag, which only the plan decides, comes in ``env``), or ``{"run": false}``: its shard has
+   nothing to do, or the preparation failed;
+3. with ``run``, becomes the worker (``worker.main``) exactly as if the launcher had started it then.
+
+No weights are read before the go: bad data still fails before the 54 GB load, with the same message, and the
+started processes exit (they also die with the launcher). ``HSEXTRACT_PRESTART=0`` starts workers after the
+preparation, as on CPU by default, where a worker's imports are a few seconds; ``=1`` starts them early on CPU too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hsextract.config import RunConfig
+from hsextract.run.rundir import RunDir
+from hsextract.storage.fileio import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+PRESTART_ENV = "HSEXTRACT_PRESTART"
+
+
+GO_FILE_ENV = "HSEXTRACT_PRESTART_GO"
+
+
+MODEL_ENV = "HSEXTRACT_PRESTART_MODEL"
+
+
+ENTRY = "import sys; from hsextract.run.prestart import main; sys.exit(main())"
+
+"""A ``-c`` program, as the worker's own entry (launcher.py says why)."""
+
+
+POLL_S = 0.05
+
+
+def prestart_enabled(cfg: RunConfig, env=None) -> bool:
+    """On CUDA unless ``HSEXTRACT_PRESTART=0``; ``=1`` also on CPU (the tests run the mechanism there)."""
+    value = (os.environ if env is None else env).get(PRESTART_ENV, "")
+    return value == "1" or (cfg.device == "cuda" and value != "0")
+
+
+class Prestarted:
+    """The launcher's side: the processes started early, handed to ``launch`` shard by shard."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = RunDir(cfg.run_dir)
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        """Start one process per local shard (CUDA only); called once the cheap checks have passed."""
+        from hsextract.run.launcher import start_worker
+        from hsextract.run.prewarm import open_kernel_cache
+
+        if not prestart_enabled(self.cfg):
+            return
+        kernel_dir = open_kernel_cache(self.cfg).dir
+        for shard in self.cfg.local_shards:
+            go = self.run_dir.prestart_file(shard)
+            go.parent.mkdir(parents=True, exist_ok=True)
+            go.unlink(missing_ok=True)
+            extra = {GO_FILE_ENV: str(go), MODEL_ENV: str(self.cfg.model)}
+            self.procs[shard] = start_worker(self.cfg, shard, kernel_dir, extra, entry=ENTRY)
+        log.info("started %d worker(s) early, while the data is prepared", len(self.procs))
+
+    def take(self, shard: int, env: dict[str, str]) -> subprocess.Popen | None:
+        """The shard's started process, told to run as its worker with ``env`` added; None if none was started
+        (or it has died: the launcher then starts a worker the usual way)."""
+        proc = self.procs.pop(shard, None)
+        if proc is None:
+            return None
+        if proc.poll() is not None:
+            log.warning("the early worker of shard %d exited (%s); starting it again", shard, proc.returncode)
+            return None
+        atomic_write(self.run_dir.prestart_file(shard), json.dumps({"run": True, "env": env}).encode())
+        return proc
+
+    def release(self, timeout: float = 10.0) -> None:
+        """Tell every process not taken to exit, and wait for them (killed if they do not)."""
+        procs, self.procs = self.procs, {}
+        for shard in procs:
+            try:
+                atomic_write(self.run_dir.prestart_file(shard), json.dumps({"run": False}).encode())
+            except OSError:
+                pass
+        deadline = time.time() + timeout
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Prestarted:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _warm_imports(model: str) -> None:
+    """What the worker would import at its start and in its model load, the model's class included."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    import hsextract.model.qwen3_5  # noqa: F401  (the fused kernels, Triton)
+    import hsextract.run.worker  # noqa: F401
+
+    try:
+        _get_model_class(AutoConfig.from_pretrained(model), AutoModelForCausalLM._model_mapping)
+    except Exception as e:  # the worker meets it again and says so
+        log.warning("could not import the model's class early: %r", e)
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the context, made now rather than in the load
+
+
+def wait_for_go(go: Path, poll_s: float = POLL_S) -> dict:
+    while True:
+        try:
+            return json.loads(go.read_text())
+        except (OSError, ValueError):
+            time.sleep(poll_s)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    t0 = time.time()
+    _warm_imports(os.environ[MODEL_ENV])
+    t_ready = time.time()
+    go = wait_for_go(Path(os.environ[GO_FILE_ENV]))
+    if not go.get("run"):
+        return 0
+    os.environ.update(go.get("env", {}))
+    from hsextract.run.worker import main as worker_main
+
+    print(  # into the shard's stderr log: the worker's own log starts in worker_main
+        f"started early: imports and CUDA in {t_ready - t0:.1f} s, then {time.time() - t_ready:.1f} s waiting "
+        "for the plan",
+        flush=True,
+    )
+    return worker_main(argv)
