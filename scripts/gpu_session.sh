@@ -97,3 +97,12 @@ if [[ "${1:-}" == "startup" ]]; then
   tar czf "$OUT/startup-logs.tgz" /tmp/hsextract-startup/*-run/logs /tmp/hsextract-startup/*.out 2>/dev/null
   grep -h "^figure" "$OUT/startup_run.log" | grep -E "first_durable_s|prepare_s|prewarm_s |prewarm_skipped|\.load_s|kernel_wait_s|first_batch_after_load_s|first_upload_s|threads_|load\.|tuned"
 fi
+# After the shipped table: start-up with it (cold, warm, fresh, resume), what the integrity checks cost
+# (scripts/bench_checks.py), then the GPU tests of the table and of a real two-shard run; ~9 minutes.
+if [[ "${1:-}" == "final" ]]; then
+  T1=$SECONDS
+  STEPS=${STEPS:-cold,warm,fresh,resume} SESSION_S=${STARTUP_S:-330} bash "$0" startup
+  timeout 90 python3 scripts/bench_checks.py 2>&1 | tee "$OUT/checks.log"
+  timeout $(( ${FINAL_S:-560} - (SECONDS - T1) )) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py \
+    -k "tuned or two_shards" 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+fi

@@ -159,3 +159,62 @@ def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers
         assert fp8["hidden_states"].dtype == torch.float8_e4m3fn
         assert torch.equal(fp8["hidden_states"].view(torch.uint8), q.cpu().view(torch.uint8))
         assert torch.equal(fp8["hidden_states_scale"], s.cpu())
+
+
+TUNED_PROBE = """
+import json, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from hsextract.model import qwen3_5 as kernels, tuned
+from hsextract.model.autotune import pin_token_count_autotune
+cfg = AutoConfig.from_pretrained("configs/qwen3.6-27b").get_text_config()
+cfg.num_hidden_layers = 4
+cfg.layer_types = cfg.layer_types[:4]
+torch.manual_seed(0)
+with torch.device("cuda"):
+    lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+kernels.apply(lm, "fused")
+pin_token_count_autotune()
+answered = tuned.install_here()
+ids = torch.randint(0, cfg.vocab_size, (4, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+with torch.inference_mode():
+    hs = lm.model(input_ids=ids, output_hidden_states=True).hidden_states
+torch.save([h.float().cpu() for h in hs], sys.argv[1])
+timed = [k for k, t in tuned.autotuners() if getattr(t, "configs_timings", None)]
+answered_ids = [k for k, t in tuned.autotuners() if isinstance(t.cache, tuned._TunedCache)]
+print(json.dumps({"answered": answered, "timed": timed, "answered_ids": answered_ids}))
+"""
+
+
+def test_the_shipped_autotune_table_answers_the_real_shapes_without_timing_and_gives_the_timed_states(
+    tmp_path,
+):
+    """A fresh process on Qwen3.6-27B's layer shapes answers FLA's autotuners from the table shipped for this GPU
+    (model/tuned.py): none of them times its candidates, and the states equal, to bf16 rounding, those of a
+    process that timed every candidate itself (HSEXTRACT_TUNED=0)."""
+    import os
+    import subprocess
+    import sys
+
+    from hsextract.model import tuned
+
+    if not (tuned.SHIPPED_DIR / tuned.gpu_file_name(torch.cuda.get_device_name())).is_file():
+        pytest.skip(f"no autotune table is shipped for {torch.cuda.get_device_name()}")
+    runs = {}
+    for name, extra in (("tuned", {}), ("timed", {tuned.TUNED_ENV: "0"})):
+        r = subprocess.run(
+            [sys.executable, "-c", TUNED_PROBE, str(tmp_path / f"{name}.pt")],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env={**os.environ, **extra},
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs["tuned"]["answered"] >= 6, runs["tuned"]
+    assert not set(runs["tuned"]["timed"]) & set(runs["tuned"]["answered_ids"]), runs["tuned"]
+    assert runs["timed"]["answered"] == 0 and runs["timed"]["timed"], runs["timed"]
+    a, b = torch.load(tmp_path / "tuned.pt"), torch.load(tmp_path / "timed.pt")
+    for layer, (x, y) in enumerate(zip(a, b, strict=True)):
+        torch.testing.assert_close(
+            x, y, rtol=2e-2, atol=2e-2, msg=lambda m, layer=layer: f"layer {layer}: {m}"
+        )

@@ -21,6 +21,7 @@ copy, and the writer refuses the batch (``BadStatesError``) before ``on_batch`` 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,8 @@ from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.prepare.plan import BatchSpec
 from hsextract.prepare.tokenize import TokenizedSamples
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -167,7 +170,14 @@ class Extractor:
         self.dtype = getattr(torch, storage_dtype) if self.scaled else next(lm.parameters()).dtype
         numel = max_tokens * len(self.layer_ids) * self.hidden
         scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
+        t0 = time.perf_counter()
         self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
+        log.info(
+            "%d buffer slots of %.2f GB made in %.1f s",
+            num_slots,
+            numel * self.slots[0].device_buf.element_size() / 1e9 if self.slots else 0.0,
+            time.perf_counter() - t0,
+        )
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.check_states = check_states
 
@@ -179,8 +189,10 @@ class Extractor:
             free.put(s)
         work: queue.Queue = queue.Queue()
         failure: list[BaseException] = []
+        t_start = time.perf_counter()
 
         def writer():
+            first = True
             while (item := work.get()) is not None:
                 slot, batch, inputs = item
                 try:
@@ -188,6 +200,12 @@ class Extractor:
                         continue
                     if slot.copied is not None:
                         slot.copied.synchronize()
+                    if first:  # the first forward pays for kernels loaded, libraries started, memory reserved
+                        log.info(
+                            "first batch on the host %.1f s after the loop started",
+                            time.perf_counter() - t_start,
+                        )
+                        first = False
                     if slot.health is not None:
                         refuse_bad_states(slot.health, batch, self.layer_ids, self.lm.dtype)
                     n, slots = inputs.num_tokens, len(self.layer_ids)
