@@ -97,3 +97,11 @@ def test_a_rerun_of_a_finished_job_lets_its_early_workers_go(finished_run, tiny_
         go = json.loads((tmp_path / "run" / "prestart" / f"shard-0000{shard}.json").read_text())
         assert go == {"run": False}
     assert not _leftovers(tmp_path / "run")
+
+
+def test_a_missing_model_is_refused_with_its_message_and_the_early_workers_exit(finished_run, tmp_path):
+    _, data, _, _ = finished_run
+    r = run_cli(*_args(tmp_path, tmp_path / "no-such-model", data), env=EARLY, check=False)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no such directory" in r.stdout + r.stderr
+    assert not _leftovers(tmp_path / "run")
