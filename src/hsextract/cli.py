@@ -141,8 +141,14 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     t0 = time.time()
     with RunDir(cfg.run_dir).launcher_lock(exclusive=restart), Prestarted(cfg) as early:
-        early.start()  # on CUDA the workers import and start CUDA while the data is checked and prepared
-        plan = prepare_run(cfg, restart=restart, echo=click.echo, show_progress=not no_progress)
+        # On CUDA the workers import and start CUDA while the data is prepared (run/prestart.py).
+        plan = prepare_run(
+            cfg,
+            restart=restart,
+            echo=click.echo,
+            show_progress=not no_progress,
+            on_checked=early.start,
+        )
         click.echo(
             f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
         )

@@ -69,11 +69,16 @@ def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> S
     return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype)
 
 
-def prepare_run(cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True) -> Plan:
-    """Validate everything, tokenize, plan; write the run files. Loads no weights."""
+def prepare_run(
+    cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True, on_checked=None
+) -> Plan:
+    """Validate everything, tokenize, plan; write the run files. Loads no weights. ``on_checked()`` is called
+    once the cheap checks have passed and the run dir exists (the launcher starts its workers' imports then)."""
     run_dir = RunDir(cfg.run_dir)
     model = check_inputs(cfg)
     run_dir.root.mkdir(parents=True, exist_ok=True)
+    if on_checked is not None:
+        on_checked()
     mix = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(cfg.model)
     samples, report, renamed = tokenize(

@@ -122,11 +122,7 @@ def refuse_bad_states(health: torch.Tensor, batch: BatchSpec, layer_ids, dtype) 
 
 class Slot:
     """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU), and with
-    fp8 storage the same pair for the scales.
-
-    On CUDA the pinned host buffers are made by ``pin()``, which the Extractor runs in a thread: pinning GBs of
-    host memory takes ~2 s per slot on an H200 host (6.3 s for 3 slots of 2.75 GB), which the first forward now
-    hides instead of preceding; ``host_ready`` is set once they exist (or their failure is kept in ``pin_error``)."""
+    fp8 storage the same pair for the scales."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scale_numel: int = 0):
         self.device_buf = torch.empty(numel, dtype=dtype, device=device)
@@ -135,30 +131,14 @@ class Slot:
         """``state_health`` of the batch in the slot, on the host once copied."""
         self.host_health: torch.Tensor | None = None
         """The pinned host buffer ``health`` is copied into on CUDA, made at the first checked batch."""
-        self.host_ready = threading.Event()
-        self.pin_error: BaseException | None = None
         if device.type == "cuda":
-            self.host_buf = self.host_scale = None
+            self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
             self.copied = torch.cuda.Event()
         else:
             self.host_buf = self.device_buf
             self.host_scale = self.device_scale
             self.copied = None
-            self.host_ready.set()
-
-    def pin(self) -> None:
-        try:
-            self.host_buf = torch.empty(self.device_buf.numel(), dtype=self.device_buf.dtype, pin_memory=True)
-            self.host_scale = torch.empty(self.device_scale.numel(), dtype=torch.float32, pin_memory=True)
-        except BaseException as e:  # raised where the buffer is first needed
-            self.pin_error = e
-        finally:
-            self.host_ready.set()
-
-    def wait_pinned(self) -> None:
-        self.host_ready.wait()
-        if self.pin_error is not None:
-            raise self.pin_error
 
 
 class Extractor:
@@ -190,22 +170,16 @@ class Extractor:
         self.dtype = getattr(torch, storage_dtype) if self.scaled else next(lm.parameters()).dtype
         numel = max_tokens * len(self.layer_ids) * self.hidden
         scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
-        self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
-        if device.type == "cuda":
-            threading.Thread(target=self._pin_all, name="pin-buffers", daemon=True).start()
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.check_states = check_states
-
-    def _pin_all(self) -> None:
         t0 = time.perf_counter()
-        for slot in self.slots:
-            slot.pin()
+        self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
         log.info(
-            "%d pinned host buffers of %.2f GB made in %.1f s, beside the first forward",
-            len(self.slots),
-            self.slots[0].device_buf.nbytes / 1e9 if self.slots else 0.0,
+            "%d buffer slots of %.2f GB made in %.1f s",
+            num_slots,
+            numel * self.slots[0].device_buf.element_size() / 1e9 if self.slots else 0.0,
             time.perf_counter() - t0,
         )
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.check_states = check_states
 
     def run(self, batches, samples: TokenizedSamples, on_batch, on_forward=None, should_stop=None):
         """``on_batch(batch, tensors)`` runs in the writer thread; its tensors alias a slot that is reused once it
@@ -280,7 +254,6 @@ class Extractor:
                     health = state_health(out, scale) if self.check_states else None
                     slot.health = health
                     if self.copy_stream is not None:
-                        slot.wait_pinned()  # the GPU runs the forward meanwhile
                         # The copy waits for this forward only; the next forward starts at once on the main stream.
                         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
                         with torch.cuda.stream(self.copy_stream):

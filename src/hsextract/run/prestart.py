@@ -1,9 +1,9 @@
 """Workers started while the launcher prepares: their imports and CUDA start-up overlap the data's preparation.
 
 A GPU worker spends ~20 s importing torch, transformers' model code and flash-linear-attention before it reads a
-byte of weights (an H200 host, docs/PERFORMANCE.md), and the launcher spends ~10 s checking the inputs and
-preparing the data; one after the other they were a third of a warm start. So on CUDA the launcher first starts
-one process per local shard that
+byte of weights (an H200 host, docs/PERFORMANCE.md), and the launcher spends ~12 s preparing the data; one after
+the other they were a third of a warm start. So on CUDA, once the cheap checks have passed (model config, layer
+ids, output, staging: ``prepare.steps.check_inputs``), the launcher starts one process per local shard that
 
 1. imports what the worker needs, including the model's own class (and through it FLA and Triton) and hsextract's
    kernels, and starts CUDA on its GPU;
@@ -12,8 +12,8 @@ one process per local shard that
    nothing to do, or the preparation failed;
 3. with ``run``, becomes the worker (``worker.main``) exactly as if the launcher had started it then.
 
-No weights are read before the go: a bad model path, layer id, output or row still fails before the 54 GB load,
-with the same message, and the started processes exit (they also die with the launcher). ``HSEXTRACT_PRESTART=0`` starts workers after the
+No weights are read before the go: bad data still fails before the 54 GB load, with the same message, and the
+started processes exit (they also die with the launcher). ``HSEXTRACT_PRESTART=0`` starts workers after the
 preparation, as on CPU by default, where a worker's imports are a few seconds; ``=1`` starts them early on CPU too.
 """
 
@@ -66,21 +66,13 @@ class Prestarted:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self) -> None:
-        """Start one process per local shard (CUDA only), before the inputs are checked: they read no weights
-        before their go. Anything in the way (a kernel cache that cannot be made) is left to the checks to
-        report; the workers then start after the preparation."""
-        from hsextract.errors import HsextractError
+        """Start one process per local shard (CUDA only); called once the cheap checks have passed."""
         from hsextract.run.launcher import start_worker
         from hsextract.run.prewarm import open_kernel_cache
 
         if not prestart_enabled(self.cfg):
             return
-        try:
-            self.run_dir.root.mkdir(parents=True, exist_ok=True)
-            kernel_dir = open_kernel_cache(self.cfg).dir
-        except (HsextractError, OSError) as e:
-            log.info("workers not started early: %s", e)
-            return
+        kernel_dir = open_kernel_cache(self.cfg).dir
         for shard in self.cfg.local_shards:
             go = self.run_dir.prestart_file(shard)
             go.parent.mkdir(parents=True, exist_ok=True)
