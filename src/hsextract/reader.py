@@ -367,10 +367,13 @@ class Output:
         *,
         dequantize: bool = True,
         dtype: torch.dtype = torch.bfloat16,
+        manifest: dict | None = None,
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
-        self.manifest = read_manifest(self.sink)
+        # ``manifest``: one read already (a training process's index), or the live view of an output still being
+        # written (training/follow.py), whose batch entries are filled in as their completion records appear.
+        self.manifest = read_manifest(self.sink) if manifest is None else manifest
         self.verify = verify
         if verify:
             require_checksums(
