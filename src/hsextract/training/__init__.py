@@ -6,6 +6,7 @@ schema's items (schemas.py): ``raw`` (the reader's dict), ``specforge-dflash``, 
 (``hsextract.training.speculators``, ``.specforge``, ``.modelopt``), each importing only its trainer.
 """
 
+from hsextract.training.batching import TokenBudgetBatches
 from hsextract.training.dataset import StatesDataset, StatesMapDataset
 from hsextract.training.index import SampleIndex, index_output
 from hsextract.training.schemas import SCHEMAS, Schema, get_schema
@@ -16,6 +17,7 @@ __all__ = [
     "Schema",
     "StatesDataset",
     "StatesMapDataset",
+    "TokenBudgetBatches",
     "get_schema",
     "index_output",
 ]
