@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 
 from hsextract.errors import HsextractError
 from hsextract.training.dataset import _rank_and_world
+from hsextract.training.order import check_same
 
 
 def token_budget_batches(
@@ -158,12 +159,7 @@ class TokenBudgetBatches:
 
     def load_state_dict(self, state: dict) -> None:
         mine = self._identity()
-        for k, v in mine.items():
-            if state.get(k) != v:
-                raise HsextractError(
-                    f"this state was taken with {k}={state.get(k)!r}, this sampler has {k}={v!r}: resume with "
-                    "the same output, budget, seed, window and ranks"
-                )
+        check_same(state, mine, list(mine), "sampler")
         self.epoch = state["epoch"]
         if not 0 <= state["consumed"] <= len(self):
             raise HsextractError(

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from hsextract.errors import HsextractError
 from hsextract.training.follow import Follow
 from hsextract.training.index import SampleIndex, SampleReader, Where, index_output
-from hsextract.training.order import epoch_order, rank_sequence, worker_share
+from hsextract.training.order import check_same, epoch_order, rank_sequence, worker_share
 from hsextract.training.schemas import Schema, get_schema
 
 log = logging.getLogger(__name__)
@@ -223,13 +223,8 @@ class StatesDataset(_Reading, IterableDataset):
             return
         if state.get("follow"):
             raise HsextractError("this state was taken with follow=True: resume it with follow=True")
-        mine = self.state_dict()
-        for k in ("seed", "shuffle", "rank", "world_size", "window_files", "num_samples"):
-            if state[k] != mine[k]:
-                raise HsextractError(
-                    f"this state was taken with {k}={state[k]!r}, this dataset has {k}={mine[k]!r}: resume with "
-                    "the same output, seed, shuffle, window and ranks"
-                )
+        keys = ("seed", "shuffle", "rank", "world_size", "window_files", "num_samples")
+        check_same(state, self.state_dict(), keys, "dataset")
         if not 0 <= state["consumed"] <= len(self):
             raise HsextractError(f"consumed={state['consumed']} is not in 0..{len(self)} for this rank")
         self.epoch, self._skip, self._served = state["epoch"], state["consumed"], 0

@@ -50,7 +50,7 @@ from hsextract.reader import Output
 from hsextract.run.finalize import job_manifest, load_job_files
 from hsextract.storage import open_sink
 from hsextract.training.index import Where
-from hsextract.training.order import rank_sequence, worker_share
+from hsextract.training.order import check_same, rank_sequence, worker_share
 from hsextract.training.schemas import Schema
 
 log = logging.getLogger(__name__)
@@ -181,17 +181,12 @@ class Follow:
         }
 
     def load_state_dict(self, ds, state: dict) -> None:
-        mine = self.state_dict(ds, 0)
         if not state.get("follow"):
             raise HsextractError(
                 "this state was taken without follow=True: resume it with a plain StatesDataset"
             )
-        for k in ("seed", "shuffle", "rank", "world_size", "plan_hash", "num_samples"):
-            if state[k] != mine[k]:
-                raise HsextractError(
-                    f"this state was taken with {k}={state[k]!r}, this dataset has {k}={mine[k]!r}: resume with "
-                    "the same output, seed, shuffle and ranks"
-                )
+        keys = ("seed", "shuffle", "rank", "world_size", "plan_hash", "num_samples")
+        check_same(state, self.state_dict(ds, 0), keys, "followed dataset")
         ds.epoch = state["epoch"]
         rank = set(self.rank_positions(ds.epoch, ds.seed, ds.shuffle))
         consumed = set()
