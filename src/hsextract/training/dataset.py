@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import HsextractError
 from hsextract.training.follow import Follow
-from hsextract.training.index import SampleIndex, SampleReader, Where, index_output
+from hsextract.training.index import SampleIndex, SampleReader, Where, index_where
 from hsextract.training.order import check_same, epoch_order, rank_sequence, worker_share
 from hsextract.training.schemas import Schema, get_schema
 
@@ -91,10 +91,11 @@ class StatesMapDataset(_Reading, Dataset):
         verify: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         index: SampleIndex | None = None,
+        cache_dir: str | None = None,
+        cache_max_gb: float = 100.0,
     ):
-        self.index = index or index_output(
-            output, schema, endpoint_url=endpoint_url, verify=verify, dtype=dtype
-        )
+        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        self.index = index or index_where(where, schema)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -118,7 +119,10 @@ class StatesDataset(_Reading, IterableDataset):
 
     ``follow=True``: the output may still be written; batches are served as their completion records appear, every
     ``poll_s`` seconds, and the epoch ends once the manifest is there and everything is served (follow.py);
-    ``follow_timeout_s`` without a new batch raises. Lengths and the sequence are then not known in advance."""
+    ``follow_timeout_s`` without a new batch raises. Lengths and the sequence are then not known in advance.
+
+    ``cache_dir``: what is read lands in a local disk cache of at most ``cache_max_gb`` (shared by the ranks and
+    workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3."""
 
     def __init__(
         self,
@@ -140,6 +144,8 @@ class StatesDataset(_Reading, IterableDataset):
         follow: bool = False,
         poll_s: float = 5.0,
         follow_timeout_s: float = 1800.0,
+        cache_dir: str | None = None,
+        cache_max_gb: float = 100.0,
     ):
         for name, value in (("batch_size", batch_size), ("window_files", window_files), ("threads", threads)):
             if value < 1:
@@ -148,8 +154,8 @@ class StatesDataset(_Reading, IterableDataset):
             raise HsextractError(f"prefetch ({prefetch}) must be at least threads ({threads})")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.follow: Follow | None = None
+        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
         if follow:
-            where = Where(str(output), endpoint_url, verify, dtype, 120)
             self.follow = Follow(
                 where,
                 get_schema(schema),
@@ -159,9 +165,7 @@ class StatesDataset(_Reading, IterableDataset):
                 timeout_s=follow_timeout_s,
             )
         else:
-            self.index = index or index_output(
-                output, schema, endpoint_url=endpoint_url, verify=verify, dtype=dtype
-            )
+            self.index = index or index_where(where, schema)
         self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
         self.window_files, self.threads, self.prefetch = window_files, threads, prefetch
         self.epoch = 0

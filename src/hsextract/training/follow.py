@@ -316,6 +316,8 @@ class _LiveOutput:
                     verify=w.verify,
                     dtype=w.dtype,
                     manifest=self.manifest,
+                    cache_dir=w.cache_dir,
+                    cache_max_gb=w.cache_max_gb,
                 )
             return self._out
 
