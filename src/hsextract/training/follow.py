@@ -252,9 +252,8 @@ class _LiveOutput:
     def poll(self) -> list[str]:
         """The batch keys done since the last poll, in plan order."""
         self._polled = time.monotonic()
-        complete = has_manifest(
-            self.sink
-        )  # before the listing: a manifest means the listing holds every batch
+        # The manifest before the listing: when it is there, the listing that follows holds every batch.
+        complete = has_manifest(self.sink)
         if complete:
             final = read_manifest(self.sink)
             if final.get("plan_hash") != self.manifest.get("plan_hash"):
