@@ -48,6 +48,8 @@ def test_ranges_read_through_the_cache_equal_the_file_and_need_it_no_more(source
     for offset, length in [*RANGES, (0, SIZE)]:
         assert bytes(sink.read_range("a.bin", offset, length)) == content[offset : offset + length]
     assert sink.get_bytes("b.txt") == b"not cached"  # not versioned: straight from the sink
+    buffer = bytearray(BLOCK_BYTES + 10)
+    assert sink.read_range_into("a.bin", 7, buffer) == len(buffer) and buffer == content[7 : 7 + len(buffer)]
     assert len(block_files(cache)) == 4
     (root / "a.bin").unlink()
     again = CachedSink(LocalSink(root), cache, 100 * BLOCK_BYTES, versions())  # as another process

@@ -85,8 +85,11 @@ class CachedSink:
         self._full = False  # no room left for this output: read through from now on
 
     def __getattr__(self, name):
-        if name == "sink":  # not set yet (a copy being made)
-            raise AttributeError(name)
+        # Everything but reads is the sink's. A read this class does not define must not slip past the cache.
+        if name == "sink" or name.startswith(("read", "get")):
+            raise AttributeError(
+                f"{type(self).__name__} has no {name}: reads of a cached sink go through the cache"
+            )
         return getattr(self.sink, name)
 
     # -- reads ----------------------------------------------------------------------------------------------------
@@ -115,6 +118,13 @@ class CachedSink:
             if not self._fetch(key, tag, size, run, out, offset, end):
                 return self.sink.read_range(key, offset, length)  # the object is not what was recorded
         return out
+
+    def read_range_into(self, key: str, offset: int, buffer) -> int:
+        """``read_range`` into ``buffer`` (any writable contiguous buffer); returns how many bytes it holds."""
+        view = memoryview(buffer).cast("B")
+        data = self.read_range(key, offset, len(view))
+        view[: len(data)] = data
+        return len(data)
 
     def _fetch(self, key, tag, size, run: range, out: bytearray, offset: int, end: int) -> bool:
         """Fill ``out`` from the sink over the blocks of ``run``, storing them if there is room."""
