@@ -367,15 +367,25 @@ class Output:
         *,
         dequantize: bool = True,
         dtype: torch.dtype = torch.bfloat16,
+        manifest: dict | None = None,
+        cache_dir: str | None = None,
+        cache_max_gb: float = 100.0,
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
-        self.manifest = read_manifest(self.sink)
+        # ``manifest``: one read already (a training process's index), or the live view of an output still being
+        # written (training/follow.py), whose batch entries are filled in as their completion records appear.
+        self.manifest = read_manifest(self.sink) if manifest is None else manifest
         self.verify = verify
         if verify:
             require_checksums(
                 self.sink, self.manifest, "it cannot be verified; open_output(..., verify=False) reads it"
             )
+        if cache_dir is not None:  # batch files and final norm in blocks on local disk (storage/cache.py)
+            from hsextract.storage.cache import CachedSink, manifest_versions
+
+            versions, limit = manifest_versions(self.manifest), int(cache_max_gb * 1e9)
+            self.sink = CachedSink(self.sink, cache_dir, limit, versions, identity=f"{endpoint_url}|{path}")
         self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest
         self._entries = {batch["key"]: batch for batch in self.manifest["batches"]}
@@ -453,11 +463,14 @@ def open_output(
     verify: bool = True,
     dequantize: bool = True,
     dtype: torch.dtype = torch.bfloat16,
+    **options,
 ) -> Output:
     """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading. Transient S3 errors are
     retried for ``retry_deadline_s`` seconds before a read fails. With ``verify`` (the default) every header and
     sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``. fp8 states are
-    dequantized to ``dtype`` unless ``dequantize=False``."""
+    dequantized to ``dtype`` unless ``dequantize=False``. ``options``: ``cache_dir=`` keeps what is read in a local
+    disk cache of at most ``cache_max_gb=`` (100) (storage/cache.py), for reading an S3 output many times;
+    ``manifest=`` the manifest read already."""
     return Output(
         str(path),
         endpoint_url,
@@ -465,4 +478,5 @@ def open_output(
         verify=verify,
         dequantize=dequantize,
         dtype=dtype,
+        **options,
     )

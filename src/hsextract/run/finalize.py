@@ -42,6 +42,20 @@ def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
     return plan, info, get("samples"), get("data_report")
 
 
+def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -> dict:
+    """The manifest of the job ``load_job_files`` read, with ``stored`` for each batch (format/manifest.py)."""
+    plan, info, sample_ids, data_report = job
+    return build_manifest(
+        info=info,
+        plan=plan,
+        dtype=plan.fingerprint.get("dtype", ""),
+        sample_ids=sample_ids,
+        data_report=data_report,
+        stored=stored,
+        final_norm=final_norm,
+    )
+
+
 def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
     are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
@@ -66,16 +80,8 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
         return 1, set(problems)
     # Written even over a manifest already there: built from the plan and the records just checked, it is the
     # same bytes on every node, and one edited or left by an earlier attempt is replaced by one that holds.
-    manifest = build_manifest(
-        info=info,
-        plan=plan,
-        dtype=plan.fingerprint.get("dtype", ""),
-        sample_ids=sample_ids,
-        data_report=data_report,
-        stored=records,
-        final_norm=read_final_norm_meta(sink) if info.final_state else None,
-    )
-    write_manifest(sink, manifest)
+    final_norm = read_final_norm_meta(sink) if info.final_state else None
+    write_manifest(sink, job_manifest((plan, info, sample_ids, data_report), records, final_norm))
     echo(
         f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(keys)} batch files at {sink.url}"
     )

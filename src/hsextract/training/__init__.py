@@ -2,10 +2,14 @@
 
 ``StatesDataset`` (iterable, distributed, shuffled, resumable) and ``StatesMapDataset`` (index -> item) yield a
 schema's items (schemas.py): ``raw`` (the reader's dict), ``specforge-dflash``, ``specforge-eagle3``,
-``speculators``, ``modelopt``: what that trainer's own dataset yields. The trainer seams live in their own modules
-(``hsextract.training.speculators``, ``.specforge``, ``.modelopt``), each importing only its trainer.
+``speculators``, ``modelopt``: what that trainer's own dataset yields. ``StatesDataset(..., follow=True)`` trains
+while the output is still written (follow.py); ``cache_dir=`` keeps what is read on local disk for later epochs
+(storage/cache.py); ``TokenBudgetBatches`` batches the map-style dataset by token budget, grouped by length
+(batching.py). The trainer seams live in their own modules (``hsextract.training.speculators``, ``.specforge``,
+``.modelopt``), each importing only its trainer.
 """
 
+from hsextract.training.batching import TokenBudgetBatches
 from hsextract.training.dataset import StatesDataset, StatesMapDataset
 from hsextract.training.index import SampleIndex, index_output
 from hsextract.training.schemas import SCHEMAS, Schema, get_schema
@@ -16,6 +20,7 @@ __all__ = [
     "Schema",
     "StatesDataset",
     "StatesMapDataset",
+    "TokenBudgetBatches",
     "get_schema",
     "index_output",
 ]

@@ -11,7 +11,8 @@
 DataLoader workers, in a deterministic order (order.py: shuffled batch files, then samples within a window of
 files); ``state_dict(consumed)`` and ``load_state_dict`` resume mid-epoch with nothing repeated or skipped.
 ``StatesMapDataset`` gives index -> item for trainers that bring a sampler; both know every sample's length before
-reading any state (index.py). Items are the schema's (schemas.py): exactly what the trainer's own dataset yields.
+reading any state (index.py). ``follow=True`` serves an output still being written, batch by batch as they complete,
+until its manifest (follow.py). Items are the schema's (schemas.py): exactly what the trainer's own dataset yields.
 
 Reads run in a bounded pool of threads per process, ``prefetch`` samples ahead of the consumer, so memory holds at
 most ``prefetch`` samples plus the cached headers. Every read is checked as the reader checks it: a damaged file
@@ -29,9 +30,10 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import HsextractError
-from hsextract.training.index import SampleIndex, SampleReader, index_output
-from hsextract.training.order import epoch_order, rank_sequence, worker_share
-from hsextract.training.schemas import Schema
+from hsextract.training.follow import Follow
+from hsextract.training.index import SampleIndex, SampleReader, Where, index_where
+from hsextract.training.order import check_same, epoch_order, rank_sequence, worker_share
+from hsextract.training.schemas import Schema, get_schema
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +91,11 @@ class StatesMapDataset(_Reading, Dataset):
         verify: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         index: SampleIndex | None = None,
+        cache_dir: str | None = None,
+        cache_max_gb: float = 100.0,
     ):
-        self.index = index or index_output(
-            output, schema, endpoint_url=endpoint_url, verify=verify, dtype=dtype
-        )
+        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        self.index = index or index_where(where, schema)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -112,7 +115,14 @@ class StatesDataset(_Reading, IterableDataset):
 
     ``batch_size`` must be the DataLoader's (1 with ``batch_size=None``): it deals the rank's sequence to the
     workers in the chunks the DataLoader batches, so resume is exact. ``window_files`` bounds the shuffle's reach
-    (and the open files); ``threads`` and ``prefetch`` bound the reads in flight and the samples held."""
+    (and the open files); ``threads`` and ``prefetch`` bound the reads in flight and the samples held.
+
+    ``follow=True``: the output may still be written; batches are served as their completion records appear, every
+    ``poll_s`` seconds, and the epoch ends once the manifest is there and everything is served (follow.py);
+    ``follow_timeout_s`` without a new batch raises. Lengths and the sequence are then not known in advance.
+
+    ``cache_dir``: what is read lands in a local disk cache of at most ``cache_max_gb`` (shared by the ranks and
+    workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3."""
 
     def __init__(
         self,
@@ -131,6 +141,11 @@ class StatesDataset(_Reading, IterableDataset):
         verify: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         index: SampleIndex | None = None,
+        follow: bool = False,
+        poll_s: float = 5.0,
+        follow_timeout_s: float = 1800.0,
+        cache_dir: str | None = None,
+        cache_max_gb: float = 100.0,
     ):
         for name, value in (("batch_size", batch_size), ("window_files", window_files), ("threads", threads)):
             if value < 1:
@@ -138,9 +153,19 @@ class StatesDataset(_Reading, IterableDataset):
         if prefetch < threads:
             raise HsextractError(f"prefetch ({prefetch}) must be at least threads ({threads})")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.index = index or index_output(
-            output, schema, endpoint_url=endpoint_url, verify=verify, dtype=dtype
-        )
+        self.follow: Follow | None = None
+        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        if follow:
+            self.follow = Follow(
+                where,
+                get_schema(schema),
+                rank=self.rank,
+                world_size=self.world_size,
+                poll_s=poll_s,
+                timeout_s=follow_timeout_s,
+            )
+        else:
+            self.index = index or index_where(where, schema)
         self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
         self.window_files, self.threads, self.prefetch = window_files, threads, prefetch
         self.epoch = 0
@@ -152,9 +177,15 @@ class StatesDataset(_Reading, IterableDataset):
         """Serve epoch ``epoch`` next (call before iterating, as with ``DistributedSampler``)."""
         if epoch != self.epoch:
             self.epoch, self._skip, self._served = epoch, 0, 0
+            if self.follow is not None:
+                self.follow.new_epoch()
 
     def rank_sequence(self) -> list[int]:
         """This rank's samples for the current epoch, in the order its DataLoader delivers them."""
+        if self.follow is not None:
+            raise HsextractError(
+                "a followed dataset's order depends on when batches complete: it has no sequence"
+            )
         files = [self.index.file_samples[k] for k in self.index.file_keys]
         order = epoch_order(
             files, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, window_files=self.window_files
@@ -163,6 +194,8 @@ class StatesDataset(_Reading, IterableDataset):
 
     def __len__(self) -> int:
         """This rank's samples per epoch."""
+        if self.follow is not None:
+            return len(self.follow)
         n = len(self.index)
         return n // self.world_size + (self.rank < n % self.world_size)
 
@@ -171,6 +204,8 @@ class StatesDataset(_Reading, IterableDataset):
         """Where this rank stands: ``consumed`` samples taken from its DataLoader since this iteration began (count
         them in the training loop; a resumed iteration counts from the resume point; without workers the dataset
         counts them itself). DataLoader workers copy the dataset at each iteration: leave persistent_workers off."""
+        if self.follow is not None:
+            return self.follow.state_dict(self, self._served if consumed is None else consumed)
         done = self._skip + self._served if consumed is None else self._skip + consumed
         return {
             "epoch": self.epoch,
@@ -186,19 +221,26 @@ class StatesDataset(_Reading, IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` stood: the next iteration serves exactly the rest of that epoch."""
-        mine = self.state_dict()
-        for k in ("seed", "shuffle", "rank", "world_size", "window_files", "num_samples"):
-            if state[k] != mine[k]:
-                raise HsextractError(
-                    f"this state was taken with {k}={state[k]!r}, this dataset has {k}={mine[k]!r}: resume with "
-                    "the same output, seed, shuffle, window and ranks"
-                )
+        if self.follow is not None:
+            self.follow.load_state_dict(self, state)
+            self._served = 0
+            return
+        if state.get("follow"):
+            raise HsextractError("this state was taken with follow=True: resume it with follow=True")
+        keys = ("seed", "shuffle", "rank", "world_size", "window_files", "num_samples")
+        check_same(state, self.state_dict(), keys, "dataset")
         if not 0 <= state["consumed"] <= len(self):
             raise HsextractError(f"consumed={state['consumed']} is not in 0..{len(self)} for this rank")
         self.epoch, self._skip, self._served = state["epoch"], state["consumed"], 0
 
     # -- reading -------------------------------------------------------------------------------------------------
     def __iter__(self):
+        if self.follow is not None:
+            count = get_worker_info() is None
+            for item in self.follow.items(self):
+                self._served += count
+                yield item
+            return
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         sequence = self.rank_sequence()[self._skip :]

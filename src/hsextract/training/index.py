@@ -36,6 +36,9 @@ class Where:
     verify: bool
     dtype: torch.dtype
     retry_deadline_s: float
+    cache_dir: str | None = None
+    """A local disk cache of the batch files read (storage/cache.py), for many epochs from S3."""
+    cache_max_gb: float = 100.0
 
 
 class SampleIndex:
@@ -105,20 +108,29 @@ def index_output(
     dtype: torch.dtype = torch.bfloat16,
     retry_deadline_s: float = 120,
     threads: int = 8,
+    cache_dir: str | None = None,
+    cache_max_gb: float = 100.0,
 ) -> SampleIndex:
     """Open ``output`` (a directory or ``s3://bucket/prefix``) and index the samples ``schema`` serves."""
-    where = Where(str(output), endpoint_url, verify, dtype, retry_deadline_s)
-    out = _open(where)
-    return SampleIndex(out, where, get_schema(schema), threads)
+    where = Where(str(output), endpoint_url, verify, dtype, retry_deadline_s, cache_dir, cache_max_gb)
+    return index_where(where, schema, threads)
 
 
-def _open(where: Where):
+def index_where(where: Where, schema: str | Schema = "raw", threads: int = 8) -> SampleIndex:
+    """The index of the output ``where`` says how to open."""
+    return SampleIndex(_open(where), where, get_schema(schema), threads)
+
+
+def _open(where: Where, manifest: dict | None = None):
     return open_output(
         where.path,
         where.endpoint_url,
         retry_deadline_s=where.retry_deadline_s,
         verify=where.verify,
         dtype=where.dtype,
+        manifest=manifest,
+        cache_dir=where.cache_dir,
+        cache_max_gb=where.cache_max_gb,
     )
 
 
@@ -127,7 +139,7 @@ class SampleReader:
 
     def __init__(self, index: SampleIndex, cache_files: int = 32):
         self.index = index
-        self.out = _open(index.where)
+        self.out = _open(index.where, index.manifest)  # read once, where the index was made
         self.pid = os.getpid()
         self._files: OrderedDict = OrderedDict()
         self._cache_files = cache_files

@@ -1,0 +1,180 @@
+"""Batches by token budget, grouped by length: a DataLoader ``batch_sampler`` over the map-style dataset.
+
+    data = StatesMapDataset("s3://bucket/run1", "speculators")
+    batches = TokenBudgetBatches(data, max_tokens=8192, seed=0)   # rank/world_size as for StatesDataset
+    loader = DataLoader(data, batch_sampler=batches, num_workers=4, collate_fn=...)
+    for epoch in range(E):
+        batches.set_epoch(epoch)
+        for batch in loader: ...
+
+What speculators' multipack sampler does (a token budget per step and device), with three differences: every
+sample is served exactly once per epoch (nothing dropped at the end; a sample longer than the budget is refused when
+the sampler is made, not truncated), samples of similar length are batched together, and reads stay local.
+
+Each epoch is a pure function of the lengths, the seed and the epoch. The batch files are shuffled and cut into
+windows of ``window_files`` files, as order.py does; a window's samples are sorted by length (ties in a seeded
+random order) and packed longest first, each batch taking samples while their tokens fit in ``max_tokens`` (and
+``max_samples``, if given); the window's batches are then shuffled. A batch so holds samples of nearly one length,
+whose padding (for a padding collator) or leftover space (for a packing one) is small, and reads touch one window's
+files at a time. The epoch's batch count is then made a multiple of ``world_size`` by splitting the batches with the
+most samples in two, so that every rank takes the same number of steps (DDP needs that); rank ``r`` takes batches
+``r, r + world_size, ...``, so a step's batches come from one window and are alike in size. Lengths come from the
+index (index.py): no state is read to plan a batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+from hsextract.errors import HsextractError
+from hsextract.training.dataset import _rank_and_world
+from hsextract.training.order import check_same
+
+
+def token_budget_batches(
+    lengths: Sequence[int],
+    files: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    window_files: int = 8,
+    world_size: int = 1,
+    max_samples: int | None = None,
+) -> list[list[int]]:
+    """Every sample index once, in batches of at most ``max_tokens`` tokens (``lengths[i]`` is sample ``i``'s),
+    grouped by length; ``files[f]`` are the indices of batch file ``f``. As many batches as a multiple of
+    ``world_size`` where there are enough samples to split."""
+    rng = random.Random(f"hsextract-token-budget:{seed}:{epoch}")
+    order = list(range(len(files)))
+    if shuffle:
+        rng.shuffle(order)
+    batches: list[list[int]] = []
+    for w in range(0, len(order), window_files):
+        window = [i for f in order[w : w + window_files] for i in files[f]]
+        ties = {i: rng.random() for i in window} if shuffle else {i: i for i in window}
+        window.sort(key=lambda i: (-lengths[i], ties[i]))
+        packed: list[list[int]] = []
+        tokens = 0
+        for i in window:
+            if (
+                packed
+                and tokens + lengths[i] <= max_tokens
+                and len(packed[-1]) < (max_samples or len(window))
+            ):
+                packed[-1].append(i)
+                tokens += lengths[i]
+            else:
+                packed.append([i])
+                tokens = lengths[i]
+        if shuffle:
+            rng.shuffle(packed)
+        batches += packed
+    while len(batches) % world_size:
+        j = max(range(len(batches)), key=lambda j: len(batches[j]))
+        if len(batches[j]) < 2:
+            break  # fewer samples than ranks: the ranks' counts differ by one
+        half = len(batches[j]) // 2
+        batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
+    return batches
+
+
+class TokenBudgetBatches:
+    """A DataLoader ``batch_sampler``: this rank's batches of sample indices of ``data`` (a ``StatesMapDataset`` or
+    its ``SampleIndex``) for the current epoch, each within ``max_tokens`` tokens and ``max_samples`` samples.
+
+    ``state_dict(consumed=N)`` with N the batches this rank's loop took since its iteration began (the DataLoader
+    draws batches ahead of the loop, so the loop counts them) and ``load_state_dict`` resume mid-epoch."""
+
+    def __init__(
+        self,
+        data,
+        max_tokens: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        window_files: int = 8,
+        max_samples: int | None = None,
+    ):
+        index = getattr(data, "index", data)
+        self.lengths, self.files = index.lengths, [index.file_samples[k] for k in index.file_keys]
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("window_files", window_files),
+            ("max_samples", max_samples),
+        ):
+            if value is not None and value < 1:
+                raise HsextractError(f"{name} must be at least 1, got {value}")
+        too_long = [n for n in self.lengths if n > max_tokens]
+        if too_long:
+            raise HsextractError(
+                f"{len(too_long)} of {len(self.lengths)} samples are longer than max_tokens={max_tokens} (the "
+                f"longest has {max(too_long)} tokens): give max_tokens at least {max(too_long)}; every sample is "
+                "served, none truncated"
+            )
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.max_tokens, self.max_samples = max_tokens, max_samples
+        self.seed, self.shuffle, self.window_files = seed, shuffle, window_files
+        self.epoch, self._skip = 0, 0
+        self._cached: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self._skip = epoch, 0
+
+    def rank_batches(self) -> list[list[int]]:
+        """This rank's batches for the current epoch, in order."""
+        if self._cached is None or self._cached[0] != self.epoch:
+            every = token_budget_batches(
+                self.lengths,
+                self.files,
+                self.max_tokens,
+                seed=self.seed,
+                epoch=self.epoch,
+                shuffle=self.shuffle,
+                window_files=self.window_files,
+                world_size=self.world_size,
+                max_samples=self.max_samples,
+            )
+            self._cached = (self.epoch, every[self.rank :: self.world_size])
+        return self._cached[1]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from (list(b) for b in self.rank_batches()[self._skip :])
+
+    def __len__(self) -> int:
+        """This rank's batches per epoch."""
+        return len(self.rank_batches())
+
+    def state_dict(self, consumed: int) -> dict:
+        return {
+            "epoch": self.epoch,
+            "consumed": self._skip + consumed,
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self._identity()
+        check_same(state, mine, list(mine), "sampler")
+        self.epoch = state["epoch"]
+        if not 0 <= state["consumed"] <= len(self):
+            raise HsextractError(
+                f"consumed={state['consumed']} is not in 0..{len(self)} batches for this rank"
+            )
+        self._skip = state["consumed"]
+
+    def _identity(self) -> dict:
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "max_tokens": self.max_tokens,
+            "max_samples": self.max_samples,
+            "window_files": self.window_files,
+            "num_samples": len(self.lengths),
+        }
