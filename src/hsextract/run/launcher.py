@@ -129,6 +129,8 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
         echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+    if todo:
+        run_dir.check_space()  # after the token cache and run files took theirs
     kc = open_kernel_cache(cfg)
     warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:
@@ -208,6 +210,8 @@ def failure_message(run_dir: RunDir | Path, shard: int, returncode: int) -> str:
         # Killed by a signal: the worker wrote nothing about it, and the last line of its output is whatever ran
         # last (often a warning from a dying child's resource tracker), not the reason.
         why = ""
+    elif note := run_dir.low_space_note():  # nothing recorded, and its last words cut short if any
+        why = f": {note}"
     else:  # died before it could record why (or refused to touch the progress file): its last words
         why = _last_line(run_dir.log_file(shard, "stderr"))
         why = f": {why}" if why else ""

@@ -52,7 +52,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsextract.errors import HsextractError, UploaderDied, redact
+from hsextract.errors import HsextractError, UploaderDied, disk_full, redact
 from hsextract.format.batch import read_file_head
 from hsextract.format.records import check_claim, stored_record, write_done
 from hsextract.run.procs import die_with_parent, log_to_file
@@ -280,7 +280,9 @@ def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: mu
         _serve(config, sink, pool, jobs, results)
         pool.shutdown()
     except Exception as e:
-        # HsextractErrors are worded for the user; anything else is a bug, logged with its traceback.
+        # HsextractErrors are worded for the user (a full file system too: a marker that cannot be written); anything
+        # else is a bug, logged with its traceback.
+        e = disk_full(e) or e
         if isinstance(e, HsextractError):
             log.error("stopping: %s", e)
         else:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hsextract.config import RunConfig
-from hsextract.errors import HsextractError, redact
+from hsextract.errors import HsextractError, disk_full, redact
 from hsextract.format.batch import batch_metadata
 from hsextract.format.final_norm import write_final_norm
 from hsextract.format.keys import shard_name
@@ -112,7 +112,7 @@ class ShardRun:
                 self.progress.progress_at = time.time()
                 self.session_tokens += b.num_tokens
 
-    def _save_progress(self, state: str | None = None) -> None:
+    def _save_progress(self, state: str | None = None, *, last: bool = False) -> None:
         if state:
             self.progress.state = state
         elapsed = max(time.time() - self.t_start, 1e-6)
@@ -125,7 +125,10 @@ class ShardRun:
             p.staged_bytes = scan_staging(self.staging).bytes
         except FileNotFoundError:
             p.staged_bytes = 0
-        p.save(self.run_dir)
+        if last:  # how the shard ended: saved even on a full run dir, if at all possible
+            p.save_last(self.run_dir)
+        else:
+            p.save(self.run_dir)
 
     def _poll_uploader(self) -> None:
         self.uploader.check_alive()
@@ -274,6 +277,7 @@ class ShardRun:
     def _lock_shard(self) -> None:
         self._lock_file = self.run_dir.lock_shard(self.shard)
         self.locked = True
+        self.progress.keep_room(self.run_dir)
 
     def run(self) -> None:
         self._lock_shard()
@@ -331,7 +335,7 @@ class ShardRun:
         self._mark_done(self.uploader.close())
         self.uploader = None
         self.progress.uploader_pid, self.progress.uploader_heartbeat_at = 0, None
-        self._save_progress("done")
+        self._save_progress("done", last=True)
         try:
             self.staging.rmdir()  # empty now: every staged file was uploaded and removed
         except OSError:
@@ -388,19 +392,19 @@ def main(argv=None) -> int:
         code, message, state = e.exit_code, str(e), "stopped"
     except BaseException as e:
         if not stop_signal:
-            code, message = _failure(shard, e)
+            code, message = _failure(shard, disk_full(e, where=run_dir) or e)
         else:  # a failure caused by the stop itself (the uploader got the group's SIGTERM first)
             e = Terminated(stop_signal[0])
             code, message, state = e.exit_code, str(e), "stopped"
     if state == "stopped":
         log.warning("shard %d %s; finished batches are kept, unfinished ones stay staged", shard, message)
-        print(f"shard {shard}: {message}", file=sys.stderr)
+        _say(f"shard {shard}: {message}")
     if shard_run is not None and shard_run.uploader is not None:
         shard_run.uploader.kill()
     # Only the process holding the shard's lock may write its progress (another may be running it right now).
     if shard_run is not None and shard_run.locked:
         shard_run.progress.error = message
-        shard_run._save_progress(state)
+        shard_run._save_progress(state, last=True)
     return code
 
 
@@ -415,12 +419,21 @@ def _failure(shard: int, e: BaseException) -> tuple[int, str]:
     """Log and print why the shard failed; the exit code and the message its progress file records."""
     if isinstance(e, HsextractError):
         log.error("%s", e)
-        print(f"shard {shard}: {e}", file=sys.stderr)
+        _say(f"shard {shard}: {e}")
         return 2, str(e)
     log.error("shard %d failed", shard, exc_info=e)
     message = redact(repr(e))
-    print(f"shard {shard} failed: {message}", file=sys.stderr)
+    _say(f"shard {shard} failed: {message}")
     return 1, message
+
+
+def _say(line: str) -> None:
+    """A line on stderr (the run dir's ``.stderr.log``), unless that file system is full: the progress file,
+    saved last, is what the launcher and ``status`` read."""
+    try:
+        print(line, file=sys.stderr)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

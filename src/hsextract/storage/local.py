@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, disk_full
 from hsextract.format.keys import check_key
 from hsextract.storage.base import PROBE_PREFIX, Sink, StoredObject, read_with_crc32
 from hsextract.storage.fileio import TMP_MARK, atomic_write, fsync_dir, tmp_path
@@ -76,7 +76,7 @@ class LocalSink(Sink):
         try:
             return atomic_write(dest, write)
         except OSError as e:
-            raise HsextractError(f"could not write {dest}: {e}") from e
+            raise disk_full(e) or HsextractError(f"could not write {dest}: {e}") from e
 
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
