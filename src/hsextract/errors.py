@@ -78,6 +78,11 @@ class CorruptOutputError(HsextractError):
         return type(self), (self.url, self.key, self.problem)
 
 
+class StagedFileChanged(HsextractError):
+    """A staged batch file whose bytes, as read to upload them, are not the ones its writer wrote (their CRC32
+    differs from the writer's): it was altered while it waited. Nothing is recorded for it; its batch is recomputed."""
+
+
 class UploaderDied(HsextractError):
     """The uploader process of a shard exited while batches were still to be uploaded."""
 

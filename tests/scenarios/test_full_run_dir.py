@@ -10,7 +10,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.cli import launched, launcher_output, marker_count, run_cli, status, wait_for
+from support.cli import (
+    batch_bytes,
+    launched,
+    launcher_output,
+    marker_count,
+    rehomed_args,
+    run_cli,
+    status,
+    wait_for,
+)
 from support.procs import freeze
 
 from hsextract.run.progress import ShardProgress
@@ -42,17 +51,6 @@ def nearly_full_fs(tmp_path):
     subprocess.run(["umount", "-l", str(tmp_path / "small-fs")], check=False)
 
 
-def args_in(finished_run, root: Path, run_dir: Path) -> list:
-    """The finished run's command with its output, run dir and staging moved: the same batches, byte for byte."""
-    args = [str(a) for a in finished_run[3]]
-    moved = {"--output": root / "out", "--run-dir": run_dir, "--staging": root / "staging"}
-    return [str(moved[args[i - 1]]) if i and args[i - 1] in moved else a for i, a in enumerate(args)]
-
-
-def batch_bytes(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shard-*/*.safetensors"))}
-
-
 def fill(fs: Path) -> Path:
     """Write a file until the file system refuses another byte."""
     ballast = fs / "ballast"
@@ -68,7 +66,7 @@ def fill(fs: Path) -> Path:
 
 def test_a_nearly_full_run_dir_is_refused_before_tokenizing(tmp_path, finished_run, nearly_full_fs):
     run_dir = nearly_full_fs / "run"
-    r = run_cli(*args_in(finished_run, tmp_path, run_dir), check=False)
+    r = run_cli(*rehomed_args(finished_run[3], tmp_path, run_dir=run_dir, num_proc=1), check=False)
     text = r.stdout + r.stderr
     assert r.returncode == 2 and "Traceback" not in text, text
     assert f"run dir {run_dir} has " in text and "bytes free on its file system, under the" in text, text
@@ -81,7 +79,7 @@ def test_a_run_dir_filling_mid_run_is_named_with_the_bytes_free_and_status_shows
     """Was: the launcher printed `with open(tmp,` (the cut-short end of a traceback in the full log), `status`
     said "no error recorded"."""
     run_dir = run_dir_fs / "run"
-    args = args_in(finished_run, tmp_path, run_dir)
+    args = rehomed_args(finished_run[3], tmp_path, run_dir=run_dir, num_proc=1)
     with launched(args, tmp_path) as proc:
         wait_for(lambda: marker_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
         progress = [ShardProgress.load(run_dir, s) for s in (0, 1)]

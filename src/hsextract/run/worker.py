@@ -250,7 +250,7 @@ class ShardRun:
         path = self.staging / Path(batch.key).name
         t0 = time.perf_counter()
         try:
-            size = write_batch_file(path, tensors, meta)
+            size, crc32 = write_batch_file(path, tensors, meta)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -267,11 +267,11 @@ class ShardRun:
             size / 1e6,
             time.perf_counter() - t0,
         )
-        self._submit(path, batch.key)
+        self._submit(path, batch.key, crc32)
 
-    def _submit(self, path: Path, key: str) -> None:
+    def _submit(self, path: Path, key: str, crc32: int) -> None:
         self.submitted.add(key)
-        self.uploader.submit(path, key)
+        self.uploader.submit(path, key, crc32)
 
     # -- main -------------------------------------------------------------------------------------------------
     def _lock_shard(self) -> None:
@@ -322,8 +322,8 @@ class ShardRun:
         # stay for the rerun.
         self.uploader.start()
         self.progress.uploader_pid = self.uploader.pid
-        for key in staged:
-            self._submit(self.staging / Path(key).name, key)
+        for key, crc32 in staged.items():
+            self._submit(self.staging / Path(key).name, key, crc32)
         if todo:
             self._compute(todo)
         self._save_progress("draining")
