@@ -38,7 +38,7 @@ from hsextract.run.finalize import finalize_output
 from hsextract.run.prewarm import Warmup, open_kernel_cache
 from hsextract.run.procs import Terminated, die_with_parent
 from hsextract.run.progress import ShardProgress
-from hsextract.run.rundir import RunDir
+from hsextract.run.rundir import OUTPUT_CHECK_ENV, RunDir
 from hsextract.run.stalls import StallWatch
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
@@ -131,11 +131,13 @@ def _run_shards(cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress:
         echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
     if todo:
         run_dir.check_space()  # after the token cache and run files took theirs
+        # The workers take their shards' part of this check instead of reading every record once more.
+        run_dir.save_output_check(plan.plan_hash, shards, done, problems)
     kc = open_kernel_cache(cfg)
     warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:
         warm = Warmup.start(cfg, plan, kc, echo=echo)
-    extra = warm.worker_env() if warm else {}
+    extra = {**(warm.worker_env() if warm else {}), OUTPUT_CHECK_ENV: "1"}
     procs = {s: start_worker(cfg, s, kc.dir, extra) for s in todo}
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
     stalls = StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))

@@ -14,6 +14,8 @@ A run directory is what a rerun resumes from. Layout::
     logs/shard-SSSSS[.role].log                         each process's log
     locks/shard-SSSSS.lock                              held by the process running the shard
     kernel-cache.json    names the kernel cache the run used (a per-user directory: model/kernel_cache.py)
+    output-check.json    what the launcher found done in the output just before it started the workers, which
+                         take their shard's from it instead of reading every completion record again
     warmup.done          written when the kernel warm-up ends; the shards wait for it before their first batch
     COMPLETE             written after the manifest: the run is finished
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import socket
@@ -42,6 +45,12 @@ from hsextract.format.keys import shard_name
 from hsextract.storage.fileio import load_json, write_json
 
 MARKER_SUFFIX = ".done"
+
+
+OUTPUT_CHECK_ENV = "HSEXTRACT_OUTPUT_CHECKED"
+
+"""Set by the launcher for the workers it starts: ``output-check.json`` holds their shards' check of the output,
+made just before. A worker started any other way checks the output itself."""
 
 
 RUN_DIR_MIN_FREE_BYTES = 16 << 20
@@ -133,6 +142,28 @@ class RunDir:
     @property
     def warmup_done_file(self) -> Path:
         return self.root / "warmup.done"
+
+    @property
+    def output_check_file(self) -> Path:
+        return self.root / "output-check.json"
+
+    def save_output_check(
+        self, plan_hash: str, shards, done: dict[str, dict], problems: dict[str, str]
+    ) -> None:
+        """What ``records.verified_done`` found for ``shards``: the records of the batches done, and why each
+        other recorded one is not."""
+        record = {"plan_hash": plan_hash, "shards": sorted(shards), "done": done, "problems": problems}
+        write_json(self.output_check_file, record, durable=False)
+
+    def load_output_check(self, plan_hash: str, shard: int) -> tuple[dict[str, dict], dict[str, str]] | None:
+        """``(done, problems)`` as the launcher saved them, if it checked ``shard`` for this plan; else None."""
+        try:
+            record = json.loads(self.output_check_file.read_text())
+            if record["plan_hash"] != plan_hash or shard not in record["shards"]:
+                return None
+            return dict(record["done"]), dict(record["problems"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
 
     def progress_file(self, shard: int) -> Path:
         return self.progress_dir / f"{shard_name(shard)}.json"
