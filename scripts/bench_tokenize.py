@@ -19,6 +19,11 @@ JSONL file holding the same rows, with ``load_samples(path)`` only, so that ``--
 older checkout's code on the same rows:
 
     python scripts/bench_tokenize.py --mix 50000,200000 --json mix.json
+
+``--huge MB`` times one JSONL file of two rows of MB megabytes each (plain ``text``, and a chat row whose
+assistant answer is that text) cut to ``--max-length`` (also with ``--child-src``):
+
+    python scripts/bench_tokenize.py --huge 50 --max-length 300
 """
 
 from __future__ import annotations
@@ -159,13 +164,45 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def run_mix(
-    sizes: list[int], max_length: int, single: bool, json_path: str | None, child_src: str | None
-) -> int:
+def measure_in_child(tok_dir: Path, data: list[str], max_length: int, child_src: str | None) -> dict:
+    """``measure`` in a fresh process, with ``child_src`` (another checkout's src) first on its path if given."""
     import subprocess
 
     env = dict(os.environ, **({"PYTHONPATH": child_src} if child_src else {}))
+    out = subprocess.run(
+        [sys.executable, __file__, "--measure", str(tok_dir), "--max-length", str(max_length), *data],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+def run_huge(mb: float, max_length: int, child_src: str | None) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-huge-") as tmp:
+        tmp = Path(tmp)
+        build_tokenizer(tmp / "tok", corpus=make_conversations(300, seed=1))
+        rng = random.Random(0)
+        chunk = _sentence(rng, 200_000) + "\n"
+        text = (chunk * (int(mb * 1e6) // len(chunk) + 1))[: int(mb * 1e6)]
+        path = tmp / "huge.jsonl"
+        with open(path, "w") as f:
+            f.write(json.dumps({"id": "text", "text": text}) + "\n")
+            messages = [{"role": "user", "content": "go on"}, {"role": "assistant", "content": text}]
+            f.write(json.dumps({"id": "chat", "messages": messages}) + "\n")
+        result = measure_in_child(tmp / "tok", [str(path)], max_length, child_src)
+    print(
+        f"2 rows of {mb:g} MB cut to {max_length} tokens: {result['seconds']:.1f} s "
+        f"({result['cpu_seconds']:.1f} CPU-s), peak RSS {result['peak_rss_mb']:.0f} MB"
+        + (f" [{child_src}]" if child_src else "")
+    )
+    return 0
+
+
+def run_mix(
+    sizes: list[int], max_length: int, single: bool, json_path: str | None, child_src: str | None
+) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-mix-") as tmp:
         tmp = Path(tmp)
@@ -174,26 +211,11 @@ def run_mix(
             root = tmp / f"mix-{n}"
             specs = write_mix(root, n)
             data = [str(write_single(root, specs))] if single else specs
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--measure",
-                    str(tmp / "tok"),
-                    "--max-length",
-                    str(max_length),
-                    *data,
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-                env=env,
-            )
             result = {
                 "total": n,
                 "single_file": single,
                 "child_src": child_src,
-                **json.loads(out.stdout.strip().splitlines()[-1]),
+                **measure_in_child(tmp / "tok", data, max_length, child_src),
             }
             results.append(result)
             print(
@@ -216,13 +238,18 @@ def main() -> int:
     ap.add_argument("--json", help="write the raw timings here")
     ap.add_argument("--mix", help="total rows of a four-source mix, comma-separated")
     ap.add_argument("--single", action="store_true", help="with --mix: the same rows as one JSONL file")
-    ap.add_argument("--child-src", help="with --mix: PYTHONPATH of the measuring process (another checkout)")
+    ap.add_argument("--huge", type=float, help="MB of each of two one-line rows, cut to --max-length")
+    ap.add_argument(
+        "--child-src", help="with --mix or --huge: PYTHONPATH of the measuring process (another checkout)"
+    )
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("data", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.data, args.max_length)))
         return 0
+    if args.huge:
+        return run_huge(args.huge, args.max_length, args.child_src)
     if args.mix:
         return run_mix(
             [int(x) for x in args.mix.split(",")], args.max_length, args.single, args.json, args.child_src

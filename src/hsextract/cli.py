@@ -19,7 +19,7 @@ import click
 
 from hsextract.config import RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, disk_full
 from hsextract.run.procs import Terminated, stop_on_signals
 from hsextract.run.rundir import default_run_dir
 
@@ -31,6 +31,11 @@ def _user_errors(fn):
             return fn(*args, **kwargs)
         except HsextractError as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except OSError as e:  # a full file system (the run dir's, while preparing) is the user's to fix
+            if (full := disk_full(e)) is None:
+                raise
+            click.echo(f"error: {full}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("\ninterrupted: finished batches are kept; rerun the same command to resume", err=True)

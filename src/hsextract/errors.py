@@ -1,10 +1,13 @@
 """Errors a user can hit. The CLI prints their message (no traceback) and exits with status 2."""
 
+import errno
 import logging
 import re
+import shutil
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
 
@@ -75,8 +78,44 @@ class CorruptOutputError(HsextractError):
         return type(self), (self.url, self.key, self.problem)
 
 
+class StagedFileChanged(HsextractError):
+    """A staged batch file whose bytes, as read to upload them, are not the ones its writer wrote (their CRC32
+    differs from the writer's): it was altered while it waited. Nothing is recorded for it; its batch is recomputed."""
+
+
 class UploaderDied(HsextractError):
     """The uploader process of a shard exited while batches were still to be uploaded."""
+
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+"""What a write returns when its file system (or the user's quota on it) is full."""
+
+
+def free_bytes(path) -> int | None:
+    """Bytes free to this user on the file system of ``path`` (or of its nearest existing parent); None if none
+    can be asked."""
+    path = Path(path)
+    for place in (path, *path.parents):
+        try:
+            return shutil.disk_usage(place).free
+        except OSError:
+            continue
+    return None
+
+
+def disk_full(e: BaseException, where=None) -> HsextractError | None:
+    """The one-line error for a write that found its file system full (ENOSPC, EDQUOT): the file (the error's own,
+    else ``where``), the system's words and the bytes still free there; None for any other exception."""
+    if not isinstance(e, OSError) or e.errno not in FULL_ERRNOS:
+        return None
+    path = e.filename or where
+    free = free_bytes(path) if path else None
+    room = f"; {free:,} bytes free on its file system" if free is not None else ""
+    return HsextractError(
+        f"cannot write {path or 'a file'}: {e.strerror or 'No space left on device'}{room}. Free space there, "
+        "then rerun the same command to resume"
+    )
 
 
 def load_or_explain(model: str, what: str, load):

@@ -62,9 +62,10 @@ class VerifyReport:
         }
 
 
-def check_file(sink: Sink, entry: dict, progress=None, expect: dict | None = None) -> None:
-    """Check one batch file against its manifest ``entry``; raise ``CorruptOutputError`` saying what is wrong.
-    An entry with only ``key`` and ``size`` checks a file against itself: its header's checksums (a staged file).
+def check_file(sink: Sink, entry: dict, progress=None, expect: dict | None = None) -> int:
+    """Check one batch file against its manifest ``entry``; raise ``CorruptOutputError`` saying what is wrong,
+    else return the CRC32 of the bytes checked. An entry with only ``key`` and ``size`` checks a file against
+    itself: its header's checksums (a staged file).
 
     ``progress(n)``, if given, is called with the number of bytes read as the file is read."""
     key = entry["key"]
@@ -121,6 +122,7 @@ def check_file(sink: Sink, entry: dict, progress=None, expect: dict | None = Non
         problems.append(f"its CRC32 is {crc:08x}; the manifest recorded {entry['crc32']}")
     if problems:
         raise damaged("; ".join(problems))
+    return crc
 
 
 def check_against_plan(sink: Sink, manifest: dict) -> None:

@@ -151,6 +151,49 @@ def test_two_nodes_one_killed_and_rerun_alone_give_the_one_node_output(
     assert json.loads(objects(s3, s3_bucket, "two")[JOB])["nodes"] == 2
 
 
+def test_a_truncated_batch_of_node_0_is_named_by_node_1_and_recomputed_by_node_0_alone(
+    tmp_path, tiny_model, dataset, s3, s3_bucket
+):
+    """Both nodes finished, then one of node 0's batch files truncated in the output: node 1's rerun names it and
+    says whose command to rerun; node 0's rerun recomputes exactly that batch and the manifest verifies clean."""
+    output, endpoint = f"s3://{s3_bucket}/job", s3.url
+    nodes = [
+        node_args(
+            tmp_path / f"node{r}", tiny_model, dataset, output, endpoint, shards=1, nodes=2, node_rank=r
+        )
+        for r in (0, 1)
+    ]
+    for args in nodes:
+        r = hsextract(*args)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "done:" in r.stdout, r.stdout
+    client = s3.client()
+    key = sorted(k for k in objects(s3, s3_bucket, "job") if k.startswith("shard-00000/"))[1]
+    original = s3.get_object(s3_bucket, f"job/{key}")
+    client.put_object(Bucket=s3_bucket, Key=f"job/{key}", Body=original[: len(original) // 2])
+
+    by_node_1 = hsextract(*nodes[1])
+    text = by_node_1.stdout + by_node_1.stderr
+    assert by_node_1.returncode != 0 and "Traceback" not in text, text
+    assert f"{key}: batch file has {len(original) // 2} bytes, {len(original)} were uploaded" in text, text
+    assert "belong to other nodes' shards: rerun those nodes' commands" in text, text
+
+    by_node_0 = hsextract(*nodes[0])
+    assert by_node_0.returncode == 0 and "done:" in by_node_0.stdout, by_node_0.stdout + by_node_0.stderr
+    log = (tmp_path / "node0" / "run" / "logs" / "shard-00000.log").read_text()
+    assert log.rstrip().splitlines()[-1].endswith("shard 0 done")
+    resumed = [line for line in log.splitlines() if "resume:" in line][-1]
+    assert resumed.endswith("0 staged to upload, 1 to compute"), resumed
+    uploader_log = (tmp_path / "node0" / "run" / "logs" / "shard-00000.uploader.log").read_text()
+    assert (
+        uploader_log.count("uploaded shard-")
+        == len([k for k in objects(s3, s3_bucket, "job") if k.startswith("shard-00000/")]) + 1
+    ), "every batch of shard 0 once, and the damaged one once more"
+    assert s3.get_object(s3_bucket, f"job/{key}") == original
+    v = hsextract("verify", output, "--s3-endpoint-url", endpoint)
+    assert v.returncode == 0 and "all good" in v.stdout, v.stdout + v.stderr
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [

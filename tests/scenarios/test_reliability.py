@@ -29,7 +29,7 @@ from support.cli import (
     write_mixed_dataset,
 )
 from support.damage import flip
-from support.s3server import cli_env, free_port
+from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
 from hsextract.format.manifest import MANIFEST
@@ -436,11 +436,11 @@ def test_sigint_to_the_launcher_is_the_signal_status_names(tmp_path, tiny_model,
     assert stopped and all(r["error"] == "stopped by SIGINT" for r in stopped), rows
 
 
-def test_an_s3_output_emptied_behind_the_run_is_recomputed_by_the_same_command(
+def test_an_s3_output_emptied_or_its_endpoint_swapped_for_an_empty_one_is_recomputed_by_the_same_command(
     tmp_path, tiny_model, dataset, reference, s3, s3_bucket
 ):
-    """The same finding on S3 (an endpoint replaced by an empty one, a prefix deleted): every rerun said "N of N
-    batches still to do", exit 0, no manifest."""
+    """The same finding on S3 (a prefix deleted; an endpoint replaced by an empty one: a second S3 server): every
+    rerun said "N of N batches still to do", exit 0, no manifest."""
     output = f"s3://{s3_bucket}/job"
     args = args_for(tmp_path, tiny_model, dataset, output=output, s3_endpoint_url=s3.url)
     run_cli(*args, env=cli_env(), timeout=400)
@@ -449,11 +449,27 @@ def test_an_s3_output_emptied_behind_the_run_is_recomputed_by_the_same_command(
         client.delete_object(Bucket=s3_bucket, Key=key)
     r = run_cli(*args, env=cli_env(), timeout=400)
     assert "done:" in r.stdout, r.stdout
+    assert_s3_output_is(s3, s3_bucket, reference)
+
+    other = S3Endpoint()  # another server, on another port, holding nothing
+    try:
+        other.create_bucket(s3_bucket)
+        swapped = [other.url if a == s3.url else a for a in map(str, args)]
+        r = run_cli(*swapped, env=cli_env(), timeout=400)
+        assert "done:" in r.stdout, r.stdout
+        assert_s3_output_is(other, s3_bucket, reference)
+    finally:
+        other.stop()
+
+
+def assert_s3_output_is(endpoint, bucket: str, reference: Path) -> None:
+    """The output ``s3://bucket/job`` holds the reference run's batch files, byte for byte, and verifies clean."""
     got = {
-        k[len("job/") :]: s3.get_object(s3_bucket, k)
-        for k in s3.object_keys(s3_bucket)
+        k[len("job/") :]: endpoint.get_object(bucket, k)
+        for k in endpoint.object_keys(bucket)
         if k.startswith("job/shard-")
     }
     assert got == batch_bytes(reference / "out")
-    v = run_cli("verify", output, "--s3-endpoint-url", s3.url, env=cli_env(), check=False)
+    assert f"job/{MANIFEST}" in endpoint.object_keys(bucket)
+    v = run_cli("verify", f"s3://{bucket}/job", "--s3-endpoint-url", endpoint.url, env=cli_env(), check=False)
     assert v.returncode == 0 and "all good" in v.stdout, v.stdout + v.stderr

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -387,4 +388,39 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
         left,
         sorted(recorded),
     )
+    assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)
+
+
+def test_start_up_reads_each_completion_record_once(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
+):
+    """The launcher checks the output's records before it starts the workers, and each worker takes its shard's
+    part of that check (was: every worker read its shard's records again). A rerun with one batch of each shard
+    undone reads each record twice in all: once at start-up, once in the check before the manifest."""
+    args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket)
+    succeeded(hsextract(args))
+    client = s3.client()
+    undone = [
+        f"shard-{s:05d}/batch-{Plan.load(tmp_path / 'run' / 'plan.json').for_shard(s)[0].batch_id:06d}.safetensors"
+        for s in (0, 1)
+    ]
+    for key in undone:
+        for name in (key, f"{DONE_PREFIX}{key}.json"):
+            client.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/{name}")
+    recorded = [
+        k[len(f"{PREFIX}/{DONE_PREFIX}") : -len(".json")]
+        for k in s3.object_keys(s3_bucket)
+        if k.startswith(f"{PREFIX}/{DONE_PREFIX}")
+    ]
+    with s3.requests() as requests:
+        succeeded(hsextract(args))
+    done_path = f"/{s3_bucket}/{PREFIX}/{DONE_PREFIX}"
+    reads = Counter(
+        path[len(done_path) : -len(".json")]
+        for method, path in requests
+        if method == "GET" and path.startswith(done_path)
+    )
+    assert reads == {**{k: 2 for k in recorded}, **{k: 1 for k in undone}}, reads
+    for shard in (0, 1):
+        assert "as the launcher checked them" in shard_log(tmp_path / "run", shard).read_text()
     assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)

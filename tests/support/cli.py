@@ -66,6 +66,25 @@ def cli_run_args(root, model, data, **options) -> list:
     return args
 
 
+def rehomed_args(args, root: Path, **options) -> list[str]:
+    """A run's command with its output, run dir and staging moved under ``root`` (``out``, ``run``, ``staging``):
+    the same batches, byte for byte. ``options`` replace those or add others (``--name value``)."""
+    args = [str(a) for a in args]
+    moved = {"output": root / "out", "run-dir": root / "run", "staging": root / "staging"}
+    moved.update({key.replace("_", "-"): value for key, value in options.items()})
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and arg[2:] in moved and i + 1 < len(args):
+            args[i + 1] = str(moved.pop(arg[2:]))
+    for key, value in moved.items():
+        args += [f"--{key}", str(value)]
+    return args
+
+
+def batch_bytes(out: Path) -> dict[str, bytes]:
+    """Every batch file of a local output, by key."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.glob("shard-*/*.safetensors"))}
+
+
 E2E_LAYERS = (0, 3, 7)
 
 

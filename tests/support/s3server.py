@@ -125,6 +125,31 @@ class S3Endpoint:
         return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
     @contextlib.contextmanager
+    def requests(self) -> Iterator[list[tuple[str, str]]]:
+        """``(method, path)`` of every request the server answers within the block (any server of this process),
+        from its request log: werkzeug's line per request, switched on for the block."""
+        seen: list[tuple[str, str]] = []
+
+        class Log(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                line = record.getMessage()
+                if '"' in line:
+                    method, _, rest = line.split('"')[1].partition(" ")
+                    seen.append((method, rest.rsplit(" ", 1)[0].split("?")[0]))
+
+        logger = logging.getLogger("werkzeug")
+        handler, level, propagate = Log(), logger.level, logger.propagate
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        try:
+            yield seen
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+    @contextlib.contextmanager
     def require_auth(self) -> Iterator[None]:
         """Within the block, every request must be signed with an IAM user's key (see ``create_credentials``)."""
         from moto import settings

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 from support.s3server import S3Endpoint, free_port
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, StagedFileChanged
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.base import MiB, Sink
 from hsextract.storage.local import LocalSink
@@ -105,6 +106,40 @@ def test_s3_multipart_upload_is_byte_identical(s3: S3Endpoint, s3_bucket: str, t
     assert head["ETag"].endswith('-5"'), "uploaded in 5 parts"
     assert stored.size == len(data)
     assert s3.get_object(s3_bucket, "shard-00000/batch-000000.safetensors") == data
+
+
+@pytest.mark.parametrize("store", ["local", "s3", "s3-multipart"])
+def test_a_file_whose_bytes_are_not_its_writers_is_refused_and_nothing_is_stored(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The writer's CRC32 against the bytes sent (one byte changed, the size kept): what a staged file altered
+    while it waited looks like to the sink."""
+    if store == "local":
+        sink: Sink = LocalSink(tmp_path / "out")
+    else:
+        endpoint: S3Endpoint = request.getfixturevalue("s3")
+        sink = S3Sink(
+            request.getfixturevalue("s3_bucket"),
+            "",
+            endpoint.url,
+            multipart_threshold=5 * MiB,
+            multipart_chunksize=5 * MiB,
+        )
+    data = bytearray(os.urandom(12 * MiB if store == "s3-multipart" else 300_000))
+    written = zlib.crc32(data)
+    key = "shard-00000/batch-000000.safetensors"
+    assert sink.put_file(_staged(tmp_path, "good", bytes(data)), key, expected_crc32=written).crc32 == written
+    sink.delete(key)
+    data[len(data) // 2] ^= 0x01
+    with pytest.raises(
+        StagedFileChanged,
+        match=f"the bytes read to upload it have CRC32 {zlib.crc32(data):08x}, "
+        f"its writer wrote {written:08x}; not uploaded",
+    ):
+        sink.put_file(_staged(tmp_path, "changed", bytes(data)), key, expected_crc32=written)
+    assert not sink.exists(key) and sink.list_keys() == []
+    if store == "local":
+        assert not list((tmp_path / "out").rglob("*.tmp-*"))
 
 
 @pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"])

@@ -1,4 +1,5 @@
 import json
+import zlib
 
 import torch
 from safetensors import safe_open
@@ -18,8 +19,8 @@ def test_batch_file_is_standard_safetensors(tmp_path):
     }
     meta = batch_metadata(run_meta={"layer_ids": "[1, 2, 3]"}, batch_id=5, shard=1, sample_ids=["a", "b"])
     path = tmp_path / "batch-000005.safetensors"
-    size = write_safetensors(path, tensors, meta)
-    assert size == path.stat().st_size
+    size, crc = write_safetensors(path, tensors, meta)
+    assert (size, crc) == (path.stat().st_size, zlib.crc32(path.read_bytes()))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file (*.tmp-PID-TID) left
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata()["batch_id"] == "5"

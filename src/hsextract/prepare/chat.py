@@ -33,6 +33,17 @@ mask is derived by rendering:
 
 The assistant header and the end-of-turn marker used in steps 2 and 3 are themselves found by rendering a probe
 conversation once per tokenizer (``ChatMarkers``).
+
+Long rows are not tokenized whole when only their start is kept (``RowEncoder.tokenize``). No token covers more
+characters than the tokenizer's longest vocabulary entry (L), so the first ``(max_length + PREFIX_MARGIN_TOKENS) * L``
+characters hold more than ``max_length`` tokens. A cut changes only the tokens near it (for BPE with a
+pre-tokenizer: those of the piece it falls in), so the prefix's first ``max_length`` tokens are the whole text's; they
+are taken only when a second cut, twice as far, gives the same ones (ids and offsets), else the whole text is
+tokenized. Spans and mask come from the whole rendered text as before, so ids and mask equal tokenizing the
+whole row and cutting (a 50 MB row: 87 s before, under a second now; docs/PERFORMANCE.md). With ``skip``, a row
+that cannot fit is dropped untokenized: with a byte-level tokenizer a token covers at most L bytes of the text, so
+a text of over ``FAR_TOO_LONG * max_length * L`` characters has more than ``max_length`` tokens (the factor covers
+Unicode normalization, which shrinks a text's bytes by at most 3x).
 """
 
 from __future__ import annotations
@@ -44,6 +55,14 @@ from typing import Any
 import numpy as np
 
 SKIP_KINDS = ("malformed", "empty", "too_long")
+
+
+PREFIX_MARGIN_TOKENS = 64
+
+"""Tokens beyond ``max_length`` that a truncated row's prefix surely holds: a cut changes only tokens near it."""
+
+
+FAR_TOO_LONG = 4
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -253,6 +272,14 @@ class RowEncoder:
         self.vocab_size = len(tokenizer)
         self.has_template = bool(tokenizer.chat_template)
         self.markers = ChatMarkers.probe(tokenizer) if self.has_template else ChatMarkers("", "")
+        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+        """Characters of the longest vocabulary entry (bytes, for a byte-level tokenizer's)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = backend is not None and (
+            "ByteLevel(" in repr(backend.pre_tokenizer)
+            or bool(getattr(backend.model, "byte_fallback", False))
+        )
+        """Every character is covered by tokens of at most ``longest_token`` bytes of it: no unknown-word token."""
 
     def encode(self, index: int, row: Any) -> tuple:
         """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
@@ -260,12 +287,12 @@ class RowEncoder:
         if isinstance(row, dict) and row.get("id") is not None:
             sample_id = str(row["id"])
         try:
-            ids, mask = self._encode(row)
+            ids, mask, cut_early = self._encode(row)
             status, reason = "kept", ""
-            if len(ids) > self.max_length:
+            if cut_early or len(ids) > self.max_length:
                 if self.too_long == "skip":
                     raise _RowSkipped("too_long", f"{len(ids)} tokens > max_length {self.max_length}")
-                status, reason = "truncated", f"{len(ids)} tokens cut to {self.max_length}"
+                status, reason = "truncated", f"{cut_early or f'{len(ids)} tokens'} cut to {self.max_length}"
                 ids, mask = ids[: self.max_length], mask[: self.max_length]
                 if not mask.any():
                     raise _RowSkipped("empty", f"no assistant tokens in the first {self.max_length} tokens")
@@ -276,13 +303,15 @@ class RowEncoder:
             return index, sample_id, "malformed", f"unexpected {type(e).__name__}: {e}", None, None
         return index, sample_id, status, reason, ids, mask
 
-    def _encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _encode(self, row: Any) -> tuple[np.ndarray, np.ndarray, str]:
+        """``(ids, mask, cut_early)``: ``cut_early`` is "" unless only the row's first ``max_length`` tokens were
+        made (``tokenize``), and then says how long the row is."""
         if isinstance(row, UnreadableRow):
             raise _malformed(row.reason)
         if not isinstance(row, dict):
             raise _malformed(f"row is a {type(row).__name__}, not an object")
         if row.get("input_ids") is not None:
-            return self._pretokenized(row["input_ids"], row.get("loss_mask"))
+            return *self._pretokenized(row["input_ids"], row.get("loss_mask")), ""
         if row.get("messages") is not None:
             messages = _chat_messages(row["messages"])
         elif row.get("conversations") is not None:
@@ -293,14 +322,44 @@ class RowEncoder:
             raise _malformed("row has none of the fields 'messages', 'conversations', 'input_ids', 'text'")
         return self._encode_chat(messages, _tools(row.get("tools")))
 
-    def _encode_text(self, text: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_text(self, text: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, str]:
         """Plain text: its tokens as the tokenizer gives them, no template, no special tokens added."""
         if not isinstance(text, str):
             raise _malformed(f"'text' is a {type(text).__name__}, not a string")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # A mask given with the text covers all its tokens: checked against their count, so tokenized whole.
+        ids, _, cut_early = self.tokenize(text, whole=mask is not None)
         if not ids:
             raise _RowSkipped("empty", "'text' is empty")
-        return self._pretokenized(ids, mask)
+        return *self._pretokenized(ids, mask), cut_early
+
+    def tokenize(
+        self, text: str, *, offsets: bool = False, whole: bool = False
+    ) -> tuple[list, list | None, str]:
+        """The tokenizer's ids of ``text`` (and each token's character span, with ``offsets``), no special tokens
+        added; the third value is "" when the text was tokenized whole. When the row is cut to ``max_length``
+        anyway, only the first ``max_length`` tokens are made, from a prefix (the module docstring says why they
+        are the whole text's), and the third value says how long the row is; with ``skip``, a row that cannot fit
+        is refused untokenized (``_RowSkipped``)."""
+        n, chars = self.max_length, len(text)
+        if not whole and self.too_long == "skip" and self.byte_level:
+            if chars > FAR_TOO_LONG * n * self.longest_token:
+                raise _RowSkipped(
+                    "too_long",
+                    f"{chars} characters: over max_length {n} tokens (no token spans over "
+                    f"{self.longest_token} bytes)",
+                )
+        prefix = (n + PREFIX_MARGIN_TOKENS) * self.longest_token
+        if whole or self.too_long != "truncate" or chars <= 2 * prefix:
+            return *self._run(text, offsets), ""
+        ids, spans = self._run(text[:prefix], offsets)
+        again, again_spans = self._run(text[: 2 * prefix], offsets)
+        if len(ids) <= n or ids[:n] != again[:n] or (offsets and spans[:n] != again_spans[:n]):
+            return *self._run(text, offsets), ""  # a tokenizer the bound does not hold for: the whole text
+        return ids[:n], spans[:n] if offsets else None, f"over {n} tokens ({chars} characters)"
+
+    def _run(self, text: str, offsets: bool) -> tuple[list, list | None]:
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        return encoding["input_ids"], encoding["offset_mapping"] if offsets else None
 
     def _pretokenized(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -338,7 +397,7 @@ class RowEncoder:
         except Exception:
             return None
 
-    def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[np.ndarray, np.ndarray, str]:
         if not messages:
             raise _RowSkipped("empty", "the conversation has no messages")
         if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
@@ -349,15 +408,15 @@ class RowEncoder:
             full = self._render(messages, tools)
         except Exception as e:
             raise _malformed(f"the chat template failed: {type(e).__name__}: {e}") from e
-        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(encoding["input_ids"], dtype=np.int32)
+        ids, spans, cut_early = self.tokenize(full, offsets=True)
+        ids = np.asarray(ids, dtype=np.int32)
         if not ids.size:
             raise _RowSkipped("empty", "the conversation renders to no tokens")
-        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        offsets = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
-        if not mask.any():
+        if not mask.any() and not cut_early:  # cut early, ``encode`` refuses it as it does any cut row
             raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
-        return ids, mask
+        return ids, mask, cut_early
 
     def _assistant_spans(self, messages: list[dict], tools: list | None, full: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in ``full``, sorted and disjoint (see the module docstring)."""

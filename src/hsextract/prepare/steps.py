@@ -3,7 +3,7 @@
 Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
 it was. So ``prepare_run`` goes:
 
-1. ``check_inputs``: the run dir, the model config and layer ids, the output (a probe object), the staging
+1. ``check_inputs``: the run dir (a directory, with room), the model config and layer ids, the output (a probe object), the staging
    directory's space, and that staging, output and run dir do not overlap;
 2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row
    tokenized (parallel, cached in the run dir, bad rows counted per source), ids made unique;
@@ -104,6 +104,7 @@ def prepare_run(
 def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The model config, the layer ids, the output and the staging space: fails fast, writes nothing."""
     RunDir(cfg.run_dir).check_is_dir()
+    RunDir(cfg.run_dir).check_space()
     check_same_output(cfg)
     check_no_overlap(cfg)
     config, text, num_layers = load_model_config(cfg.model)

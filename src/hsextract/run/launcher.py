@@ -38,7 +38,7 @@ from hsextract.run.finalize import finalize_output
 from hsextract.run.prewarm import Warmup, open_kernel_cache
 from hsextract.run.procs import Terminated, die_with_parent
 from hsextract.run.progress import ShardProgress
-from hsextract.run.rundir import RunDir
+from hsextract.run.rundir import OUTPUT_CHECK_ENV, RunDir
 from hsextract.run.stalls import StallWatch
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
@@ -147,11 +147,15 @@ def _run_shards(
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     if len(todo) < len(shards):
         echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+    if todo:
+        run_dir.check_space()  # after the token cache and run files took theirs
+        # The workers take their shards' part of this check instead of reading every record once more.
+        run_dir.save_output_check(plan.plan_hash, shards, done, problems)
     kc = open_kernel_cache(cfg)
     warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:
         warm = Warmup.start(cfg, plan, kc, echo=echo)
-    extra = warm.worker_env() if warm else {}
+    extra = {**(warm.worker_env() if warm else {}), OUTPUT_CHECK_ENV: "1"}
     early = {s: prestarted.take(s, extra) for s in todo} if prestarted is not None else {}
     if prestarted is not None:
         prestarted.release()  # shards with nothing to do
@@ -229,6 +233,8 @@ def failure_message(run_dir: RunDir | Path, shard: int, returncode: int) -> str:
         # Killed by a signal: the worker wrote nothing about it, and the last line of its output is whatever ran
         # last (often a warning from a dying child's resource tracker), not the reason.
         why = ""
+    elif note := run_dir.low_space_note():  # nothing recorded, and its last words cut short if any
+        why = f": {note}"
     else:  # died before it could record why (or refused to touch the progress file): its last words
         why = _last_line(run_dir.log_file(shard, "stderr"))
         why = f": {why}" if why else ""

@@ -72,6 +72,11 @@ class DamagedProgress(ValueError):
     """A progress file that does not hold a shard's progress; the message names the file and the problem."""
 
 
+RESERVE_BYTES = 64 << 10
+
+"""Room each worker keeps in the run dir while it runs: a progress file is at most 16 kB."""
+
+
 HISTORY_POINTS = 400
 
 """Bound on a shard's rate history. When it is full every other point goes and the spacing doubles: a short run
@@ -122,6 +127,26 @@ class ShardProgress:
         self._record_history(self.updated_at)
         # Rewritten every second and only ever reported: no fsync, but a reader still sees a whole file.
         atomic_write(RunDir(run_dir).progress_file(self.shard), json.dumps(asdict(self)), durable=False)
+
+    def keep_room(self, run_dir: RunDir | Path) -> None:
+        """Set ``RESERVE_BYTES`` aside in the run dir for ``save_last`` (written, so that the blocks are taken)."""
+        atomic_write(RunDir(run_dir).reserve_file(self.shard), bytes(RESERVE_BYTES), durable=False)
+
+    def save_last(self, run_dir: RunDir | Path) -> bool:
+        """The worker's last save (done, failed, stopped): on a full file system the room ``keep_room`` kept is
+        given up first, so that the file still says how the shard ended. Returns whether it was saved."""
+        reserve = RunDir(run_dir).reserve_file(self.shard)
+        try:
+            try:
+                self.save(run_dir)
+            except OSError:
+                reserve.unlink(missing_ok=True)
+                self.save(run_dir)
+        except OSError:
+            return False
+        finally:
+            reserve.unlink(missing_ok=True)
+        return True
 
     def _record_history(self, now: float) -> None:
         point = [round(now, 3), self.tokens_done, self.staged_bytes]

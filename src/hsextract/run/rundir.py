@@ -10,9 +10,12 @@ A run directory is what a rerun resumes from. Layout::
     cache/               tokenization cache (reused by dry-run and reruns)
     markers/shard-SSSSS/batch-BBBBBB.safetensors.done   a batch durable in the output (what resume trusts)
     progress/shard-SSSSS.json                           counters and state of a shard (what status shows)
+    progress/shard-SSSSS.reserve                        room kept to record why the shard stopped (progress.py)
     logs/shard-SSSSS[.role].log                         each process's log
     locks/shard-SSSSS.lock                              held by the process running the shard
     kernel-cache.json    names the kernel cache the run used (a per-user directory: model/kernel_cache.py)
+    output-check.json    what the launcher found done in the output just before it started the workers, which
+                         take their shard's from it instead of reading every completion record again
     warmup.done          written when the kernel warm-up ends; the shards wait for it before their first batch
     COMPLETE             written after the manifest: the run is finished
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import socket
@@ -35,12 +39,24 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, free_bytes
 from hsextract.format.batch import StateLayout
 from hsextract.format.keys import shard_name
 from hsextract.storage.fileio import load_json, write_json
 
 MARKER_SUFFIX = ".done"
+
+
+OUTPUT_CHECK_ENV = "HSEXTRACT_OUTPUT_CHECKED"
+
+"""Set by the launcher for the workers it starts: ``output-check.json`` holds their shards' check of the output,
+made just before. A worker started any other way checks the output itself."""
+
+
+RUN_DIR_MIN_FREE_BYTES = 16 << 20
+
+"""The least free space a run starts with in its run dir: its files are small (progress, markers, logs, the token
+cache), but a full run dir stops every worker with nothing recorded of why."""
 
 
 def default_run_dir(output: str, node_rank: int | None = None) -> Path:
@@ -131,8 +147,33 @@ class RunDir:
         """The go (or stop) of a worker started before the plan was ready (run/prestart.py)."""
         return self.root / "prestart" / f"{shard_name(shard)}.json"
 
+    @property
+    def output_check_file(self) -> Path:
+        return self.root / "output-check.json"
+
+    def save_output_check(
+        self, plan_hash: str, shards, done: dict[str, dict], problems: dict[str, str]
+    ) -> None:
+        """What ``records.verified_done`` found for ``shards``: the records of the batches done, and why each
+        other recorded one is not."""
+        record = {"plan_hash": plan_hash, "shards": sorted(shards), "done": done, "problems": problems}
+        write_json(self.output_check_file, record, durable=False)
+
+    def load_output_check(self, plan_hash: str, shard: int) -> tuple[dict[str, dict], dict[str, str]] | None:
+        """``(done, problems)`` as the launcher saved them, if it checked ``shard`` for this plan; else None."""
+        try:
+            record = json.loads(self.output_check_file.read_text())
+            if record["plan_hash"] != plan_hash or shard not in record["shards"]:
+                return None
+            return dict(record["done"]), dict(record["problems"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
     def progress_file(self, shard: int) -> Path:
         return self.progress_dir / f"{shard_name(shard)}.json"
+
+    def reserve_file(self, shard: int) -> Path:
+        return self.progress_dir / f"{shard_name(shard)}.reserve"
 
     def lock_file(self, shard: int) -> Path:
         return self.locks_dir / f"{shard_name(shard)}.lock"
@@ -179,6 +220,28 @@ class RunDir:
         f.write(f"pid {os.getpid()} on {socket.gethostname()}")
         f.flush()
         return f
+
+    def check_space(self) -> None:
+        """Refuse to start on a run dir file system with less than ``RUN_DIR_MIN_FREE_BYTES`` free."""
+        free = free_bytes(self.root)
+        if free is not None and free < RUN_DIR_MIN_FREE_BYTES:
+            raise HsextractError(
+                f"run dir {self.root} has {free:,} bytes free on its file system, under the "
+                f"{RUN_DIR_MIN_FREE_BYTES:,} a run needs there (progress, markers, logs, the token cache): free "
+                "space there or choose another --run-dir"
+            )
+
+    def low_space_note(self) -> str:
+        """Why a worker that failed may have recorded nothing: its run dir's file system is (nearly) full; "" if
+        it is not."""
+        free = free_bytes(self.root)
+        if free is None or free >= RUN_DIR_MIN_FREE_BYTES:
+            return ""
+        return (
+            f"no error recorded, and run dir {self.root} has {free:,} bytes free on its file system: a worker "
+            "that cannot write there cannot record why it stopped (No space left on device?). Free space there, "
+            "then rerun the same command to resume"
+        )
 
     def is_run_dir(self) -> bool:
         return self.plan_file.exists()

@@ -7,8 +7,9 @@ and boto3's Python code never hold the worker's GIL while it feeds the GPU; ``su
 Per file, in this order (the invariants are what make a crash at any point safe to rerun):
 
 1. check that the output is still claimed by this run's job (output.check_claim), then upload through the
-   ``Sink`` (``put_file`` retries transient failures and verifies size and checksum), then write the batch's
-   completion record into the output (output.write_done: the same record as the marker, with the plan hash);
+   ``Sink`` (``put_file`` retries transient failures, verifies size and checksum, and checks the bytes it sends
+   against the CRC32 the file's writer computed), then write the batch's completion record into the output
+   (output.write_done: the same record as the marker, with the plan hash);
 2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32 of the
    file and the size and checksum of its header (format/records.py; the manifest copies them):
    a marker exists only for a key that is durable in the output;
@@ -18,6 +19,10 @@ Per file, in this order (the invariants are what make a crash at any point safe 
 A key submitted when its marker already exists (a rerun after a crash between steps 2 and 3) is not uploaded
 again: the staged file is deleted and the key reported. ``concurrency`` files are uploaded at once by a thread pool
 in the child. The job queue is unbounded in count because the worker bounds the staged *bytes* itself.
+
+A staged file whose bytes are not the ones its writer wrote (altered while it waited: ``StagedFileChanged``) is
+not uploaded: it is deleted, so that the next run recomputes its batch, and the uploader stops as on any permanent
+failure, naming it.
 
 Failures: a permanent failure (refused credentials, missing bucket, the retry deadline passed, any unexpected
 error) is logged, sent back as a message, and the child exits with status 1 at once, leaving every file that is
@@ -52,7 +57,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsextract.errors import HsextractError, UploaderDied, redact
+from hsextract.errors import HsextractError, StagedFileChanged, UploaderDied, disk_full, redact
 from hsextract.format.batch import read_file_head
 from hsextract.format.records import check_claim, stored_record, write_done
 from hsextract.run.procs import die_with_parent, log_to_file
@@ -163,12 +168,13 @@ class Uploader:
         self._started_at = time.time()
         self._process.start()
 
-    def submit(self, path: Path, key: str) -> None:
-        """Queue a complete staged file for upload to ``key``; the uploader deletes it once it is marked."""
+    def submit(self, path: Path, key: str, crc32: int | None = None) -> None:
+        """Queue a complete staged file for upload to ``key``; the uploader deletes it once it is marked. ``crc32``
+        is the file's as its writer wrote it: the bytes uploaded must have it."""
         if self._closed:
             raise RuntimeError("submit() after close()")
         self.check_alive()
-        self._jobs.put((str(path), key))
+        self._jobs.put((str(path), key, crc32))
 
     def poll_done(self) -> list[str]:
         """Keys confirmed (uploaded and marked, staged file deleted) since the last call; never blocks.
@@ -280,7 +286,9 @@ def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: mu
         _serve(config, sink, pool, jobs, results)
         pool.shutdown()
     except Exception as e:
-        # HsextractErrors are worded for the user; anything else is a bug, logged with its traceback.
+        # HsextractErrors are worded for the user (a full file system too: a marker that cannot be written); anything
+        # else is a bug, logged with its traceback.
+        e = disk_full(e) or e
         if isinstance(e, HsextractError):
             log.error("stopping: %s", e)
         else:
@@ -322,8 +330,8 @@ def _serve(
             continue
         if job is None:
             break
-        path, key = job
-        in_flight.add(pool.submit(_upload_one, sink, config, Path(path), key, results))
+        path, key, crc32 = job
+        in_flight.add(pool.submit(_upload_one, sink, config, Path(path), key, crc32, results))
     while in_flight:
         finished, in_flight = wait(in_flight, timeout=_POLL_S, return_when=FIRST_EXCEPTION)
         for future in finished:
@@ -332,7 +340,12 @@ def _serve(
 
 
 def _upload_one(
-    sink: Sink, config: UploaderConfig, path: Path, key: str, results: multiprocessing.Queue
+    sink: Sink,
+    config: UploaderConfig,
+    path: Path,
+    key: str,
+    crc32: int | None,
+    results: multiprocessing.Queue,
 ) -> None:
     marker = marker_path(config.marker_dir, key)
     if marker.exists():
@@ -349,7 +362,13 @@ def _upload_one(
             # is recomputed (it names the marker to delete).
             head = None
             log.warning("%s: %s; its marker records no header checksum", key, e)
-        stored = sink.put_file(path, key)
+        try:
+            stored = sink.put_file(path, key, expected_crc32=crc32)
+        except StagedFileChanged as e:
+            path.unlink(missing_ok=True)
+            raise StagedFileChanged(
+                f"{e}; deleted from staging, so that rerunning the same command recomputes {key}"
+            ) from None
         seconds = time.monotonic() - start
         record = stored_record(stored, sink.url, head)
         if config.plan_hash:

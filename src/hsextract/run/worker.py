@@ -1,10 +1,10 @@
-"""The per-shard worker: resume bookkeeping, the GPU pipeline, files to staging, the uploader process.
+"""The per-shard worker: the GPU pipeline, files to staging, the uploader process.
 
 One process per shard (``main`` with RUN_DIR SHARD), started by the launcher with ``CUDA_VISIBLE_DEVICES``
-already set. ``ShardRun`` locks the shard, works out what is left (done is what the output records and bears out;
-markers are a cache of that; complete staged files are uploaded, not recomputed; ``*.tmp-*`` files, writes cut
-short, are deleted), loads the model and drives the pipeline (pipeline.py) over the remaining batches. Its writer callback writes each batch file into
-the staging directory and hands it to the uploader process (uploader.py), which marks it done once it is durable.
+already set. ``ShardRun`` locks the shard, works out what is left (resume.py: done is what the output records and
+bears out; complete staged files are uploaded, not recomputed), loads the model and drives the pipeline
+(pipeline.py) over the remaining batches. Its writer callback writes each batch file into the staging directory
+and hands it to the uploader process (uploader.py), which marks it done once it is durable.
 
 Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; the pipeline's slots then
 stop coming back and the GPU waits too, without failing, until the uploader drains the staging directory.
@@ -23,7 +23,6 @@ says ``stopped`` by that signal, and the process exits with 128 + the signal num
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import signal
@@ -37,11 +36,10 @@ from pathlib import Path
 import torch
 
 from hsextract.config import RunConfig
-from hsextract.errors import CorruptOutputError, HsextractError, redact
+from hsextract.errors import HsextractError, disk_full, redact
 from hsextract.format.batch import batch_metadata
 from hsextract.format.final_norm import write_final_norm
 from hsextract.format.keys import shard_name
-from hsextract.format.records import verified_done
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
 from hsextract.model.tuned import install_here as install_tuned
@@ -51,14 +49,12 @@ from hsextract.run.pipeline import Extractor
 from hsextract.run.prewarm import wait_for_warmup, warmup_pending
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress
+from hsextract.run.resume import recover_staging, sync_with_output
 from hsextract.run.rundir import RunDir, RunInfo, scan_staging
 from hsextract.run.stalls import Stall, same_stall, stall_note, worker_stall
 from hsextract.run.uploader import Uploader
-from hsextract.run.writer import read_metadata, write_batch_file
+from hsextract.run.writer import write_batch_file
 from hsextract.storage import open_sink
-from hsextract.storage.fileio import atomic_write
-from hsextract.storage.local import LocalSink
-from hsextract.verify import check_file
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +113,7 @@ class ShardRun:
                 self.progress.progress_at = time.time()
                 self.session_tokens += b.num_tokens
 
-    def _save_progress(self, state: str | None = None) -> None:
+    def _save_progress(self, state: str | None = None, *, last: bool = False) -> None:
         if state:
             self.progress.state = state
         elapsed = max(time.time() - self.t_start, 1e-6)
@@ -130,7 +126,10 @@ class ShardRun:
             p.staged_bytes = scan_staging(self.staging).bytes
         except FileNotFoundError:
             p.staged_bytes = 0
-        p.save(self.run_dir)
+        if last:  # how the shard ended: saved even on a full run dir, if at all possible
+            p.save_last(self.run_dir)
+        else:
+            p.save(self.run_dir)
 
     def _poll_uploader(self) -> None:
         self.uploader.check_alive()
@@ -217,64 +216,6 @@ class ShardRun:
         p.stalled_since = since if stall else None
 
     # -- staging ----------------------------------------------------------------------------------------------
-    def _sync_with_output(self, sink) -> None:
-        """The output, not the run dir, decides what is done: a batch is done only if the output records it for
-        this plan and holds the object as recorded. A missing marker is written back (a run dir lost, a rerun on
-        another node); a marker the output does not bear out (the output deleted, replaced or damaged behind the
-        run) is dropped and its batch recomputed."""
-        good, problems = verified_done(sink, f"{shard_name(self.shard)}/", self.by_key, self.plan.plan_hash)
-        markers = {k for k in self.run_dir.done_keys() if k in self.by_key}
-        if stale := sorted(markers - set(good)):
-            for key in stale:
-                self.run_dir.marker(key).unlink(missing_ok=True)
-            why = problems.get(stale[0], "no completion record")
-            log.warning(
-                "%d batch(es) with a marker are not done in the output (e.g. %s: %s): recomputed",
-                len(stale),
-                stale[0],
-                why,
-            )
-        for key in set(good) - markers:
-            atomic_write(self.run_dir.marker(key), json.dumps(good[key]))
-        self._mark_done(sorted(good))
-
-    def _recover_staging(self) -> list[str]:
-        """Drop cut-short writes and files that are not this plan's; return keys of complete staged files that
-        still need uploading. A staged file is trusted only if its own header names this plan and its key."""
-        self.staging.mkdir(parents=True, exist_ok=True)
-        pending = []
-        for entry in sorted(os.scandir(self.staging), key=lambda e: e.name):
-            key = f"{shard_name(self.shard)}/{entry.name}"
-            if ".tmp" in entry.name:  # a write cut short: temporary names hold .tmp
-                os.unlink(entry.path)
-                log.info("discarded partial staged file %s", entry.name)
-            elif key in self.done or key not in self.by_key:
-                os.unlink(entry.path)
-            elif (why := self._foreign(Path(entry.path), self.by_key[key])) is not None:
-                os.unlink(entry.path)
-                log.warning("discarded staged file %s: %s; it will be recomputed", entry.name, why)
-            else:
-                pending.append(key)
-        return pending
-
-    def _foreign(self, path: Path, batch: BatchSpec) -> str | None:
-        """Why a staged file does not belong to this plan's ``batch``, or None if its header proves it does."""
-        try:
-            meta = read_metadata(path)
-        except (OSError, HsextractError) as e:
-            return f"unreadable header ({e})"
-        if meta.get("plan_hash") != self.plan.plan_hash:
-            return f"written for another plan ({meta.get('plan_hash')})"
-        if (meta.get("shard"), meta.get("batch_id")) != (str(batch.shard), str(batch.batch_id)):
-            return f"holds shard {meta.get('shard')} batch {meta.get('batch_id')}"
-        # Every byte against the checksums the writer put in its header: a file truncated or altered after a
-        # crash is recomputed, never uploaded (its record would then vouch for the damaged bytes).
-        try:
-            check_file(LocalSink(path.parent), {"key": path.name, "size": path.stat().st_size})
-        except CorruptOutputError as e:
-            return e.problem
-        return None
-
     def _wait_for_budget(self, need: int) -> None:
         waited = False
         while True:
@@ -310,7 +251,7 @@ class ShardRun:
         path = self.staging / Path(batch.key).name
         t0 = time.perf_counter()
         try:
-            size = write_batch_file(path, tensors, meta)
+            size, crc32 = write_batch_file(path, tensors, meta)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -327,16 +268,17 @@ class ShardRun:
             size / 1e6,
             time.perf_counter() - t0,
         )
-        self._submit(path, batch.key)
+        self._submit(path, batch.key, crc32)
 
-    def _submit(self, path: Path, key: str) -> None:
+    def _submit(self, path: Path, key: str, crc32: int) -> None:
         self.submitted.add(key)
-        self.uploader.submit(path, key)
+        self.uploader.submit(path, key, crc32)
 
     # -- main -------------------------------------------------------------------------------------------------
     def _lock_shard(self) -> None:
         self._lock_file = self.run_dir.lock_shard(self.shard)
         self.locked = True
+        self.progress.keep_room(self.run_dir)
 
     def run(self) -> None:
         self._lock_shard()
@@ -351,9 +293,9 @@ class ShardRun:
             self.staging,
         )  # noqa: E501
         sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
-        self._sync_with_output(sink)
+        self._mark_done(sync_with_output(sink, self.run_dir, self.shard, self.by_key, self.plan.plan_hash))
         self.session_tokens = 0
-        staged = self._recover_staging()
+        staged = recover_staging(self.staging, self.shard, self.done, self.by_key, self.plan.plan_hash)
         if len(self.done) < len(self.batches):
             # A killed uploader can leave a half-copied file (local) or an open multipart upload (S3) in the output.
             partials = sink.discard_partials(f"{shard_name(self.shard)}/")
@@ -381,8 +323,8 @@ class ShardRun:
         # stay for the rerun.
         self.uploader.start()
         self.progress.uploader_pid = self.uploader.pid
-        for key in staged:
-            self._submit(self.staging / Path(key).name, key)
+        for key, crc32 in staged.items():
+            self._submit(self.staging / Path(key).name, key, crc32)
         if todo:
             self._compute(todo)
         self._save_progress("draining")
@@ -394,7 +336,7 @@ class ShardRun:
         self._mark_done(self.uploader.close())
         self.uploader = None
         self.progress.uploader_pid, self.progress.uploader_heartbeat_at = 0, None
-        self._save_progress("done")
+        self._save_progress("done", last=True)
         try:
             self.staging.rmdir()  # empty now: every staged file was uploaded and removed
         except OSError:
@@ -452,19 +394,19 @@ def main(argv=None) -> int:
         code, message, state = e.exit_code, str(e), "stopped"
     except BaseException as e:
         if not stop_signal:
-            code, message = _failure(shard, e)
+            code, message = _failure(shard, disk_full(e, where=run_dir) or e)
         else:  # a failure caused by the stop itself (the uploader got the group's SIGTERM first)
             e = Terminated(stop_signal[0])
             code, message, state = e.exit_code, str(e), "stopped"
     if state == "stopped":
         log.warning("shard %d %s; finished batches are kept, unfinished ones stay staged", shard, message)
-        print(f"shard {shard}: {message}", file=sys.stderr)
+        _say(f"shard {shard}: {message}")
     if shard_run is not None and shard_run.uploader is not None:
         shard_run.uploader.kill()
     # Only the process holding the shard's lock may write its progress (another may be running it right now).
     if shard_run is not None and shard_run.locked:
         shard_run.progress.error = message
-        shard_run._save_progress(state)
+        shard_run._save_progress(state, last=True)
     return code
 
 
@@ -479,12 +421,21 @@ def _failure(shard: int, e: BaseException) -> tuple[int, str]:
     """Log and print why the shard failed; the exit code and the message its progress file records."""
     if isinstance(e, HsextractError):
         log.error("%s", e)
-        print(f"shard {shard}: {e}", file=sys.stderr)
+        _say(f"shard {shard}: {e}")
         return 2, str(e)
     log.error("shard %d failed", shard, exc_info=e)
     message = redact(repr(e))
-    print(f"shard {shard} failed: {message}", file=sys.stderr)
+    _say(f"shard {shard} failed: {message}")
     return 1, message
+
+
+def _say(line: str) -> None:
+    """A line on stderr (the run dir's ``.stderr.log``), unless that file system is full: the progress file,
+    saved last, is what the launcher and ``status`` read."""
+    try:
+        print(line, file=sys.stderr)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ A batch file holds, for the B samples of one batch and their N valid tokens in t
   one per sample over its rows of every per-token tensor, one over the index tensors; format/batch.py defines them).
 
 The checksums are computed here, in the writer thread, from the host tensors about to be written: that is the last
-moment the bytes are known good, and the thread overlaps with the GPU's next forward anyway.
+moment the bytes are known good, and the thread overlaps with the GPU's next forward anyway. So is the CRC32 of the
+whole file, beside the write: the uploader checks the bytes it sends against it (a file altered while
+staged is refused, not uploaded).
 
 The serializer is ours rather than ``safetensors.torch.save_file`` because that one first copies every tensor into
 a bytes object; here the pinned host buffer is written to the file as it is. The files are standard safetensors
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 
@@ -100,27 +104,42 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Write ``tensors`` (CPU, contiguous) to ``path`` atomically; returns the file size.
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> tuple[int, int]:
+    """Write ``tensors`` (CPU, contiguous) to ``path`` atomically; returns the file's size and CRC32.
 
-    Renamed into place only after flush and fsync: a file under its final name is complete.
+    The CRC32 is computed from the same buffers by a second thread while they are written (zlib releases the GIL),
+    so the write takes about as long as the slower of the two instead of both. Renamed into place only after flush
+    and fsync: a file under its final name is complete.
     """
     path = Path(path)
-    header = safetensors_header(tensors, metadata)
+    parts = [memoryview(safetensors_header(tensors, metadata))]
+    parts += [_bytes(t) for t in tensors.values() if t.numel()]
 
-    def write(f) -> None:
-        f.write(header)
-        for t in tensors.values():
-            if t.numel():
-                f.write(_bytes(t))
+    def write(f) -> tuple[int, int]:
+        with ThreadPoolExecutor(1, thread_name_prefix="crc32") as pool:
+            crc = pool.submit(crc32_of, parts)
+            for part in parts:
+                f.write(part)
+            return sum(len(part) for part in parts), crc.result()
 
-    atomic_write(path, write)
-    return path.stat().st_size
+    return atomic_write(path, write)
 
 
-def write_batch_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+def crc32_of(parts) -> int:
+    """The CRC32 of the buffers one after the other."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def write_batch_file(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> tuple[int, int]:
     """Write a batch file: per-token tensors then index tensors, each group in name order, and ``metadata``
-    plus the checksums of the tensors. Returns the file size."""
+    plus the checksums of the tensors. Returns the file's size and CRC32."""
     per_token, index = checksum_order(tensors)
     ordered = {name: tensors[name] for name in per_token + index}
     return write_safetensors(path, ordered, {**metadata, **batch_checksums(ordered)})

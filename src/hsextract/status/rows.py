@@ -90,7 +90,8 @@ def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list
                 "stalled_for_s": round(now - stall.since, 1) if stall else None,
                 "stall_reason": stall.reason if stall else "",
                 "host": p.host if p else "",
-                "error": p.error if p else "",
+                "error": (p.error if p else "")
+                or (run_dir.low_space_note() if state in (ShardState.CRASHED, ShardState.FAILED) else ""),
                 "damaged": damaged,
                 "log": str(run_dir.log_file(s)),
             }

@@ -8,10 +8,12 @@ written, so that a typo in a bucket name costs seconds, not a model load.
 Durability contract: when ``put_file`` returns, the object is complete and verified under its final key, and it
 returns a ``StoredObject`` (key, size, CRC32) that the uploader records in its marker. Writing the same key again
 is allowed and replaces the object, so a rerun after a crash may upload a batch twice but never leaves half of one.
+Given the CRC32 the file's writer computed, ``put_file`` checks the bytes it sends against it, as it sends them (no
+second read of the file), and stores nothing under the key if they differ (``StagedFileChanged``).
 
 - Local: the file is copied to ``root/key.tmp-<pid>-<tid>`` while its CRC32 is computed, fsynced, renamed over the
-  final name and the directory fsynced; a file under its final name is complete. Leftover ``.tmp-`` files from a
-  crash are invisible to ``list_keys``.
+  final name (only if the CRC32 is the writer's) and the directory fsynced; a file under its final name is
+  complete. Leftover ``.tmp-`` files from a crash are invisible to ``list_keys``.
 - S3: see s3.py (multipart upload with a full-object CRC32, verified with head_object, retried).
 
 This module must not import torch: it runs in the light uploader process.
@@ -26,6 +28,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
+
+from hsextract.errors import StagedFileChanged
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,13 @@ def read_with_crc32(path: Path, copy_to: BinaryIO | None = None) -> tuple[int, i
     return size, crc
 
 
+def changed_file(path: Path, crc: int, expected: int) -> StagedFileChanged:
+    return StagedFileChanged(
+        f"{path} changed after it was written: the bytes read to upload it have CRC32 {crc:08x}, its writer wrote "
+        f"{expected:08x}; not uploaded"
+    )
+
+
 def crc32_base64(crc: int) -> str:
     """The encoding S3 uses for CRC32 checksums: the 4 big-endian bytes, base64."""
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
@@ -86,10 +97,12 @@ class Sink(abc.ABC):
     url: str
 
     @abc.abstractmethod
-    def put_file(self, local_path: Path, key: str) -> StoredObject:
+    def put_file(self, local_path: Path, key: str, expected_crc32: int | None = None) -> StoredObject:
         """Store a complete local file under ``key``; when this returns the object is durable and verified.
 
-        The local file is left in place: the caller deletes it once it has recorded the upload.
+        With ``expected_crc32`` (the CRC32 its writer computed), the bytes stored must have it: else
+        ``StagedFileChanged`` is raised and nothing is left under ``key``. The local file is left in place: the
+        caller deletes it once it has recorded the upload.
         """
 
     @abc.abstractmethod

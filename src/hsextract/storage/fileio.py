@@ -57,6 +57,12 @@ def atomic_write(
             if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        # Named by the file meant, not its temporary name; a write that fails as the file closes names none.
+        if e.errno is not None and e.filename in (None, str(tmp)):
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

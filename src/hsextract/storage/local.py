@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, disk_full
 from hsextract.format.keys import check_key
-from hsextract.storage.base import PROBE_PREFIX, Sink, StoredObject, read_with_crc32
+from hsextract.storage.base import PROBE_PREFIX, Sink, StoredObject, changed_file, read_with_crc32
 from hsextract.storage.fileio import TMP_MARK, atomic_write, fsync_dir, tmp_path
 
 
@@ -25,10 +25,19 @@ class LocalSink(Sink):
         check_key(key)
         return self.root / key
 
-    def put_file(self, local_path: Path, key: str) -> StoredObject:
+    def put_file(self, local_path: Path, key: str, expected_crc32: int | None = None) -> StoredObject:
         dest = self._path(key)
         expected = os.stat(local_path).st_size
-        size, crc = self._write_atomically(dest, lambda out: read_with_crc32(Path(local_path), copy_to=out))
+
+        def copy(out: BinaryIO) -> tuple[int, int]:
+            size, crc = read_with_crc32(Path(local_path), copy_to=out)
+            if (
+                expected_crc32 is not None and crc != expected_crc32
+            ):  # raised before the rename: nothing stored
+                raise changed_file(Path(local_path), crc, expected_crc32)
+            return size, crc
+
+        size, crc = self._write_atomically(dest, copy)
         if size != expected:
             raise HsextractError(f"copying {local_path} to {dest} wrote {size} bytes, expected {expected}")
         return StoredObject(key, size, crc)
@@ -76,7 +85,7 @@ class LocalSink(Sink):
         try:
             return atomic_write(dest, write)
         except OSError as e:
-            raise HsextractError(f"could not write {dest}: {e}") from e
+            raise disk_full(e) or HsextractError(f"could not write {dest}: {e}") from e
 
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()

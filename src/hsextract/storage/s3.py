@@ -1,14 +1,18 @@
 """Output on S3 (or an S3-compatible store): the ``S3Sink`` behind base.py's ``Sink`` interface.
 
-boto3's transfer manager uploads the file (multipart above ``multipart_threshold``, parts in parallel). The
-  CRC32 of the local file is computed first and sent as a *full-object* checksum (``ChecksumCRC32`` with
-  ``ChecksumType=FULL_OBJECT``, each part also carrying its own CRC32), so S3 itself rejects an object whose bytes
-  differ from the file. Then ``head_object`` must report the local size and, when the server returns a full-object
-  CRC32, the local CRC32. Trade-off: the file is read twice (checksum, upload); zlib's CRC32 runs at GB/s and
-  releases the GIL, and this runs in the uploader process anyway. Servers that reject checksum headers (some
-  S3-compatible stores) are served by botocore's standard switch ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``:
-  then no checksum is sent and only the size is verified. Moto, used by the tests, stores a single-part checksum as
-  sent without validating it but computes full-object CRC32s of multipart uploads itself; AWS validates both.
+A file under ``multipart_threshold`` is read into memory once, its CRC32 computed from those bytes and checked
+  against the writer's (``expected_crc32``), and those same bytes are sent with it (``put_object``). A larger one
+  goes through boto3's transfer manager (multipart, parts in parallel, each carrying its own CRC32) with the
+  writer's CRC32 as the *full-object* checksum (``ChecksumCRC32``, ``ChecksumType=FULL_OBJECT``): S3 computes the
+  full-object CRC32 of the parts it received and refuses, or reports, one that differs; without the writer's CRC32
+  the file is read once first for one. Then ``head_object`` must report the local size and, when the server
+  returns a full-object CRC32, that CRC32. A mismatch there is retried as damage in transit unless the file itself
+  no longer has the writer's CRC32 (read again only then): then the object is deleted and ``StagedFileChanged``
+  raised. Servers that reject checksum headers (some S3-compatible stores) are served by botocore's standard
+  switch ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``: then no checksum is sent and only the size is
+  verified (a large file is then read for its CRC32 before it is sent). Moto, used by the tests, stores a
+  single-part checksum as sent without validating it but computes full-object CRC32s of multipart uploads itself;
+  AWS validates both.
 
 Retries: botocore retries a few times on its own ("standard" mode). Around that, every S3 operation runs in one
 loop (``S3Sink._retrying``) that retries transient failures (connection refused/reset, unreachable endpoint,
@@ -46,8 +50,18 @@ from hsextract.storage.base import (
     MiB,
     Sink,
     StoredObject,
+    changed_file,
     crc32_base64,
     read_with_crc32,
+)
+from hsextract.storage.s3_errors import (
+    VerificationFailed,
+    checksum_refused,
+    describe_transient,
+    explain_refusal,
+    explain_rejection,
+    find_cause,
+    is_transient,
 )
 
 log = logging.getLogger(__name__)
@@ -63,72 +77,6 @@ def resolve_endpoint(endpoint_url: str | None) -> str | None:
     if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
         return None
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
-class _VerificationFailed(Exception):
-    """The stored object does not match the local file (size or checksum); the upload is repeated."""
-
-
-_CREDENTIAL_CODES = frozenset(
-    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidClientTokenId"}
-)
-
-
-_ACCESS_DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "403"})
-
-
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "OperationAborted",
-        "NoSuchUpload",  # a multipart upload aborted under us; upload_file starts a fresh one
-        "BadDigest",  # bytes damaged in transit; the local file is intact
-        "XAmzContentSHA256Mismatch",
-        "IncompleteBody",
-    }
-)
-
-
-def _find_cause(exc: BaseException) -> BaseException:
-    """The botocore error behind ``exc``: boto3's upload_file wraps ClientErrors in S3UploadFailedError."""
-    from boto3.exceptions import S3UploadFailedError
-
-    seen = set()
-    while isinstance(exc, S3UploadFailedError) and id(exc) not in seen:
-        seen.add(id(exc))
-        inner = exc.__cause__ or exc.__context__
-        if inner is None:
-            break
-        exc = inner
-    return exc
-
-
-def _is_transient(exc: BaseException) -> bool:
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionError,
-        HTTPClientError,
-        IncompleteReadError,
-        SSLError,
-    )
-
-    if isinstance(exc, _VerificationFailed):
-        return True
-    if isinstance(exc, SSLError):
-        return "CERTIFICATE_VERIFY_FAILED" not in str(exc)
-    if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError)):
-        return True
-    if isinstance(exc, ClientError):
-        code = exc.response.get("Error", {}).get("Code", "")
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return code in _TRANSIENT_CODES or status >= 500 or status == 429 or code in {"500", "503"}
-    return False
 
 
 class S3Sink(Sink):
@@ -173,7 +121,7 @@ class S3Sink(Sink):
         try:
             self._client = session.client("s3", endpoint_url=resolve_endpoint(endpoint_url), config=config)
         except Exception as e:  # credentials half set, a bad profile, a malformed endpoint: botocore's words
-            refusal = _explain_refusal(e, self)
+            refusal = explain_refusal(e, self)
             if refusal is None:
                 raise HsextractError(f"cannot reach {self.url}: {type(e).__name__}: {e}") from None
             raise HsextractError(refusal) from None
@@ -192,14 +140,25 @@ class S3Sink(Sink):
             ),
         )
         self._send_checksums = self._client.meta.config.request_checksum_calculation != "when_required"
+        self.multipart_threshold = multipart_threshold
 
     def _object_key(self, key: str) -> str:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put_file(self, local_path: Path, key: str) -> StoredObject:
+    def put_file(self, local_path: Path, key: str, expected_crc32: int | None = None) -> StoredObject:
         local_path = Path(local_path)
-        size, crc = read_with_crc32(local_path)
+        size = local_path.stat().st_size
+        if size < self.multipart_threshold:
+            return self._retrying(
+                f"upload of {key}", lambda: self._put_small(local_path, key, expected_crc32)
+            )
+        if expected_crc32 is not None and self._send_checksums:
+            crc = expected_crc32  # S3 checks the parts it receives against it
+        else:
+            _, crc = read_with_crc32(local_path)
+            if expected_crc32 is not None and crc != expected_crc32:
+                raise changed_file(local_path, crc, expected_crc32)
         extra_args = {}
         if self._send_checksums:
             extra_args = {
@@ -209,24 +168,43 @@ class S3Sink(Sink):
             }
 
         def upload_and_verify() -> StoredObject:
-            self._transfer.upload_file(
-                str(local_path), self.bucket, self._object_key(key), extra_args=extra_args
-            )
-            self._verify(key, size, crc)
+            try:
+                self._transfer.upload_file(
+                    str(local_path), self.bucket, self._object_key(key), extra_args=extra_args
+                )
+                self._verify(key, size, crc)
+            except Exception as e:
+                if expected_crc32 is not None and checksum_refused(find_cause(e)):
+                    _, now = read_with_crc32(local_path)
+                    if now != expected_crc32:  # not damage in transit: the file is not what was written
+                        self._client.delete_object(Bucket=self.bucket, Key=self._object_key(key))
+                        raise changed_file(local_path, now, expected_crc32) from None
+                raise
             return StoredObject(key, size, crc)
 
         return self._retrying(f"upload of {key}", upload_and_verify)
 
+    def _put_small(self, local_path: Path, key: str, expected_crc32: int | None) -> StoredObject:
+        """One read: the bytes checked are the bytes sent."""
+        data = local_path.read_bytes()
+        crc = zlib.crc32(data)
+        if expected_crc32 is not None and crc != expected_crc32:
+            raise changed_file(local_path, crc, expected_crc32)
+        extra = {"ChecksumCRC32": crc32_base64(crc)} if self._send_checksums else {}
+        self._client.put_object(Bucket=self.bucket, Key=self._object_key(key), Body=data, **extra)
+        self._verify(key, len(data), crc)
+        return StoredObject(key, len(data), crc)
+
     def _verify(self, key: str, size: int, crc: int) -> None:
         head = self._client.head_object(Bucket=self.bucket, Key=self._object_key(key), ChecksumMode="ENABLED")
         if head["ContentLength"] != size:
-            raise _VerificationFailed(
+            raise VerificationFailed(
                 f"{self.url}/{key} has {head['ContentLength']} bytes, the local file {size}"
             )
         remote = head.get("ChecksumCRC32")
         # A composite checksum ("...-N", a checksum of part checksums) cannot be compared with the file's CRC32.
         if self._send_checksums and remote and "-" not in remote and remote != crc32_base64(crc):
-            raise _VerificationFailed(
+            raise VerificationFailed(
                 f"{self.url}/{key} has CRC32 {remote}, the local file {crc32_base64(crc)}"
             )
 
@@ -376,12 +354,12 @@ class S3Sink(Sink):
             try:
                 return operation()
             except Exception as exc:
-                cause = _find_cause(exc)
-                refusal = _explain_refusal(cause, self)
+                cause = find_cause(exc)
+                refusal = explain_refusal(cause, self)
                 if refusal is not None:
                     raise HsextractError(refusal) from exc
-                if not _is_transient(cause):
-                    rejection = _explain_rejection(cause, what, self)
+                if not is_transient(cause):
+                    rejection = explain_rejection(cause, what, self)
                     if rejection is not None:
                         raise HsextractError(rejection) from exc
                     raise
@@ -392,14 +370,14 @@ class S3Sink(Sink):
                 if elapsed + pause > self.retry_deadline_s:
                     raise HsextractError(
                         f"gave up on the {what} in {self.url} after {failures} attempts in {elapsed:.0f} s: "
-                        f"{_describe_transient(cause, self)}"
+                        f"{describe_transient(cause, self)}"
                     ) from exc
                 log.warning(
                     "retry %d of the %s in %.1f s: %s",
                     failures,
                     what,
                     pause,
-                    _describe_transient(cause, self),
+                    describe_transient(cause, self),
                 )
                 time.sleep(pause)
 
@@ -407,82 +385,3 @@ class S3Sink(Sink):
 class _Empty:
     def read(self) -> bytes:
         return b""
-
-
-def _explain_refusal(exc: BaseException, sink: S3Sink) -> str | None:
-    """The user-facing message for a failure that retrying cannot fix, or None if ``exc`` is not one."""
-    from botocore.exceptions import (
-        ClientError,
-        CredentialRetrievalError,
-        NoAuthTokenError,
-        NoCredentialsError,
-        PartialCredentialsError,
-        ProfileNotFound,
-        SSLError,
-        SSOError,
-        TokenRetrievalError,
-    )
-
-    if isinstance(exc, ProfileNotFound):
-        return f"{exc}: check AWS_PROFILE and ~/.aws/config"
-    if isinstance(
-        exc,
-        (
-            NoCredentialsError,
-            PartialCredentialsError,
-            CredentialRetrievalError,
-            TokenRetrievalError,
-            SSOError,
-            NoAuthTokenError,
-        ),
-    ):
-        return (
-            f"no usable AWS credentials to write {sink.url} ({exc}): set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/pod role provides them"
-        )
-    if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
-        return f"the TLS certificate of {sink.endpoint} was not trusted ({exc}): check the endpoint URL or AWS_CA_BUNDLE"
-    if not isinstance(exc, ClientError):
-        return None
-    error = exc.response.get("Error", {})
-    code = error.get("Code", "")
-    if code == "NoSuchBucket":
-        return f"bucket '{sink.bucket}' does not exist at {sink.endpoint}: create it, or fix the output URL {sink.url}"
-    if code in _CREDENTIAL_CODES:
-        return (
-            f"credentials were refused by {sink.endpoint} ({code}: {error.get('Message', '')}): "
-            "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
-        )
-    if code in _ACCESS_DENIED_CODES:
-        return (
-            f"access to {sink.url} was denied by {sink.endpoint} ({code}): the credentials in use need "
-            "s3:PutObject, s3:GetObject, s3:DeleteObject and s3:ListBucket on it"
-        )
-    if code == "InvalidBucketName":
-        return f"'{sink.bucket}' is not a valid bucket name (from the output URL {sink.url})"
-    return None
-
-
-def _explain_rejection(exc: BaseException, what: str, sink: S3Sink) -> str | None:
-    """The message for any other request the server refused (a 4xx that retrying does not change)."""
-    from botocore.exceptions import ClientError
-
-    if not isinstance(exc, ClientError):
-        return None
-    error = exc.response.get("Error", {})
-    code = error.get("Code", "")
-    message = f"{sink.endpoint} refused the {what} in {sink.url}: {code}: {error.get('Message', '')}"
-    if code in {"InvalidArgument", "InvalidRequest", "NotImplemented", "XAmzContentChecksumMismatch"}:
-        message += (
-            ". If this S3-compatible store does not support checksums, set "
-            "AWS_REQUEST_CHECKSUM_CALCULATION=when_required"
-        )
-    return message
-
-
-def _describe_transient(exc: BaseException, sink: S3Sink) -> str:
-    from botocore.exceptions import ConnectionError
-
-    if isinstance(exc, ConnectionError):
-        return f"could not reach {sink.endpoint} ({exc})"
-    return f"{type(exc).__name__}: {exc}"
