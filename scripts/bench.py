@@ -119,7 +119,7 @@ def bench_hsextract(
 
     def on_batch(b, tensors):
         path = staging / f"batch-{b.batch_id:06d}.safetensors"
-        written.append(write_batch_file(path, tensors, {"batch_id": str(b.batch_id)}))
+        written.append(write_batch_file(path, tensors, {"batch_id": str(b.batch_id)})[0])
         path.unlink()
 
     sync()
