@@ -177,6 +177,7 @@ def test_a_truncated_batch_of_node_0_is_named_by_node_1_and_recomputed_by_node_0
     assert by_node_1.returncode != 0 and "Traceback" not in text, text
     assert f"{key}: batch file has {len(original) // 2} bytes, {len(original)} were uploaded" in text, text
     assert "belong to other nodes' shards: rerun those nodes' commands" in text, text
+    assert "manifest.json" not in objects(s3, s3_bucket, "job"), "a manifest over a damaged batch was left"
 
     by_node_0 = hsextract(*nodes[0])
     assert by_node_0.returncode == 0 and "done:" in by_node_0.stdout, by_node_0.stdout + by_node_0.stderr

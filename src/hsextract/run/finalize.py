@@ -19,7 +19,7 @@ import json
 
 from hsextract.errors import HsextractError
 from hsextract.format.final_norm import read_final_norm_meta
-from hsextract.format.manifest import build_manifest, write_manifest
+from hsextract.format.manifest import build_manifest, delete_manifest, has_manifest, write_manifest
 from hsextract.format.records import JOB_FILES, check_batches, done_in_output, done_key
 from hsextract.prepare.plan import Plan
 from hsextract.run.rundir import RunInfo
@@ -56,6 +56,14 @@ def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -
     )
 
 
+def _withdraw_manifest(sink, echo) -> None:
+    """A manifest over batches that are not all done and sound no longer holds: removed, so that no reader or
+    trainer takes the output as complete until the batches are recomputed and a new one is written."""
+    if has_manifest(sink):
+        delete_manifest(sink)
+        echo("the manifest no longer holds; removed until the batches above are recomputed")
+
+
 def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
     are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
@@ -66,6 +74,7 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     done = done_in_output(sink)
     todo = [k for k in keys if k not in done]
     if todo:
+        _withdraw_manifest(sink, echo)
         shards = sorted({b.shard for b in plan.batches if b.key in set(todo)})
         echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
         return 0, set(todo)
@@ -75,6 +84,7 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
         for key, why in sorted(problems.items())[:10]:
             echo(f"output check: {key}: {why}")
         echo(f"{len(problems)} of {len(keys)} batch files are missing or damaged in {sink.url}")
+        _withdraw_manifest(sink, echo)  # first: an output with a manifest says it is complete
         for key in problems:
             sink.delete(done_key(key))
         return 1, set(problems)
