@@ -24,6 +24,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,16 +42,29 @@ from hsextract.training import StatesDataset
 LAYERS, HIDDEN = (1, 16, 31, 46, 61), 5120
 
 _read_bytes = mp.Value("q", 0)
+_inside = threading.local()  # LocalSink.read_range reads through read_range_into: count the bytes once
 
 
-def _counting(read_range):
-    def counted(self, key, offset, length):
-        data = read_range(self, key, offset, length)
-        with _read_bytes.get_lock():
-            _read_bytes.value += len(data)
-        return data
+def _count_reads(sink_class) -> None:
+    """Count the bytes every read of ``sink_class`` returns, in all processes (workers included)."""
 
-    return counted
+    def counting(method, size):
+        def counted(self, *args):
+            outer = not getattr(_inside, "active", False)
+            _inside.active = True
+            try:
+                result = method(self, *args)
+            finally:
+                _inside.active = not outer
+            if outer:
+                with _read_bytes.get_lock():
+                    _read_bytes.value += size(result)
+            return result
+
+        return counted
+
+    sink_class.read_range = counting(sink_class.read_range, len)
+    sink_class.read_range_into = counting(sink_class.read_range_into, int)
 
 
 def make_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
@@ -170,7 +184,7 @@ def main() -> int:
     args = parser.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
 
-    LocalSink.read_range = _counting(LocalSink.read_range)
+    _count_reads(LocalSink)
     work = Path(tempfile.mkdtemp(prefix="hsextract-bench-loader-", dir=args.dir))
     r: dict = {"files": args.files, "tokens_per_file": args.tokens, "torch_threads": torch.get_num_threads()}
     try:
@@ -200,7 +214,7 @@ def main() -> int:
 
             from hsextract.storage.s3 import S3Sink
 
-            S3Sink.read_range = _counting(S3Sink.read_range)
+            _count_reads(S3Sink)
             logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             server.start()
