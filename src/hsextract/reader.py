@@ -12,8 +12,9 @@
     s["final_hidden_state_prenorm"]  # [T, hidden], the last decoder layer's raw output
 
 A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
-Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major) plus two small
-ones, never a whole batch file; each file's header and index tensors are read once (two reads) and cached.
+Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major), never a whole
+batch file; neighbouring samples of one file can share one read (``BatchFile.samples``). Each file's header is read
+once, and its index tensors, token ids, loss masks and fp8 scales together in one more read, and held.
 
 Verification is on by default and costs no extra read: when a file is opened its header must match the checksum
 the manifest recorded, its index tensors their checksum, and its sample ids the manifest's; when a sample is read,
@@ -288,8 +289,13 @@ class BatchFile:
                     f"sample {self.sample_ids[row]!r} (row {row}, tokens {a}..{b}) does not match its checksum: "
                     "its bytes were altered"
                 )
-        # Slices of the held tensors are copied: a view would keep (and send to another process) the whole file's.
-        tensors = {n: t.clone() if n in self._held else t for n, t in parts.items()}
+        # Slices of the held tensors are copied (the ids and the mask in the dtype served): a view would keep, and
+        # send to another process, the whole file's.
+        served = {"input_ids": torch.long, "loss_mask": torch.bool}
+        tensors = {
+            n: t.to(served[n], copy=True) if n in served else t.clone() if n in self._held else t
+            for n, t in parts.items()
+        }
         states = tensors.pop("hidden_states")  # [T, slots, H]
         slots = view.layout.slot_layers
         if states.dim() != 3 or states.shape[1] != len(slots):
@@ -300,8 +306,6 @@ class BatchFile:
         return {
             **tensors,
             "sample_id": self.sample_ids[row],
-            "input_ids": tensors["input_ids"].long(),
-            "loss_mask": tensors["loss_mask"].bool(),
             **view.states(states, scale, alloc),
         }
 
