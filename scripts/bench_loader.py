@@ -1,13 +1,16 @@
 """What a trainer's data loader delivers, side by side on one output: samples/s and GB/s of states with 1, 2 and 4
 DataLoader workers, for (i) the trainer's own loader on ``hsextract export`` (SpecForge's ``load_feature_file`` of
 one ``data_I.ckpt`` per sample, a ``torch.utils.data`` map dataset, shuffled), (ii) ``StatesDataset`` of
-``hsextract.training`` on the local output, (iii) the same from an S3 server on loopback (moto, in this process).
-All feed the same DataLoader with ``batch_size=None`` and the DFlash schema; the states cross from the workers into
-this process as the trainer would get them. Also the bytes each variant read against the bytes of states delivered.
+``hsextract.training`` on the local output, (iii) the same from an S3 server on loopback (moto's server, in a process
+of its own as a real endpoint is; ``--s3-server thread`` runs it in this process). All feed the same DataLoader with
+``batch_size=None`` and the DFlash schema; the states cross from the workers into this process as the trainer would
+get them. Also the bytes each variant read against the bytes of states delivered, and what moto takes for one
+ranged GET of a batch file (moto reads the whole object for any range: that bounds (iii), not the client).
 
 The output is synthetic and shaped like the default target's (Qwen3.6-27B, DFlash: 5 layers x 5120 hidden, bf16:
 51,200 bytes of states per token), sample lengths drawn around the realistic mix (median ~220 tokens), written under
-``--dir`` (/dev/shm by default). Each figure is the best of ``--repeat`` epochs.
+``--dir`` (/dev/shm by default). Each figure is the best of ``--repeat`` epochs; the variants take turns within each
+repeat, so on a shared machine they see the same load. ``--in-file-order`` turns the shuffle off (every variant).
 
     python scripts/bench_loader.py                    # 4 files x 4096 tokens, ~0.84 GB of states
     python scripts/bench_loader.py --files 8 --tokens 16384 --workers 1,2,4,8 --no-s3 --json
@@ -22,8 +25,11 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,16 +47,30 @@ from hsextract.training import StatesDataset
 LAYERS, HIDDEN = (1, 16, 31, 46, 61), 5120
 
 _read_bytes = mp.Value("q", 0)
+_inside = threading.local()  # LocalSink.read_range reads through read_range_into: count the bytes once
 
 
-def _counting(read_range):
-    def counted(self, key, offset, length):
-        data = read_range(self, key, offset, length)
-        with _read_bytes.get_lock():
-            _read_bytes.value += len(data)
-        return data
+def _count_reads(sink_class) -> None:
+    """Count the bytes every read of ``sink_class`` returns, in all processes (workers included)."""
 
-    return counted
+    def counting(method, size):
+        def counted(self, *args):
+            outer = not getattr(_inside, "active", False)
+            _inside.active = True
+            try:
+                result = method(self, *args)
+            finally:
+                _inside.active = not outer
+            if outer:
+                with _read_bytes.get_lock():
+                    _read_bytes.value += size(result)
+            return result
+
+        return counted
+
+    sink_class.read_range = counting(sink_class.read_range, len)
+    if hasattr(sink_class, "read_range_into"):  # not in hsextract before 2026-12-01 (a run of older code)
+        sink_class.read_range_into = counting(sink_class.read_range_into, int)
 
 
 def make_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
@@ -132,27 +152,56 @@ class ExportFiles(Dataset):
         return load_feature_file(self.files[i])
 
 
-def epoch(make_loader, repeat: int) -> dict:
-    best = None
+def epoch(loader) -> dict:
+    """One pass over ``loader``: seconds, samples, bytes of states delivered and bytes read."""
+    _read_bytes.value = 0
+    t0 = time.perf_counter()
+    samples = delivered = 0
+    for item in loader:
+        samples += 1
+        delivered += item["hidden_states"].numel() * item["hidden_states"].element_size()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "samples": samples, "state_bytes": delivered, "read": _read_bytes.value}
+
+
+def s3_server(mode: str):
+    """Moto's S3 server on 127.0.0.1: its own process (as a real endpoint is), or a thread of this one."""
+    if mode == "thread":
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        return f"http://127.0.0.1:{server.get_host_and_port()[1]}", server.stop
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"moto's server did not start: {' '.join(cmd)}") from None
+            time.sleep(0.1)
+
+    def stop():
+        proc.terminate()
+        proc.wait(10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def moto_get_seconds(client, key: str, repeat: int = 5) -> float:
+    """What moto takes for a ranged GET of 1 byte of ``key`` (it reads the whole object for any range)."""
+    t0 = time.perf_counter()
     for _ in range(repeat):
-        _read_bytes.value = 0
-        loader = make_loader()
-        t0 = time.perf_counter()
-        samples = delivered = 0
-        for item in loader:
-            samples += 1
-            delivered += item["hidden_states"].numel() * item["hidden_states"].element_size()
-        seconds = time.perf_counter() - t0
-        if best is None or seconds < best["seconds"]:
-            best = {
-                "seconds": seconds,
-                "samples": samples,
-                "state_bytes": delivered,
-                "read": _read_bytes.value,
-            }
-    best["samples_per_s"] = best["samples"] / best["seconds"]
-    best["GBps"] = best["state_bytes"] / best["seconds"] / 1e9
-    return best
+        client.get_object(Bucket="bench", Key=key, Range="bytes=0-0")["Body"].read()
+    return (time.perf_counter() - t0) / repeat
 
 
 def main() -> int:
@@ -166,11 +215,25 @@ def main() -> int:
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument(
+        "--s3-server",
+        choices=("process", "thread"),
+        default="process",
+        help="moto in a process of its own (as a real endpoint is) or in a thread of this one",
+    )
+    parser.add_argument(
+        "--unverified", action="store_true", help="also (ii) with verify=False: what the checksums cost"
+    )
+    parser.add_argument(
+        "--in-file-order",
+        action="store_true",
+        help="no shuffle: samples in manifest order (as export reads them)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
 
-    LocalSink.read_range = _counting(LocalSink.read_range)
+    _count_reads(LocalSink)
     work = Path(tempfile.mkdtemp(prefix="hsextract-bench-loader-", dir=args.dir))
     r: dict = {"files": args.files, "tokens_per_file": args.tokens, "torch_threads": torch.get_num_threads()}
     try:
@@ -183,60 +246,81 @@ def main() -> int:
         r["export_s"] = time.perf_counter() - t0
         files = sorted(str(p) for p in dest.rglob("*.ckpt"))
         r["export_bytes"] = sum(Path(f).stat().st_size for f in files)
+        shuffle = not args.in_file_order
         variants = {
             "export+own_loader": lambda w: DataLoader(
-                ExportFiles(files), batch_size=None, shuffle=True, num_workers=w
+                ExportFiles(files), batch_size=None, shuffle=shuffle, num_workers=w
             ),
             "hsextract_local": lambda w: DataLoader(
-                StatesDataset(out, "specforge-dflash", threads=args.threads, prefetch=4 * args.threads),
+                StatesDataset(
+                    out, "specforge-dflash", shuffle=shuffle, threads=args.threads, prefetch=4 * args.threads
+                ),
                 batch_size=None,
                 num_workers=w,
             ),
         }
-        server = None
+        if args.unverified:
+            variants["hsextract_local_unverified"] = lambda w: DataLoader(
+                StatesDataset(
+                    out,
+                    "specforge-dflash",
+                    shuffle=shuffle,
+                    threads=args.threads,
+                    prefetch=4 * args.threads,
+                    verify=False,
+                ),
+                batch_size=None,
+                num_workers=w,
+            )
+        stop_server = None
         if not args.no_s3:
             import boto3
-            from moto.server import ThreadedMotoServer
 
             from hsextract.storage.s3 import S3Sink
 
-            S3Sink.read_range = _counting(S3Sink.read_range)
-            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            server.start()
-            url = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+            _count_reads(S3Sink)
             for k, v in {
                 "AWS_ACCESS_KEY_ID": "x",
                 "AWS_SECRET_ACCESS_KEY": "x",
                 "AWS_DEFAULT_REGION": "us-east-1",
             }.items():
                 os.environ[k] = v
+            url, stop_server = s3_server(args.s3_server)
             client = boto3.client("s3", endpoint_url=url)
             client.create_bucket(Bucket="bench")
             for p in sorted(out.rglob("*")):
                 if p.is_file():
                     client.upload_file(str(p), "bench", f"out/{p.relative_to(out).as_posix()}")
+            r["moto_get_s"] = moto_get_seconds(client, f"out/{manifest['batches'][0]['key']}")
             variants["hsextract_s3_loopback"] = lambda w: DataLoader(
                 StatesDataset(
                     "s3://bench/out",
                     "specforge-dflash",
                     endpoint_url=url,
+                    shuffle=shuffle,
                     threads=args.threads,
                     prefetch=4 * args.threads,
                 ),
                 batch_size=None,
                 num_workers=w,
             )
+        # Variants take turns within each repeat, so that all of them see the same load on a shared machine.
         r["runs"] = {}
-        for name, make in variants.items():
-            for w in workers:
-                res = epoch(lambda make=make, w=w: make(w), args.repeat)
-                if name == "export+own_loader":
-                    res["read"] = r["export_bytes"]  # whole files, every one once
-                res["read_over_delivered"] = res["read"] / res["state_bytes"]
-                r["runs"][f"{name}/{w}"] = res
-        if server is not None:
-            server.stop()
+        for w in workers:
+            for _ in range(args.repeat):
+                for name, make in variants.items():
+                    res = epoch(make(w))
+                    if name == "export+own_loader":
+                        res["read"] = r["export_bytes"]  # whole files, every one once
+                    best = r["runs"].get(f"{name}/{w}")
+                    if best is None or res["seconds"] < best["seconds"]:
+                        r["runs"][f"{name}/{w}"] = res
+        for res in r["runs"].values():
+            res["samples_per_s"] = res["samples"] / res["seconds"]
+            res["GBps"] = res["state_bytes"] / res["seconds"] / 1e9
+            res["read_over_delivered"] = res["read"] / res["state_bytes"]
+        if stop_server is not None:
+            stop_server()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -249,6 +333,13 @@ def main() -> int:
     )
     for k, v in r["runs"].items():
         print(f"{k:32} {v['samples_per_s']:10.0f} {v['GBps']:7.3f} {v['read_over_delivered']:15.3f}")
+    if "moto_get_s" in r:
+        per_sample = r["runs"][f"hsextract_local/{workers[0]}"]["state_bytes"] / r["samples"]
+        print(
+            f"moto takes {r['moto_get_s'] * 1e3:.0f} ms for a ranged GET of 1 byte of one batch file (it reads the "
+            f"whole object): one GET per sample of {per_sample / 1e6:.1f} MB on average is at most "
+            f"{per_sample / r['moto_get_s'] / 1e9:.3f} GB/s per object"
+        )
     return 0
 
 

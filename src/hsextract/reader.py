@@ -12,8 +12,9 @@
     s["final_hidden_state_prenorm"]  # [T, hidden], the last decoder layer's raw output
 
 A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
-Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major) plus two small
-ones, never a whole batch file; each file's header and index tensors are read once (two reads) and cached.
+Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major), never a whole
+batch file; neighbouring samples of one file can share one read (``BatchFile.samples``). Each file's header is read
+once, and its index tensors, token ids, loss masks and fp8 scales together in one more read, and held.
 
 Verification is on by default and costs no extra read: when a file is opened its header must match the checksum
 the manifest recorded, its index tensors their checksum, and its sample ids the manifest's; when a sample is read,
@@ -32,7 +33,6 @@ the stored one with the model's own norm rule (format/final_norm.py).
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import pairwise
@@ -41,161 +41,72 @@ import torch
 
 from hsextract.errors import CorruptOutputError
 from hsextract.format.batch import (
-    CHECKSUM_ALGORITHM,
-    CHECKSUMS,
     INDEX_TENSORS,
     StateLayout,
     header_checksum,
-    header_json,
     new_checksum,
     read_head,
     update_checksum,
 )
 from hsextract.format.final_norm import FinalNorm, read_final_norm
 from hsextract.format.fp8 import dequantize_fp8
+from hsextract.format.header import BatchHeader, tensor_bytes
 from hsextract.format.manifest import header_expectations, header_mismatch, read_manifest, require_checksums
-from hsextract.run.writer import SAFETENSORS_DTYPES
 from hsextract.storage import open_sink
 
-_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+HELD_ROW_BYTES = 256
+
+"""Per-token tensors of at most this many bytes a token besides the states (token ids and loss mask: 5 bytes; fp8
+scales: 4 per slot) are read with the index tensors when a file is opened, in the same read (the writer puts them
+next to each other, after the states), and held with the header: a run of samples then costs one read of states."""
 
 
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+def _short(offset: int, got: int, length: int, damaged) -> CorruptOutputError:
+    end = offset + got
+    return damaged(
+        "is empty"
+        if end == 0
+        else f"is truncated: it ends at byte {end}, bytes up to {offset + length} expected"
+    )
 
 
-REQUIRED_TENSORS = ("hidden_states", "input_ids", "loss_mask", "cu_seqlens")
+def _missing(read):
+    """``read()``, with a missing file or a directory in its place said as damage."""
 
-"""Tensors every batch file has (docs/FORMAT.md); ``sample_index`` is optional for the reader."""
+    def checked(sink, key, offset, what, damaged):
+        try:
+            return read(sink, key, offset, what)
+        except FileNotFoundError:
+            raise damaged("does not exist (listed in the manifest)") from None
+        except IsADirectoryError:
+            raise damaged("is a directory, not a batch file") from None
 
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    stop: int
-
-    @property
-    def row_bytes(self) -> int:
-        return (self.stop - self.start) // self.shape[0] if self.shape and self.shape[0] else 0
+    return checked
 
 
-@dataclass(frozen=True)
-class Checksums:
-    """A batch file's checksums (output.checksums_metadata)."""
+@_missing
+def _read_range(sink, key, offset, length):
+    return sink.read_range(key, offset, length) if length else b""
 
-    per_token: tuple[str, ...]
-    samples: tuple[str, ...]
-    index_tensors: tuple[str, ...]
-    index: str
+
+@_missing
+def _read_range_into(sink, key, offset, buffer):
+    return sink.read_range_into(key, offset, buffer) if len(buffer) else 0
 
 
 def _read(sink, key: str, offset: int, length: int, damaged) -> bytes:
     """Exactly ``length`` bytes at ``offset``, or ``damaged`` saying where the file ends."""
-    try:
-        raw = sink.read_range(key, offset, length) if length else b""
-    except FileNotFoundError:
-        raise damaged("does not exist (listed in the manifest)") from None
-    except IsADirectoryError:
-        raise damaged("is a directory, not a batch file") from None
+    raw = _read_range(sink, key, offset, length, damaged)
     if len(raw) != length:
-        end = offset + len(raw)
-        raise damaged(
-            "is empty"
-            if end == 0
-            else f"is truncated: it ends at byte {end}, bytes up to {offset + length} expected"
-        )
+        raise _short(offset, len(raw), length, damaged)
     return raw
 
 
-class BatchHeader:
-    """A batch file's header, parsed and checked: every tensor has a known dtype, a shape whose size matches its
-    byte range, and lies after the header; the required tensors, the sample ids and (format 2) the checksums are
-    there. Anything else raises ``damaged``."""
-
-    def __init__(self, head: bytes, damaged):
-        header = header_json(head, damaged)
-        metadata = header.pop("__metadata__", {})
-        if not isinstance(metadata, dict):
-            raise damaged("has a garbled header (its metadata is not an object)")
-        self.size = len(head)
-        self.metadata: dict[str, str] = metadata
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            self.tensors[name] = _tensor_info(name, entry, self.size, damaged)
-        missing = [name for name in REQUIRED_TENSORS if name not in self.tensors]
-        if missing:
-            raise damaged(f"lacks the tensor(s) {', '.join(missing)}")
-        self.data_end = max(t.stop for t in self.tensors.values())
-        self.num_tokens = (self.tensors["hidden_states"].shape or (-1,))[0]
-        self.per_token = sorted(name for name in self.tensors if name not in INDEX_TENSORS)
-        for name in self.per_token:
-            shape = self.tensors[name].shape
-            if not shape or shape[0] != self.num_tokens:
-                raise damaged(f"tensor {name} has shape {list(shape)}, expected {self.num_tokens} rows")
-        self.sample_ids = _json_list(metadata, "sample_ids", damaged)
-        if not all(isinstance(sid, str) for sid in self.sample_ids):
-            raise damaged("has a garbled header (sample_ids is not a list of strings)")
-        self.checksums: Checksums | None = None
-        if CHECKSUMS in metadata:
-            self.checksums = _checksums(metadata, self, damaged)
-
-
-def _tensor_info(name: str, entry, header_size: int, damaged) -> TensorInfo:
-    try:
-        dtype_name, shape, (start, stop) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        ok = (
-            dtype_name in _DTYPES
-            and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(start, int)
-            and isinstance(stop, int)
-        )
-    except (TypeError, KeyError, ValueError):
-        ok = False
-    if not ok:
-        raise damaged(f"has a garbled header (the entry of tensor {name} is {json.dumps(entry)[:200]})")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if not 0 <= start <= stop or stop - start != numel * _ITEMSIZE[dtype_name]:
-        raise damaged(
-            f"has a garbled header (tensor {name}: {list(shape)} {dtype_name} in bytes {start}..{stop})"
-        )
-    return TensorInfo(_DTYPES[dtype_name], tuple(shape), header_size + start, header_size + stop)
-
-
-def _json_list(metadata: dict, field: str, damaged) -> list:
-    try:
-        value = json.loads(metadata[field])
-    except KeyError:
-        raise damaged(f"has no {field} in its metadata") from None
-    except (TypeError, json.JSONDecodeError):
-        value = None
-    if not isinstance(value, list):
-        raise damaged(f"has a garbled header ({field} is not a JSON list)")
-    return value
-
-
-def _checksums(metadata: dict, header: BatchHeader, damaged) -> Checksums:
-    try:
-        c = json.loads(metadata[CHECKSUMS])
-        checksums = Checksums(
-            tuple(c["per_token_tensors"]), tuple(c["samples"]), tuple(c["index_tensors"]), c["index"]
-        )
-        algorithm = c["algorithm"]
-    except (TypeError, KeyError, json.JSONDecodeError):
-        raise damaged("has a garbled header (its checksums entry is unreadable)") from None
-    if algorithm != CHECKSUM_ALGORITHM:
-        raise damaged(f"uses checksum algorithm {algorithm!r}, this hsextract knows {CHECKSUM_ALGORITHM!r}")
-    if list(checksums.per_token) != header.per_token or len(checksums.samples) != len(header.sample_ids):
-        raise damaged(
-            f"has checksums of {len(checksums.samples)} samples over {list(checksums.per_token)}, but holds "
-            f"{len(header.sample_ids)} samples in {header.per_token}"
-        )
-    missing = [name for name in checksums.index_tensors if name not in header.tensors]
-    if missing:
-        raise damaged(f"lacks the tensor(s) {', '.join(missing)}")
-    return checksums
+def _read_into(sink, key: str, offset: int, buffer: torch.Tensor, damaged) -> None:
+    """``buffer`` (uint8) filled from ``offset``, or ``damaged`` saying where the file ends."""
+    got = _read_range_into(sink, key, offset, tensor_bytes(buffer), damaged)
+    if got != buffer.numel():
+        raise _short(offset, got, buffer.numel(), damaged)
 
 
 def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -205,8 +116,33 @@ def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=dtype).view(shape)
 
 
+def plain_memory(nbytes: int) -> torch.Tensor:
+    """Where states are read to unless the caller says otherwise (``alloc``): ordinary process memory."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _empty(alloc, shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in memory from ``alloc``."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return alloc(numel * dtype.itemsize).view(dtype).view(shape)
+
+
+def _adjacent(spans: list[tuple[int, int, str]]) -> list[tuple[int, int, list[str]]]:
+    """Byte ranges (start, stop, name) merged where one ends where the next starts: one read each."""
+    merged: list[tuple[int, int, list[str]]] = []
+    for start, stop, name in sorted(spans):
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop, [*merged[-1][2], name])
+        else:
+            merged.append((start, stop, [name]))
+    return merged
+
+
 class BatchFile:
-    """One batch file read through ranged reads; only its header and index tensors are held in memory.
+    """One batch file read through ranged reads; only its header, index tensors and the small per-token tensors
+    (token ids, loss mask, fp8 scales: ``HELD_ROW_BYTES``) are held in memory, never the states.
 
     ``entry`` is the file's batch entry in the manifest (its sample ids, size and header checksum); with ``verify``
     the header, the index tensors and every sample read are checked against their checksums. ``expect`` holds
@@ -242,29 +178,36 @@ class BatchFile:
         if expect and (mismatch := header_mismatch(h.metadata, expect)):
             raise self.damaged(f"{mismatch}: the manifest was edited or describes another output")
         self.metadata, self.tensors, self.sample_ids = h.metadata, h.tensors, h.sample_ids
-        self.cu_seqlens = self._read_index()
+        self._held: dict[str, torch.Tensor] = {}
+        self.cu_seqlens = self._read_held()
 
     def damaged(self, problem: str) -> CorruptOutputError:
         return CorruptOutputError(self.sink.url, self.key, problem)
 
-    def _read_index(self) -> list[int]:
-        """The index tensors in one read (they are adjacent, after the per-token ones), checked; cu_seqlens."""
+    def _read_held(self) -> list[int]:
+        """The index tensors, checked, and the small per-token tensors (held whole), in one read where they are
+        adjacent (the writer's layout); cu_seqlens."""
         h = self.header
         names = (
             list(h.checksums.index_tensors) if h.checksums else [n for n in INDEX_TENSORS if n in h.tensors]
         )
         names = names or ["cu_seqlens"]
-        start = min(h.tensors[n].start for n in names)
-        stop = max(h.tensors[n].stop for n in names)
-        raw = _read(self.sink, self.key, start, stop - start, self.damaged)
+        small = [n for n in h.per_token if n != "hidden_states" and h.tensors[n].row_bytes <= HELD_ROW_BYTES]
+        raw: dict[str, bytes] = {}
+        for start, stop, group in _adjacent(
+            [(h.tensors[n].start, h.tensors[n].stop, n) for n in names + small]
+        ):
+            data = _read(self.sink, self.key, start, stop - start, self.damaged)
+            for n in group:
+                raw[n] = data[h.tensors[n].start - start : h.tensors[n].stop - start]
         if self.verify:
             checksum = new_checksum()
             for name in names:
-                update_checksum(checksum, raw[h.tensors[name].start - start : h.tensors[name].stop - start])
+                update_checksum(checksum, raw[name])
             if checksum.hexdigest() != h.checksums.index:
                 raise self.damaged(f"its index tensors ({', '.join(names)}) do not match their checksum")
         info = h.tensors["cu_seqlens"]
-        cu = _tensor(raw[info.start - start : info.stop - start], info.dtype, info.shape).tolist()
+        cu = _tensor(raw["cu_seqlens"], info.dtype, info.shape).tolist()
         if (
             info.dtype != torch.int64
             or len(info.shape) != 1
@@ -277,35 +220,81 @@ class BatchFile:
                 f"has inconsistent cu_seqlens (starts {cu[:3]}, ends {cu[-2:]}) for {len(h.sample_ids)} samples "
                 f"and {h.num_tokens} tokens"
             )
+        self._held = {n: _tensor(raw[n], h.tensors[n].dtype, h.tensors[n].shape) for n in small}
         return cu
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name``, unchecked (a sample's rows are checked by ``samples``)."""
+        if name in self._held:
+            return self._held[name][start:stop].clone()
         info = self.tensors[name]
-        return _tensor(self._rows(name, start, stop), info.dtype, (stop - start, *info.shape[1:]))
-
-    def _rows(self, name: str, start: int, stop: int) -> bytes:
-        info = self.tensors[name]
-        offset = info.start + start * info.row_bytes
-        return _read(self.sink, self.key, offset, (stop - start) * info.row_bytes, self.damaged)
+        raw = _read(
+            self.sink,
+            self.key,
+            info.start + start * info.row_bytes,
+            (stop - start) * info.row_bytes,
+            self.damaged,
+        )
+        return _tensor(raw, info.dtype, (stop - start, *info.shape[1:]))
 
     def read_all(self, name: str) -> torch.Tensor:
         return self.read_rows(name, 0, self.tensors[name].shape[0])
 
     def sample(self, row: int, view: SampleView) -> dict:
+        got = self.samples([row], view)[row]
+        if isinstance(got, CorruptOutputError):
+            raise got
+        return got
+
+    def samples(self, rows, view: SampleView, alloc=plain_memory) -> dict:
+        """Samples ``rows`` (ascending row numbers) from one ranged read of their states, which spans the first to
+        the last (rows in between that are not asked for are read and dropped: the caller decides what gap is worth
+        it). Each sample is checked against its own checksum: ``{row: reader dict}``, or for a sample that fails,
+        ``{row: CorruptOutputError}`` (raise it when that sample's turn comes; the others are intact).
+
+        States come back in memory from ``alloc(nbytes)`` (a uint8 tensor; a sample's tensors are views into it):
+        shared memory in a DataLoader worker makes them cross to the training process without a copy. fp8 states
+        are read into plain memory and dequantized into ``alloc``'s."""
+        cu, h = self.cu_seqlens, self.header
+        lo, hi = cu[rows[0]], cu[rows[-1] + 1]
+        read = [n for n in h.per_token if n not in self._held]  # the states (and any other large tensor)
+        buffers = {}
+        for name in read:
+            info = self.tensors[name]
+            stored = not (name == "hidden_states" and view.dequantize and view.layout.scaled)
+            buffers[name] = (alloc if stored else plain_memory)((hi - lo) * info.row_bytes)
+            _read_into(self.sink, self.key, info.start + lo * info.row_bytes, buffers[name], self.damaged)
+        out: dict = {}
+        for row in rows:
+            a, b = cu[row], cu[row + 1]
+            parts = {name: held[a:b] for name, held in self._held.items()}
+            for name, buf in buffers.items():
+                info = self.tensors[name]
+                raw = buf[(a - lo) * info.row_bytes : (b - lo) * info.row_bytes]
+                parts[name] = raw.view(info.dtype).view(b - a, *info.shape[1:])
+            try:
+                out[row] = self._sample(row, parts, view, alloc)
+            except CorruptOutputError as e:
+                out[row] = e
+        return out
+
+    def _sample(self, row: int, parts: dict[str, torch.Tensor], view: SampleView, alloc) -> dict:
         a, b = self.cu_seqlens[row], self.cu_seqlens[row + 1]
-        raw = {name: self._rows(name, a, b) for name in self.header.per_token}
         if self.verify:
             checksum = new_checksum()
-            for name in self.header.per_token:
-                update_checksum(checksum, raw[name])
+            for name in self.header.per_token:  # the rows of every per-token tensor, in name order
+                update_checksum(checksum, tensor_bytes(parts[name]))
             if checksum.hexdigest() != self.header.checksums.samples[row]:
                 raise self.damaged(
                     f"sample {self.sample_ids[row]!r} (row {row}, tokens {a}..{b}) does not match its checksum: "
                     "its bytes were altered"
                 )
+        # Slices of the held tensors are copied (the ids and the mask in the dtype served): a view would keep, and
+        # send to another process, the whole file's.
+        served = {"input_ids": torch.long, "loss_mask": torch.bool}
         tensors = {
-            name: _tensor(raw[name], self.tensors[name].dtype, (b - a, *self.tensors[name].shape[1:]))
-            for name in self.header.per_token
+            n: t.to(served[n], copy=True) if n in served else t.clone() if n in self._held else t
+            for n, t in parts.items()
         }
         states = tensors.pop("hidden_states")  # [T, slots, H]
         slots = view.layout.slot_layers
@@ -317,9 +306,7 @@ class BatchFile:
         return {
             **tensors,
             "sample_id": self.sample_ids[row],
-            "input_ids": tensors["input_ids"].long(),
-            "loss_mask": tensors["loss_mask"].bool(),
-            **view.states(states, scale),
+            **view.states(states, scale, alloc),
         }
 
 
@@ -332,14 +319,21 @@ class SampleView:
     dequantize: bool = True
     dtype: torch.dtype = torch.bfloat16
 
-    def states(self, states: torch.Tensor, scale: torch.Tensor | None) -> dict:
+    def states(self, states: torch.Tensor, scale: torch.Tensor | None, alloc=plain_memory) -> dict:
+        """The trainer's keys from the stored slots ``states`` [T, slots, H] (and fp8 ``scale`` [T, slots]); what
+        has to be made anew (dequantized states, the captured slots without the extra final one) is made in
+        memory from ``alloc``."""
         ids, n = self.layout.layer_ids, len(self.layout.layer_ids)
         tokens = states.shape[0]
         out: dict = {}
         if scale is not None and self.dequantize:
-            states, scale = dequantize_fp8(states, scale, self.dtype), None
+            into = _empty(alloc, states.shape, self.dtype)
+            states, scale = dequantize_fp8(states, scale, self.dtype, out=into), None
         out["layers"] = {k: states[:, j] for j, k in enumerate(ids)}
-        out["hidden_states"] = states[:, :n].reshape(tokens, -1)
+        captured = states[:, :n]
+        if not captured.is_contiguous():  # the final state's extra slot follows: [T, n, H] is not contiguous
+            captured = _empty(alloc, captured.shape, captured.dtype).copy_(captured)
+        out["hidden_states"] = captured.view(tokens, -1)
         if scale is not None:
             out["scales"] = {k: scale[:, j] for j, k in enumerate(ids)}
             out["hidden_states_scale"] = scale[:, :n]
@@ -442,6 +436,10 @@ class Output:
     def read_sample(self, f: BatchFile, row: int) -> dict:
         """Sample ``row`` of the open batch file ``f`` as this output's reader dict (checked, fp8 dequantized)."""
         return f.sample(row, self._view)
+
+    def read_samples(self, f: BatchFile, rows: list[int], alloc=plain_memory) -> dict:
+        """Rows (ascending) of the open batch file ``f`` in one read of their states (``BatchFile.samples``)."""
+        return f.samples(rows, self._view, alloc)
 
     def __getitem__(self, sample_id) -> dict:
         try:

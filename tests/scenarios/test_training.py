@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader
 
 from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.export.runner import export
+from hsextract.reader import open_output
+from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset, StatesMapDataset
 
 pytestmark = pytest.mark.slow
@@ -135,6 +137,44 @@ def test_a_flipped_byte_raises_naming_the_file(finished_run, tmp_path):
     with pytest.raises(CorruptOutputError, match=key):
         for _ in StatesMapDataset(out):
             pass
+
+
+class CountingSink(LocalSink):
+    """The output's directory, counting the reads made of it and their bytes."""
+
+    reads = read_bytes = 0
+
+    def read_range_into(self, key, offset, buffer):
+        got = super().read_range_into(key, offset, buffer)
+        self.reads, self.read_bytes = self.reads + 1, self.read_bytes + got
+        return got
+
+
+def test_runs_of_neighbouring_samples_are_read_together_into_shared_memory(finished_run):
+    """In file order each worker takes runs of ``batch_size`` neighbouring rows: their states come in one read,
+    into shared memory (the DataLoader sends a handle, not a copy), and equal the reader's read of each sample."""
+    out = finished_run[0] / "out"
+    reference = open_output(out)
+
+    def in_the_worker(batch):  # the DataLoader's collate_fn runs in the worker, before the batch is sent
+        return [(s, s["hidden_states"].is_shared()) for s in batch]
+
+    data = StatesDataset(out, shuffle=False, batch_size=4)
+    seen = [x for b in DataLoader(data, batch_size=4, num_workers=2, collate_fn=in_the_worker) for x in b]
+    assert [s["sample_id"] for s, _ in seen] == manifest_order(out)
+    assert all(shared for _, shared in seen)
+    for s, _ in seen:
+        want = reference[s["sample_id"]]
+        for k in ("hidden_states", "input_ids", "loss_mask"):
+            assert torch.equal(s[k], want[k]), (s["sample_id"], k)
+    # Without workers the whole file is one run: per batch file, its header, its index with the token ids and
+    # masks, and its states; every byte of the output read once at most.
+    solo = StatesDataset(out, shuffle=False)
+    counting = solo.reader().out.sink = CountingSink(out)
+    assert [s["sample_id"] for s in solo] == manifest_order(out)
+    files = damage.manifest_batches(out)
+    assert counting.reads <= 3 * len(files) < len(solo)
+    assert counting.read_bytes <= sum((out / b["key"]).stat().st_size for b in files)
 
 
 # -- values -------------------------------------------------------------------------------------------------------

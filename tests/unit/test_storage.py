@@ -49,6 +49,15 @@ def test_sink_round_trip(sink: Sink, tmp_path: Path) -> None:
     assert sink.read_range("shard-00001/batch-000001.safetensors", 1000, 5000) == data[1000:6000]
     assert sink.read_range("shard-00001/batch-000001.safetensors", len(data) - 10, 100) == data[-10:]
     assert sink.read_range("shard-00001/batch-000001.safetensors", len(data), 100) == b""
+    # Into a caller's buffer: exactly the range, fewer bytes at the end, none past it.
+    buf = bytearray(b"\xee" * 5000)
+    assert sink.read_range_into("shard-00001/batch-000001.safetensors", 1000, memoryview(buf)[:4000]) == 4000
+    assert buf[:4000] == data[1000:5000] and buf[4000:] == b"\xee" * 1000
+    assert sink.read_range_into("shard-00001/batch-000001.safetensors", len(data) - 10, buf) == 10
+    assert buf[:10] == data[-10:]
+    assert sink.read_range_into("shard-00001/batch-000001.safetensors", len(data), buf) == 0
+    with pytest.raises(FileNotFoundError):
+        sink.read_range_into("shard-00001/nothing", 0, buf)
     assert sink.size("shard-00001/batch-000001.safetensors") == len(data)
     assert sink.size("shard-00002/batch-000000.safetensors") == 0
     assert sink.exists("shard-00001/index.json")

@@ -59,10 +59,6 @@ class ExportFormat:
         except HsextractError as e:
             raise HsextractError(f"--format {e}") from None
 
-    def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
-        """Why a sample cannot be exported, decided from its tokens alone (the training dataset agrees)."""
-        return self.schema.skip_reason(input_ids, loss_mask)
-
     def sample_files(self, index: int, s: dict) -> dict[str, bytes]:
         raise NotImplementedError
 

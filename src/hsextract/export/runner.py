@@ -24,12 +24,15 @@ the exported samples) and, with ``--draft-vocab N``, the draft-vocabulary mappin
 ids when fewer than N occur: the rule of both SpecForge and speculators. States are written in the output's dtype;
 fp8 outputs are dequantized to bfloat16 (no trainer reads hsextract's per-layer scales).
 
-What each sample's files hold is its schema's record (training/schemas.py), the same code the training dataset
-serves items from, so an export and ``hsextract.training`` cannot disagree.
+An export is the training dataset plus a file writer: which samples it holds is the dataset's index of the output
+for the format's schema (training/index.py), each sample is read by the dataset's own read path (``SampleReader``),
+and what its files hold is the schema's record (training/schemas.py), from which the dataset makes its items. So an
+export and ``hsextract.training`` cannot disagree.
 
-How it runs. One unit of work is one batch file of the output: its samples are read one ranged read each (never a
-whole batch file), turned into the format's files, and each file is written under its final name atomically (a
-local temporary name renamed after fsync; one S3 PUT). A unit's marker ``.hsextract-export/done/batch-B.json`` is
+How it runs. One unit of work is one batch file of the output: its samples are read in file order, neighbouring
+rows in one ranged read of at most 64 MiB (never a whole batch file at once), checked, turned into the format's
+files by a few threads, and each file is written under its final name atomically (a local temporary name renamed
+after fsync; one S3 PUT). A unit's marker ``.hsextract-export/done/batch-B.json`` is
 written after its last file, so a rerun skips marked units and rewrites the files of unmarked ones with the same
 bytes: nothing half-written survives an interruption. Units run in ``--num-proc`` processes. Files that describe
 the whole export (token frequencies, vocabulary mapping, the speculators dataset) are written once every unit is
@@ -52,6 +55,7 @@ from hsextract import __version__
 from hsextract.errors import HsextractError
 from hsextract.export.formats import FORMATS, ExportFormat, _torch_bytes, vocab_mapping
 from hsextract.storage import open_sink
+from hsextract.training.index import SampleIndex, SampleReader, index_output
 
 STATE_DIR = ".hsextract-export"
 
@@ -69,7 +73,11 @@ COMPLETE_KEY = "export.json"
 class Unit:
     key: str  # the batch file
     start: int  # global index of its first sample, in manifest order
-    num_samples: int
+    sample_ids: tuple[str, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
 
     @property
     def marker(self) -> str:
@@ -79,35 +87,47 @@ class Unit:
 def units_of(manifest: dict) -> list[Unit]:
     units, start = [], 0
     for b in manifest["batches"]:
-        units.append(Unit(b["key"], start, len(b["sample_ids"])))
+        units.append(Unit(b["key"], start, tuple(b["sample_ids"])))
         start += len(b["sample_ids"])
     return units
+
+
+READ_THREADS, READ_AHEAD = 4, 16
+
+"""Per export process: the threads reading and serializing samples, and the samples they keep ahead of the writes
+(``StatesDataset``'s defaults)."""
 
 
 _proc: dict = {}
 
 
-def _export_unit(args) -> dict:
-    """In a worker process: every sample of one batch file to its export files, then the unit's marker."""
-    source, dest_url, endpoint_url, fmt_name, unit = args
-    from hsextract.reader import open_output
+def _open_process(index: SampleIndex, dest_url: str, endpoint_url: str | None, fmt_name: str) -> None:
+    """Once per export process: the output read as the training dataset reads it, the destination opened."""
+    _proc.update(reader=SampleReader(index), dest=open_sink(dest_url, endpoint_url), fmt=FORMATS[fmt_name])
 
-    where = (source, dest_url, endpoint_url)
-    # Opened once per process and export: the manifest and the final norm are read once, not per batch file.
-    if _proc.get("where") != where:
-        _proc.update(
-            where=where, out=open_output(source, endpoint_url), dest=open_sink(dest_url, endpoint_url)
-        )
-    out, dest, fmt = _proc["out"], _proc["dest"], FORMATS[fmt_name]
-    written, skipped = 0, {}
-    for i, s in enumerate(out.batch_samples(unit.key)):
-        reason = fmt.skip_reason(s["input_ids"], s["loss_mask"])
-        if reason:
-            skipped[s["sample_id"]] = reason
-            continue
-        for key, data in fmt.sample_files(unit.start + i, s).items():
+
+def _open_pool_process(*args) -> None:
+    torch.set_num_threads(1)
+    _open_process(*args)
+
+
+def _export_unit(unit: Unit) -> dict:
+    """Every sample of one batch file the format serves to its files, then the unit's marker. The samples are those
+    the training dataset serves and are read as it reads them (``SampleReader.stream``: neighbouring rows in one
+    read, checked, serialized by the reading threads); the files hold the schema's record of each."""
+    reader, dest, fmt = _proc["reader"], _proc["dest"], _proc["fmt"]
+    index = reader.index
+
+    def files(i: int, s: dict) -> dict[str, bytes]:
+        return fmt.sample_files(unit.start + index.rows[i], s)
+
+    written = 0
+    samples = index.file_samples[unit.key]
+    for sample_files in reader.stream(samples, files, threads=READ_THREADS, prefetch=READ_AHEAD):
+        for key, data in sample_files.items():
             dest.put_bytes(key, data)
         written += 1
+    skipped = {sid: index.skipped[sid] for sid in unit.sample_ids if sid in index.skipped}
     summary = {"batch": unit.key, "samples": unit.num_samples, "written": written, "skipped": skipped}
     dest.put_bytes(unit.marker, json.dumps(summary).encode())
     return summary
@@ -150,15 +170,15 @@ def _claim_dest(dest, spec: dict, dest_url: str) -> None:
     dest.put_bytes(SPEC_KEY, json.dumps({**spec, "hsextract_version": __version__}).encode())
 
 
-def _kept_rows(out, fmt: ExportFormat, units: list[Unit], progress):
-    """(index, input_ids, loss_mask) of every exported sample, batch by batch: the token ids and masks only."""
+def _kept_rows(out, index: SampleIndex, units: list[Unit], progress):
+    """(index, input_ids, loss_mask) of every exported sample, batch by batch: the token ids and masks only, which
+    a batch file holds from its opening on (reader.BatchFile)."""
     for unit in units:
         f = out.batch_file(unit.key)
-        ids, mask, cu = f.read_all("input_ids").long(), f.read_all("loss_mask"), f.cu_seqlens
-        for row in range(unit.num_samples):
-            a, b = cu[row], cu[row + 1]
-            if fmt.skip_reason(ids[a:b], mask[a:b]) is None:
-                yield unit.start + row, ids[a:b], mask[a:b]
+        ids, mask = f.read_all("input_ids").long(), f.read_all("loss_mask")
+        for i in index.file_samples[unit.key]:
+            a, b = index.starts[i], index.starts[i] + index.lengths[i]
+            yield unit.start + index.rows[i], ids[a:b], mask[a:b]
         progress(unit.num_samples)
 
 
@@ -223,6 +243,8 @@ def export(
             f"output through a HiddenStatesTransfer); --format {fmt.name} has no such seam"
         )
 
+    # What the training dataset serves of this output, the samples the format's trainer cannot take left out.
+    index = index_output(source, fmt.schema, endpoint_url=endpoint_url)
     dest = open_sink(dest_url, endpoint_url)
     spec = _spec(fmt, manifest, draft_vocab, index_only)
     _claim_dest(dest, spec, dest_url)
@@ -241,18 +263,20 @@ def export(
     )
     bar.update(total - sum(u.num_samples for u in todo))
     t0 = time.time()
-    jobs = [(source, dest_url, endpoint_url, fmt.name, u) for u in todo]
-    if num_proc == 1 or len(jobs) <= 1:
-        for job in jobs:
-            bar.update(_export_unit(job)["samples"])
-    elif jobs:
+    opening = (index, dest_url, endpoint_url, fmt.name)
+    if num_proc == 1 or len(todo) <= 1:
+        if todo:
+            _open_process(*opening)
+        for unit in todo:
+            bar.update(_export_unit(unit)["samples"])
+    elif todo:
         import multiprocessing as mp
 
         # spawn, not fork: the parent holds torch and tqdm threads; a forked child could inherit a held lock.
         with mp.get_context("spawn").Pool(
-            min(num_proc, len(jobs)), initializer=torch.set_num_threads, initargs=(1,)
+            min(num_proc, len(todo)), initializer=_open_pool_process, initargs=opening
         ) as pool:
-            for summary in pool.imap_unordered(_export_unit, jobs):
+            for summary in pool.imap_unordered(_export_unit, todo):
                 bar.update(summary["samples"])
     bar.close()
 
@@ -268,9 +292,9 @@ def export(
     stats_bar = tqdm(total=total, desc="token statistics", unit="sample", disable=not show_progress)
 
     def counted_rows():
-        for index, ids, mask in _kept_rows(out, fmt, units, stats_bar.update):
+        for position, ids, mask in _kept_rows(out, index, units, stats_bar.update):
             token_freq.update(ids[mask.bool()].tolist())
-            yield index, ids, mask
+            yield position, ids, mask
 
     with tempfile.TemporaryDirectory(prefix="hsextract-export-") as workdir:
         fmt.finish(dest, counted_rows(), workdir)

@@ -48,9 +48,24 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The states ``q`` [..., H] (fp8) with ``scale`` [...] applied, in ``dtype``."""
-    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+DEQUANTIZE_PIECE = 1 << 20
+
+"""Values dequantized at a time into a given ``out``: the float32 intermediate stays a few MB."""
+
+
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The states ``q`` [..., H] (fp8) with ``scale`` [...] applied, in ``dtype``; into ``out`` (``dtype``, the
+    shape of ``q``) when given, a piece of the first dimension at a time, with the same float32 arithmetic."""
+    if out is None:
+        return (q.float() * scale.unsqueeze(-1)).to(dtype)
+    rows = max(1, DEQUANTIZE_PIECE // max(1, q[0].numel())) if q.dim() > 1 and len(q) else 1
+    for a in range(0, len(q), rows):
+        piece = q[a : a + rows].float()
+        piece.mul_(scale[a : a + rows].unsqueeze(-1))
+        out[a : a + rows].copy_(piece)
+    return out
 
 
 def quantization_error(x: torch.Tensor) -> dict:

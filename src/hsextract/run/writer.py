@@ -41,22 +41,8 @@ from hsextract.format.batch import (
     read_file_head,
     update_checksum,
 )
+from hsextract.format.header import SAFETENSORS_DTYPES, tensor_bytes
 from hsextract.storage.fileio import atomic_write
-
-SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.uint8: "U8",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -73,7 +59,7 @@ def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             raise ValueError(
                 f"per-token tensor {name!r} has shape {tuple(t.shape)}, expected {num_tokens} rows (cu_seqlens)"
             )
-        rows[name] = (_bytes(t), t.numel() // num_tokens * t.element_size() if num_tokens else 0)
+        rows[name] = (tensor_bytes(t), t.numel() // num_tokens * t.element_size() if num_tokens else 0)
     samples = []
     for start, stop in pairwise(bounds):
         checksum = new_checksum()
@@ -82,7 +68,7 @@ def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         samples.append(checksum.hexdigest())
     checksum = new_checksum()
     for name in index:
-        update_checksum(checksum, _bytes(tensors[name]))
+        update_checksum(checksum, tensor_bytes(tensors[name]))
     return checksums_metadata(
         per_token=per_token, samples=samples, index_tensors=index, index=checksum.hexdigest()
     )
@@ -115,7 +101,7 @@ def write_safetensors(
     """
     path = Path(path)
     parts = [memoryview(safetensors_header(tensors, metadata))]
-    parts += [_bytes(t) for t in tensors.values() if t.numel()]
+    parts += [tensor_bytes(t) for t in tensors.values() if t.numel()]
 
     def write(f) -> tuple[int, int]:
         with ThreadPoolExecutor(1, thread_name_prefix="crc32") as pool:

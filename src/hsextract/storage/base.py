@@ -25,6 +25,7 @@ import abc
 import base64
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -131,6 +132,35 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset`` (fewer at the end of the object)."""
+
+    def read_range_into(self, key: str, offset: int, buffer) -> int:
+        """Bytes from ``offset`` into ``buffer`` (any writable contiguous buffer: a ``memoryview`` of a tensor's
+        memory, say), as many as it holds or fewer at the end of the object; returns how many. The reader reads
+        states straight into the memory of the tensors it returns; this default copies what ``read_range`` gives."""
+        view = memoryview(buffer).cast("B")
+        data = self.read_range(key, offset, len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+def read_range_via_into(sink: Sink, key: str, offset: int, length: int) -> bytearray:
+    """``read_range`` of a sink whose own primitive is ``read_range_into``: the bytes in a buffer of their own
+    (writable, so the reader makes tensors over it without another copy)."""
+    buf = bytearray(max(0, length))
+    got = sink.read_range_into(key, offset, buf)
+    return buf if got == len(buf) else buf[:got]
+
+
+def fill(read_into: Callable[[memoryview, int], int], buffer, piece: int | None = None) -> int:
+    """``buffer`` filled by ``read_into(part, done)`` (which reads into ``part`` what follows the ``done`` bytes
+    already there, and returns how many, 0 at the end) in parts of at most ``piece``; how many bytes it got."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        n = read_into(view[done : done + piece] if piece else view[done:], done)
+        if not n:
+            break
+        done += n
+    return done
 
     @abc.abstractmethod
     def size(self, key: str) -> int:

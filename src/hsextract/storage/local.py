@@ -10,7 +10,15 @@ from typing import BinaryIO
 
 from hsextract.errors import HsextractError, disk_full
 from hsextract.format.keys import check_key
-from hsextract.storage.base import PROBE_PREFIX, Sink, StoredObject, changed_file, read_with_crc32
+from hsextract.storage.base import (
+    PROBE_PREFIX,
+    Sink,
+    StoredObject,
+    changed_file,
+    fill,
+    read_range_via_into,
+    read_with_crc32,
+)
 from hsextract.storage.fileio import TMP_MARK, atomic_write, fsync_dir, tmp_path
 
 
@@ -90,18 +98,14 @@ class LocalSink(Sink):
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
-    def read_range(self, key: str, offset: int, length: int) -> bytearray:
-        # Read straight into a writable buffer: the reader makes tensors over it without another copy.
-        buf = bytearray(length)
-        with open(self._path(key), "rb", buffering=0) as f:
-            f.seek(offset)
-            view, got = memoryview(buf), 0
-            while got < length:
-                n = f.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-        return buf if got == length else buf[:got]
+    read_range = read_range_via_into
+
+    def read_range_into(self, key: str, offset: int, buffer) -> int:
+        fd = os.open(self._path(key), os.O_RDONLY)
+        try:
+            return fill(lambda part, done: os.preadv(fd, [part], offset + done), buffer)
+        finally:
+            os.close(fd)
 
     def size(self, key: str) -> int:
         return self._path(key).stat().st_size

@@ -52,6 +52,8 @@ from hsextract.storage.base import (
     StoredObject,
     changed_file,
     crc32_base64,
+    fill,
+    read_range_via_into,
     read_with_crc32,
 )
 from hsextract.storage.s3_errors import (
@@ -248,12 +250,20 @@ class S3Sink(Sink):
     def get_bytes(self, key: str) -> bytes:
         return self._retrying(f"read of {key}", lambda: self._get(key).read())
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        return self._retrying(
-            f"read of {key}", lambda: self._get(key, f"bytes={offset}-{offset + length - 1}").read()
-        )
+    read_range = read_range_via_into
+
+    def read_range_into(self, key: str, offset: int, buffer) -> int:
+        size = memoryview(buffer).nbytes
+        if not size:
+            return 0
+
+        def fetch() -> (
+            int
+        ):  # a retry reads the whole range again; urllib3 reads each part into bytes, then copies
+            body = self._get(key, f"bytes={offset}-{offset + size - 1}")
+            return fill(lambda part, _: body.readinto(part), buffer, MiB)
+
+        return self._retrying(f"read of {key}", fetch)
 
     def _get(self, key: str, byte_range: str | None = None):
         from botocore.exceptions import ClientError
@@ -385,3 +395,6 @@ class S3Sink(Sink):
 class _Empty:
     def read(self) -> bytes:
         return b""
+
+    def readinto(self, buffer) -> int:
+        return 0

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -245,24 +243,10 @@ class StatesDataset(_Reading, IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         sequence = self.rank_sequence()[self._skip :]
         mine = worker_share(sequence, worker, workers, self.batch_size)
-        reader = self.reader()
-        count = info is None
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="hsextract-read") as pool:
-            pending: deque = deque()
-            todo = iter(mine)
-            try:
-                for i in todo:
-                    pending.append(pool.submit(reader.item, i))
-                    if len(pending) >= self.prefetch:
-                        break
-                while pending:
-                    item = pending.popleft().result()
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        pending.append(pool.submit(reader.item, nxt))
-                    if count:
-                        self._served += 1
-                    yield item
-            finally:
-                for f in pending:
-                    f.cancel()
+        served = self.index.schema.served
+        for item in self.reader().stream(
+            mine, lambda i, s: served(s), threads=self.threads, prefetch=self.prefetch
+        ):
+            if info is None:
+                self._served += 1
+            yield item

@@ -20,8 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import get_worker_info
 
-from hsextract.reader import open_output
+from hsextract.reader import open_output, plain_memory
+from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
 from hsextract.training.schemas import Schema, get_schema
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,8 @@ class Where:
 
 class SampleIndex:
     """The samples of an output a schema serves, in manifest order: ``keys[i]``, ``rows[i]``, ``lengths[i]``,
-    ``sample_ids[i]`` for sample ``i``; ``skipped`` maps the left-out sample ids to the reason."""
+    ``sample_ids[i]`` for sample ``i``, ``starts[i]`` its first token in its file; ``skipped`` maps the left-out
+    sample ids to the reason; ``token_bytes`` is the states' bytes per token (every file's)."""
 
     def __init__(self, out, where: Where, schema: Schema, threads: int = 8):
         self.where, self.schema = where, schema
@@ -64,8 +67,8 @@ class SampleIndex:
                 if reason:
                     skipped[sid] = reason
                 else:
-                    kept.append((row, sid, b - a))
-            return batch["key"], kept, skipped
+                    kept.append((row, sid, a, b - a))
+            return batch["key"], kept, skipped, f.tensors["hidden_states"].row_bytes
 
         with ThreadPoolExecutor(max(1, min(threads, len(batches)))) as pool:
             scanned = list(pool.map(scan, batches))
@@ -73,15 +76,18 @@ class SampleIndex:
         self.rows: list[int] = []
         self.sample_ids: list[str] = []
         self.lengths: list[int] = []
+        self.starts: list[int] = []
         self.skipped: dict[str, str] = {}
         self.file_samples: dict[str, list[int]] = {}
-        for key, kept, skipped in scanned:
+        self.token_bytes = max((s[3] for s in scanned), default=0)
+        for key, kept, skipped, _ in scanned:
             self.file_samples[key] = []
-            for row, sid, n in kept:
+            for row, sid, start, n in kept:
                 self.file_samples[key].append(len(self.keys))
                 self.keys.append(key)
                 self.rows.append(row)
                 self.sample_ids.append(sid)
+                self.starts.append(start)
                 self.lengths.append(n)
             self.skipped.update(skipped)
         self.file_keys = [b["key"] for b in batches]
@@ -135,12 +141,14 @@ def _open(where: Where, manifest: dict | None = None):
 
 
 class SampleReader:
-    """Reads samples of an indexed output in this process, from any of its threads."""
+    """Reads samples of an indexed output in this process, from any of its threads. In a DataLoader worker the
+    states are read into shared memory (reads.shared_memory), elsewhere into plain memory."""
 
     def __init__(self, index: SampleIndex, cache_files: int = 32):
         self.index = index
         self.out = _open(index.where, index.manifest)  # read once, where the index was made
         self.pid = os.getpid()
+        self.alloc = shared_memory if get_worker_info() is not None else plain_memory
         self._files: OrderedDict = OrderedDict()
         self._cache_files = cache_files
         self._lock = threading.Lock()
@@ -151,25 +159,42 @@ class SampleReader:
             if f is not None:
                 self._files.move_to_end(key)
                 return f
-        f = self.out.open_batch_file(
-            key
-        )  # two small reads; a rare duplicate open in another thread is harmless
+        # Two small reads (header; index, token ids, masks); a rare duplicate open in another thread is harmless.
+        f = self.out.open_batch_file(key)
         with self._lock:
             self._files[key] = f
             while len(self._files) > self._cache_files:
                 self._files.popitem(last=False)
         return f
 
+    def samples(self, key: str, rows: list[int]) -> dict:
+        """Rows (ascending) of batch file ``key`` in one read of their states: ``{row: reader dict}``, or
+        ``{row: CorruptOutputError}`` for a row whose bytes fail their checksum."""
+        return self.out.read_samples(self._file(key), rows, self.alloc)
+
     def sample(self, i: int) -> dict:
         """The reader dict of sample ``i``."""
-        return self.out.read_sample(self._file(self.index.keys[i]), self.index.rows[i])
+        got = self.samples(self.index.keys[i], [self.index.rows[i]])[self.index.rows[i]]
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     def item(self, i: int) -> dict:
         """Sample ``i`` as the schema's item (what the trainer's own dataset yields)."""
-        s = self.sample(i)
-        schema = self.index.schema
-        return schema.item(schema.record(s), s)
+        return self.index.schema.served(self.sample(i))
 
     def record(self, i: int) -> dict:
         """Sample ``i`` as the schema's record (what the trainer's offline file holds)."""
         return self.index.schema.record(self.sample(i))
+
+    def stream(self, sequence: list[int], make, *, threads: int, prefetch: int):
+        """``make(i, reader dict)`` for every sample ``i`` of ``sequence``, in order, read ahead by ``threads``
+        threads with at most ``prefetch`` samples held (reads.read_ahead), adjacent rows of a file in one read."""
+        index = self.index
+        max_tokens = MAX_READ_BYTES // max(1, index.token_bytes)
+
+        def where(i: int):
+            return index.keys[i], index.rows[i], index.starts[i], index.starts[i] + index.lengths[i]
+
+        reads = plan_reads(sequence, where, horizon=prefetch, max_tokens=max_tokens)
+        return read_ahead(sequence, reads, self.samples, make, threads=threads, prefetch=prefetch)

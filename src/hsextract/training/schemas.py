@@ -57,6 +57,10 @@ class Schema:
         """What the trainer's own dataset yields from ``record`` (``s``: the reader dict it was made from)."""
         return record
 
+    def served(self, s: dict) -> dict:
+        """The item the training datasets serve for the reader dict ``s``."""
+        return self.item(self.record(s), s)
+
 
 class Raw(Schema):
     """The reader's own dict (reader.py), unchanged."""
