@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from hsextract.batchfile import BatchFile
 from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.format.batch import new_checksum, update_checksum
 from hsextract.format.final_norm import read_checked_final_norm
 from hsextract.format.manifest import MANIFEST, header_expectations, read_manifest, require_checksums
 from hsextract.format.records import JOB_FILES
 from hsextract.prepare.plan import Plan
-from hsextract.reader import BatchFile
 from hsextract.storage import open_sink
 from hsextract.storage.base import Sink
 

@@ -144,8 +144,8 @@ class CountingSink(LocalSink):
 
     reads = read_bytes = 0
 
-    def read_range_into(self, key, offset, buffer):
-        got = super().read_range_into(key, offset, buffer)
+    def read_range_into(self, key, offset, buffer, on_part=None):
+        got = super().read_range_into(key, offset, buffer, on_part)
         self.reads, self.read_bytes = self.reads + 1, self.read_bytes + got
         return got
 

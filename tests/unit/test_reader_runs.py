@@ -29,9 +29,9 @@ class CountingSink(LocalSink):
 
     reads = 0
 
-    def read_range_into(self, key, offset, buffer):
+    def read_range_into(self, key, offset, buffer, on_part=None):
         self.reads += 1
-        return super().read_range_into(key, offset, buffer)
+        return super().read_range_into(key, offset, buffer, on_part)
 
 
 def write_file(tmp_path, layout: StateLayout) -> str:
@@ -102,6 +102,27 @@ def test_a_run_read_at_once_equals_the_file_sample_for_sample(tmp_path, name, ro
         alone = f.sample(row, view)  # a read of the sample alone gives the same
         assert all(torch.equal(alone[k], got[row][k]) for k in want)
         assert got[row]["sample_id"] == f"s{row}"
+
+
+class StartingAgainSink(LocalSink):
+    """Each read gets half-way with garbage in the buffer, then starts again from the first byte: what S3Sink does
+    when a connection drops mid-body (the reader checksums bytes as they arrive and must start over with them)."""
+
+    def read_range_into(self, key, offset, buffer, on_part=None):
+        view = memoryview(buffer).cast("B")
+        view[: len(view) // 2] = b"\x55" * (len(view) // 2)
+        if on_part is not None:
+            on_part(0, len(view) // 2)
+        return super().read_range_into(key, offset, buffer, on_part)
+
+
+def test_a_read_that_starts_again_is_checked_on_the_bytes_it_ends_with(tmp_path):
+    layout = LAYOUTS["bf16"]
+    key = write_file(tmp_path, layout)
+    got = BatchFile(StartingAgainSink(tmp_path), key).samples([0, 1, 2, 3, 4, 5], SampleView(layout, None))
+    for row in range(len(LENGTHS)):
+        assert not isinstance(got[row], CorruptOutputError), got[row]
+        assert torch.equal(got[row]["hidden_states"], expected(tmp_path, key, layout, row)["hidden_states"])
 
 
 def test_fp8_values_as_stored_come_with_their_scales(tmp_path):

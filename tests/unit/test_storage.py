@@ -58,6 +58,14 @@ def test_sink_round_trip(sink: Sink, tmp_path: Path) -> None:
     assert sink.read_range_into("shard-00001/batch-000001.safetensors", len(data), buf) == 0
     with pytest.raises(FileNotFoundError):
         sink.read_range_into("shard-00001/nothing", 0, buf)
+    # Told as the bytes arrive, in order, up to all of them.
+    arrived: list[tuple[int, int]] = []
+    whole = bytearray(len(data))
+    assert sink.read_range_into(
+        "shard-00001/batch-000001.safetensors", 0, whole, lambda a, b: arrived.append((a, b))
+    ) == len(data)
+    assert whole == data and arrived[0][0] == 0 and arrived[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(arrived, arrived[1:], strict=False))
     assert sink.size("shard-00001/batch-000001.safetensors") == len(data)
     assert sink.size("shard-00002/batch-000000.safetensors") == 0
     assert sink.exists("shard-00001/index.json")

@@ -133,13 +133,20 @@ class Sink(abc.ABC):
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset`` (fewer at the end of the object)."""
 
-    def read_range_into(self, key: str, offset: int, buffer) -> int:
+    def read_range_into(
+        self, key: str, offset: int, buffer, on_part: Callable[[int, int], None] | None = None
+    ) -> int:
         """Bytes from ``offset`` into ``buffer`` (any writable contiguous buffer: a ``memoryview`` of a tensor's
-        memory, say), as many as it holds or fewer at the end of the object; returns how many. The reader reads
-        states straight into the memory of the tensors it returns; this default copies what ``read_range`` gives."""
+        memory, say), as many as it holds or fewer at the end of the object; returns how many. ``on_part(a, b)``
+        says that bytes ``a:b`` of the buffer have just arrived (a few hundred KB at a time, so that the reader
+        checksums them while they are in the CPU's cache); a retried read starts again at ``a = 0``. The reader
+        reads states straight into the memory of the tensors it returns; this default copies what ``read_range``
+        gives."""
         view = memoryview(buffer).cast("B")
         data = self.read_range(key, offset, len(view))
         view[: len(data)] = data
+        if on_part is not None:
+            on_part(0, len(data))
         return len(data)
 
 
@@ -151,14 +158,22 @@ def read_range_via_into(sink: Sink, key: str, offset: int, length: int) -> bytea
     return buf if got == len(buf) else buf[:got]
 
 
-def fill(read_into: Callable[[memoryview, int], int], buffer, piece: int | None = None) -> int:
+def fill(
+    read_into: Callable[[memoryview, int], int],
+    buffer,
+    piece: int | None = None,
+    on_part: Callable[[int, int], None] | None = None,
+) -> int:
     """``buffer`` filled by ``read_into(part, done)`` (which reads into ``part`` what follows the ``done`` bytes
-    already there, and returns how many, 0 at the end) in parts of at most ``piece``; how many bytes it got."""
+    already there, and returns how many, 0 at the end) in parts of at most ``piece``, each told to ``on_part(a, b)``;
+    how many bytes it got."""
     view, done = memoryview(buffer).cast("B"), 0
     while done < len(view):
         n = read_into(view[done : done + piece] if piece else view[done:], done)
         if not n:
             break
+        if on_part is not None:
+            on_part(done, done + n)
         done += n
     return done
 

@@ -252,16 +252,15 @@ class S3Sink(Sink):
 
     read_range = read_range_via_into
 
-    def read_range_into(self, key: str, offset: int, buffer) -> int:
+    def read_range_into(self, key: str, offset: int, buffer, on_part=None) -> int:
         size = memoryview(buffer).nbytes
         if not size:
             return 0
 
-        def fetch() -> (
-            int
-        ):  # a retry reads the whole range again; urllib3 reads each part into bytes, then copies
+        # A retry reads the whole range again. urllib3 reads each part into a bytes object, then copies it over.
+        def fetch() -> int:
             body = self._get(key, f"bytes={offset}-{offset + size - 1}")
-            return fill(lambda part, _: body.readinto(part), buffer, MiB)
+            return fill(lambda part, _: body.readinto(part), buffer, MiB, on_part)
 
         return self._retrying(f"read of {key}", fetch)
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import get_worker_info
 
-from hsextract.reader import open_output, plain_memory
+from hsextract.batchfile import plain_memory
+from hsextract.reader import open_output
 from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
 from hsextract.training.schemas import Schema, get_schema
 
