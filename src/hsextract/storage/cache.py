@@ -119,11 +119,14 @@ class CachedSink:
                 return self.sink.read_range(key, offset, length)  # the object is not what was recorded
         return out
 
-    def read_range_into(self, key: str, offset: int, buffer) -> int:
-        """``read_range`` into ``buffer`` (any writable contiguous buffer); returns how many bytes it holds."""
+    def read_range_into(self, key: str, offset: int, buffer, on_part=None) -> int:
+        """``read_range`` into ``buffer`` (any writable contiguous buffer); returns how many bytes it holds, and
+        tells ``on_part(0, n)`` once they are all there (``Sink.read_range_into``)."""
         view = memoryview(buffer).cast("B")
         data = self.read_range(key, offset, len(view))
         view[: len(data)] = data
+        if on_part is not None:
+            on_part(0, len(data))
         return len(data)
 
     def _fetch(self, key, tag, size, run: range, out: bytearray, offset: int, end: int) -> bool:
