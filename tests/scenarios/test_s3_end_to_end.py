@@ -381,7 +381,7 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
     }
     done = marked_before_rerun | recorded
     staged_left = [name for name in left if f"shard-00000/{name}" not in recorded]
-    resume_line = next(ln for ln in session.splitlines() if "resume: " in ln)
+    resume_line = next(ln for ln in session.splitlines() if "resume: " in ln and " batches done, " in ln)
     assert f"resume: {len(done)} batches done, {len(staged_left)} staged to upload" in resume_line, (
         resume_line,
         marked,
