@@ -394,8 +394,12 @@ def main():
         step_env = {**env, "HSEXTRACT_TUNED": "0"} if step == "untuned" else env
         result = attempt(step, argv, run_dir, work, limit, step_env)
         report[step] = result
-        recorded = next(iter(sorted((work / "kernels-untuned").glob("*/hsextract-tuned.json"))), None)
-        if step == "untuned" and args.ship_table and recorded is not None:
+        recorded = (
+            next(iter(sorted((work / "kernels-untuned").glob("*/hsextract-tuned.json"))), None)
+            if step == "untuned" and args.ship_table
+            else None
+        )
+        if recorded is not None:
             # What this machine's first warm-up chose: the table shipped for this GPU (model/tuned.py).
             Path(args.ship_table).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(recorded, args.ship_table)

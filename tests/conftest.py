@@ -1,7 +1,7 @@
 """Shared fixtures: the tiny random qwen3_5 model and tokenizer, built once per test session."""
 
 import pytest
-from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.cli import e2e_run_args, run_cli, write_mixed_dataset
 
 pytest_plugins = ["support.s3server"]
 
@@ -26,16 +26,7 @@ def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
     reads it: (root, data, result, args), the output in ``root / "out"``. Copy the output before damaging it."""
     root = tmp_path_factory.mktemp("e2e")
     data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
-    args = cli_run_args(
-        root,
-        tiny_model,
-        data,
-        layers=",".join(map(str, E2E_LAYERS)),
-        shards=2,
-        **TINY_LIMITS,
-        num_proc=2,
-        no_progress=True,
-    )
+    args = e2e_run_args(root, tiny_model, data)
     result = run_cli(*args)
     return root, data, result, args
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
-from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli
+from support.cli import e2e_run_args, run_cli
 from support.procs import descendants
 
 from hsextract.run.prestart import PRESTART_ENV
@@ -16,20 +16,6 @@ from hsextract.run.prestart import PRESTART_ENV
 pytestmark = [pytest.mark.timeout(300)]
 
 EARLY = {PRESTART_ENV: "1"}
-
-
-def _args(root, tiny_model, data, **extra):
-    return cli_run_args(
-        root,
-        tiny_model,
-        data,
-        layers=",".join(map(str, E2E_LAYERS)),
-        shards=2,
-        **TINY_LIMITS,
-        num_proc=2,
-        no_progress=True,
-        **extra,
-    )
 
 
 def _batch_files(out: Path) -> dict[str, Path]:
@@ -53,7 +39,7 @@ def test_early_workers_write_the_same_output_as_workers_started_after_preparing(
     finished_run, tiny_model, tmp_path
 ):
     ref_root, data, _, _ = finished_run
-    r = run_cli(*_args(tmp_path, tiny_model, data), env=EARLY)
+    r = run_cli(*e2e_run_args(tmp_path, tiny_model, data), env=EARLY)
     assert r.returncode == 0, r.stdout + r.stderr
     for shard in (0, 1):
         log = (tmp_path / "run" / "logs" / f"shard-0000{shard}.stderr.log").read_text()
@@ -74,7 +60,7 @@ def test_early_workers_write_the_same_output_as_workers_started_after_preparing(
 def test_bad_data_fails_with_its_message_and_the_early_workers_load_nothing_and_exit(tiny_model, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("{not json\n" + json.dumps({"messages": []}) + "\n")  # nothing usable: refused
-    r = run_cli(*_args(tmp_path, tiny_model, data), env=EARLY, check=False)
+    r = run_cli(*e2e_run_args(tmp_path, tiny_model, data), env=EARLY, check=False)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no usable samples" in r.stdout + r.stderr
     for shard in (0, 1):  # they were started, then let go
@@ -88,9 +74,9 @@ def test_bad_data_fails_with_its_message_and_the_early_workers_load_nothing_and_
 
 def test_a_rerun_of_a_finished_job_lets_its_early_workers_go(finished_run, tiny_model, tmp_path):
     ref_root, data, _, _ = finished_run
-    r = run_cli(*_args(tmp_path, tiny_model, data), env=EARLY)
+    r = run_cli(*e2e_run_args(tmp_path, tiny_model, data), env=EARLY)
     assert r.returncode == 0
-    r = run_cli(*_args(tmp_path, tiny_model, data), env=EARLY)
+    r = run_cli(*e2e_run_args(tmp_path, tiny_model, data), env=EARLY)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "shards already complete: [0, 1]" in r.stdout
     for shard in (0, 1):
@@ -101,7 +87,7 @@ def test_a_rerun_of_a_finished_job_lets_its_early_workers_go(finished_run, tiny_
 
 def test_a_missing_model_is_refused_with_its_message_and_the_early_workers_exit(finished_run, tmp_path):
     _, data, _, _ = finished_run
-    r = run_cli(*_args(tmp_path, tmp_path / "no-such-model", data), env=EARLY, check=False)
+    r = run_cli(*e2e_run_args(tmp_path, tmp_path / "no-such-model", data), env=EARLY, check=False)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no such directory" in r.stdout + r.stderr
     assert not _leftovers(tmp_path / "run")

@@ -91,6 +91,21 @@ E2E_LAYERS = (0, 3, 7)
 """Layers of the shared finished run: first, middle (a full-attention layer), last of the 8-layer tiny model."""
 
 
+def e2e_run_args(root, model, data, **options) -> list:
+    """The shared finished run's command (2 shards, ``E2E_LAYERS``, the tiny limits) under ``root``."""
+    return cli_run_args(
+        root,
+        model,
+        data,
+        layers=",".join(map(str, E2E_LAYERS)),
+        shards=2,
+        **TINY_LIMITS,
+        num_proc=2,
+        no_progress=True,
+        **options,
+    )
+
+
 def write_mixed_dataset(path, tokenizer, n_chat=40, seed=0):
     """Chat rows from the demo generator plus pre-tokenized rows from 1 token up, with explicit ids."""
     import json

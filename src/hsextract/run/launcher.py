@@ -117,9 +117,7 @@ def launch(
         raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
     for attempt in range(2):
         code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo, prestarted=prestarted)
-        if prestarted is not None:
-            prestarted.release()
-            prestarted = None
+        prestarted = None  # _run_shards took or let go every early worker
         if code:
             return code
         code, missing = finalize(cfg, plan, echo=echo)

@@ -39,6 +39,7 @@ from pathlib import Path
 import xxhash
 
 from hsextract.errors import HsextractError
+from hsextract.storage.base import Sink
 from hsextract.storage.fileio import TMP_MARK, atomic_write
 
 log = logging.getLogger(__name__)
@@ -119,15 +120,8 @@ class CachedSink:
                 return self.sink.read_range(key, offset, length)  # the object is not what was recorded
         return out
 
-    def read_range_into(self, key: str, offset: int, buffer, on_part=None) -> int:
-        """``read_range`` into ``buffer`` (any writable contiguous buffer); returns how many bytes it holds, and
-        tells ``on_part(0, n)`` once they are all there (``Sink.read_range_into``)."""
-        view = memoryview(buffer).cast("B")
-        data = self.read_range(key, offset, len(view))
-        view[: len(data)] = data
-        if on_part is not None:
-            on_part(0, len(data))
-        return len(data)
+    # The sink interface's default, over this cache's ``read_range`` (not the wrapped sink's own).
+    read_range_into = Sink.read_range_into
 
     def _fetch(self, key, tag, size, run: range, out: bytearray, offset: int, end: int) -> bool:
         """Fill ``out`` from the sink over the blocks of ``run``, storing them if there is room."""
