@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import damage
 
+from hsextract import batchfile
 from hsextract.errors import CorruptOutputError
 from hsextract.format.batch import StateLayout, batch_metadata
 from hsextract.format.final_norm import FinalNorm
@@ -123,6 +125,25 @@ def test_a_read_that_starts_again_is_checked_on_the_bytes_it_ends_with(tmp_path)
     for row in range(len(LENGTHS)):
         assert not isinstance(got[row], CorruptOutputError), got[row]
         assert torch.equal(got[row]["hidden_states"], expected(tmp_path, key, layout, row)["hidden_states"])
+
+
+def test_with_nothing_held_every_tensor_is_read_per_run_and_checked_the_same(tmp_path, monkeypatch):
+    """Per-token tensors wider than ``HELD_ROW_BYTES`` are read with the states, one read each per run."""
+    monkeypatch.setattr(batchfile, "HELD_ROW_BYTES", 0)
+    layout = LAYOUTS["fp8-final-slot"]
+    key = write_file(tmp_path, layout)
+    sink = CountingSink(tmp_path)
+    f = BatchFile(sink, key)
+    sink.reads = 0
+    got = f.samples([1, 2, 3], SampleView(layout, NORM))
+    assert sink.reads == 4  # states, scales, token ids, loss mask
+    for row in (1, 2, 3):
+        for k, v in expected(tmp_path, key, layout, row).items():
+            assert torch.equal(got[row][k], v), (row, k)
+    damage.flip(tmp_path / key, damage.row_offset(tmp_path / key, "loss_mask", 2) + 1, mask=0x01)
+    got = BatchFile(LocalSink(tmp_path), key).samples([1, 2, 3], SampleView(layout, NORM))
+    assert isinstance(got[2], CorruptOutputError) and "'s2'" in got[2].problem
+    assert not isinstance(got[1], CorruptOutputError) and not isinstance(got[3], CorruptOutputError)
 
 
 def test_fp8_values_as_stored_come_with_their_scales(tmp_path):

@@ -92,18 +92,26 @@ def units_of(manifest: dict) -> list[Unit]:
     return units
 
 
-READ_THREADS, READ_AHEAD = 4, 16
+READ_THREADS = 4
 
-"""Per export process: the threads reading and serializing samples, and the samples they keep ahead of the writes
-(``StatesDataset``'s defaults)."""
+"""Threads reading and serializing samples, shared out among the export processes (at least one each), each
+keeping 4 samples per thread ahead of its writes (``StatesDataset``'s defaults in one process). More threads per
+process than cores to spare made two processes on two cores ~10% slower."""
 
 
 _proc: dict = {}
 
 
-def _open_process(index: SampleIndex, dest_url: str, endpoint_url: str | None, fmt_name: str) -> None:
+def _open_process(
+    index: SampleIndex, dest_url: str, endpoint_url: str | None, fmt_name: str, threads: int
+) -> None:
     """Once per export process: the output read as the training dataset reads it, the destination opened."""
-    _proc.update(reader=SampleReader(index), dest=open_sink(dest_url, endpoint_url), fmt=FORMATS[fmt_name])
+    _proc.update(
+        reader=SampleReader(index),
+        dest=open_sink(dest_url, endpoint_url),
+        fmt=FORMATS[fmt_name],
+        threads=threads,
+    )
 
 
 def _open_pool_process(*args) -> None:
@@ -115,7 +123,7 @@ def _export_unit(unit: Unit) -> dict:
     """Every sample of one batch file the format serves to its files, then the unit's marker. The samples are those
     the training dataset serves and are read as it reads them (``SampleReader.stream``: neighbouring rows in one
     read, checked, serialized by the reading threads); the files hold the schema's record of each."""
-    reader, dest, fmt = _proc["reader"], _proc["dest"], _proc["fmt"]
+    reader, dest, fmt, threads = _proc["reader"], _proc["dest"], _proc["fmt"], _proc["threads"]
     index = reader.index
 
     def files(i: int, s: dict) -> dict[str, bytes]:
@@ -123,7 +131,7 @@ def _export_unit(unit: Unit) -> dict:
 
     written = 0
     samples = index.file_samples[unit.key]
-    for sample_files in reader.stream(samples, files, threads=READ_THREADS, prefetch=READ_AHEAD):
+    for sample_files in reader.stream(samples, files, threads=threads, prefetch=4 * threads):
         for key, data in sample_files.items():
             dest.put_bytes(key, data)
         written += 1
@@ -263,18 +271,19 @@ def export(
     )
     bar.update(total - sum(u.num_samples for u in todo))
     t0 = time.time()
-    opening = (index, dest_url, endpoint_url, fmt.name)
-    if num_proc == 1 or len(todo) <= 1:
+    processes = 1 if num_proc == 1 or len(todo) <= 1 else min(num_proc, len(todo))
+    opening = (index, dest_url, endpoint_url, fmt.name, max(1, READ_THREADS // processes))
+    if processes == 1:
         if todo:
             _open_process(*opening)
         for unit in todo:
             bar.update(_export_unit(unit)["samples"])
-    elif todo:
+    else:
         import multiprocessing as mp
 
         # spawn, not fork: the parent holds torch and tqdm threads; a forked child could inherit a held lock.
         with mp.get_context("spawn").Pool(
-            min(num_proc, len(todo)), initializer=_open_pool_process, initargs=opening
+            processes, initializer=_open_pool_process, initargs=opening
         ) as pool:
             for summary in pool.imap_unordered(_export_unit, todo):
                 bar.update(summary["samples"])
