@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -131,14 +132,24 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
     before = markers(run_dir)
     out_path = work / f"{name}.out"
     t0 = time.time()
+    timeline: list[str] = []  # the launcher's lines, each with the second it arrived after t0
+
+    def collect(stream, out):
+        for line in iter(stream.readline, ""):
+            out.write(line)
+            timeline.append(f"{time.time() - t0:6.2f} {line.rstrip()[:160]}")
+
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
-            stdout=out,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            text=True,
             env=env,
             start_new_session=True,
         )
+        reader = threading.Thread(target=collect, args=(proc.stdout, out), daemon=True)
+        reader.start()
         result: dict = {"first_durable_s": None}
         while time.time() - t0 < timeout:
             if markers(run_dir) - before:
@@ -156,6 +167,7 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        reader.join(timeout=10)
     result["exit_code"] = proc.returncode
     result["stopped_by_bench"] = stopped
     result["new_durable_batches"] = len(markers(run_dir) - before)
@@ -163,6 +175,17 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
     result.update(
         {k: round(v, 2) if isinstance(v, float) else v for k, v in phases(run_dir, text, t0).items()}
     )
+    early = re.findall(
+        r"started early: imports and CUDA in ([0-9.]+) s, .* \(started at ([0-9.]+)\)",
+        (run_dir / "logs" / "shard-00000.stderr.log").read_text(errors="replace")
+        if (run_dir / "logs" / "shard-00000.stderr.log").exists()
+        else "",
+    )
+    early = [(float(at), float(took)) for took, at in early if float(at) >= t0 - 1.0]
+    if early:
+        result["early_started_at_s"] = round(early[-1][0] - t0, 2)
+        result["early_ready_at_s"] = round(early[-1][0] + early[-1][1] - t0, 2)
+    result["timeline"] = [line for line in timeline if "%|" not in line][:40]
     if result["first_durable_s"] is None:
         result["launcher_tail"] = text[-1500:]
     return result

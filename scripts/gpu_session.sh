@@ -106,3 +106,34 @@ if [[ "${1:-}" == "final" ]]; then
   timeout $(( ${FINAL_S:-560} - (SECONDS - T1) )) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py \
     -k "tuned or two_shards" 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
+# Host buffers pinned by the early worker while it imports (run/hostmem.py), session 3 of 2026-12-01: what pinning
+# costs two ways (scripts/bench_pinning.py), what the early worker's imports cost on an idle host (-X importtime,
+# the 25 slowest by cumulative time), the GPU tests of the pinned buffers and of the shipped table, then start-up
+# cold, warm and resume with the launcher's lines timed (bench_startup.py's timeline). ~8 minutes.
+if [[ "${1:-}" == "early2" ]]; then
+  timeout 90 python3 scripts/bench_pinning.py --slots 3 --gb 2.75 2>&1 | tee "$OUT/pinning.log"
+  timeout 60 python3 -X importtime -c "from hsextract.run.prestart import _warm_imports; _warm_imports('configs/qwen3.6-27b')" \
+    2> "$OUT/importtime.txt"
+  grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "host_buffers or autotune_table" \
+    2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+  STEPS=${STEPS:-cold,warm,resume} SESSION_S=${STARTUP_S:-330} bash "$0" startup
+  grep -h "^figure" "$OUT/startup_run.log" | grep -E "early_|timeline" | cut -c1-3000
+fi
+# The steady state and the training loader, session 3 of 2026-12-01: a new batch shape's cost beside its forward
+# with board power and SM clock (scripts/bench_shapes.py, on the start-up checkpoint, made here if missing), then
+# what one loader process delivers into pinned GPU-ready tensors (bench_loader_gpu.py) and the trainer's own
+# loader on the export against hsextract's dataset with 1, 2, 4 DataLoader workers (bench_loader.py, local only:
+# moto is not on this machine). ~7 minutes.
+if [[ "${1:-}" == "steady" ]]; then
+  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
+  if [[ ! -f "$CKPT/.complete" ]]; then
+    rm -rf "$CKPT"
+    timeout "${CKPT_TIMEOUT:-200}" python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 \
+      && touch "$CKPT/.complete"
+  fi
+  timeout "${SHAPES_TIMEOUT:-200}" python3 scripts/bench_shapes.py --model "$CKPT" --tokens "${SHAPES_TOKENS:-300000}" 2>&1 \
+    | grep -v Warning | tee "$OUT/shapes.log"
+  timeout 100 python3 scripts/bench_loader_gpu.py --files 6 --tokens 16384 --threads 1,4,8 --repeat 2 2>&1 | tee "$OUT/loader_gpu.log"
+  timeout 150 python3 scripts/bench_loader.py --files 8 --tokens 16384 --workers 1,2,4 --no-s3 --repeat 2 2>&1 | tee "$OUT/loader.log"
+fi

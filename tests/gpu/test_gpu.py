@@ -161,6 +161,39 @@ def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers
         assert torch.equal(fp8["hidden_states_scale"], s.cpu())
 
 
+def test_host_buffers_made_ahead_are_pinned_exact_size_and_taken_by_size():
+    """run/hostmem.py: buffers reserved in the background are page-locked (an async device-to-host copy into them
+    lands the device's values), of the size asked (no power-of-two rounding), taken smallest-that-fits, and a
+    request no reserved buffer fits gets a new pinned one."""
+    from hsextract.run import hostmem
+
+    mb = 1 << 20
+    hostmem.reserve(2, 3 * mb + 5)
+    assert hostmem.reserved()[0] == 2
+    small = hostmem.host_buffer(
+        (1 * mb) // 2, torch.bfloat16
+    )  # 1 MiB: the smallest that fits is a reserved one
+    assert hostmem.reserved()[0] == 1
+    big = hostmem.host_buffer(2 * mb, torch.bfloat16)  # 4 MiB: none fits, so a new one
+    assert hostmem.reserved()[0] == 1
+    hostmem.drop_reserved()
+    assert hostmem.reserved()[0] == 0
+    for buf, numel in ((small, mb // 2), (big, 2 * mb)):
+        assert buf.is_pinned() and buf.numel() == numel and buf.dtype == torch.bfloat16
+        owner = buf._hsextract_pinned
+        assert owner.numel() in (
+            3 * mb + 5,
+            4 * mb,
+        )  # exact: the caching allocator would give 4 MiB and 4 MiB
+        src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            buf.copy_(src, non_blocking=True)
+        stream.synchronize()
+        assert torch.equal(buf, src.cpu())
+
+
 TUNED_PROBE = """
 import json, sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM

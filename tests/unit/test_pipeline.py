@@ -39,3 +39,42 @@ def test_bad_states_are_refused_naming_the_batch_and_the_first_bad_layer():
         x[:, 1] = 1.0
         refuse_bad_states(state_health(x, None), batch, (1, 16, 31), torch.float16)
     refuse_bad_states(state_health(torch.ones(6, 3, 16), None), batch, (1, 16, 31), torch.float16)
+
+
+@pytest.mark.parametrize("storage", [None, "float8_e4m3fn"])
+def test_the_early_workers_host_buffers_hold_the_pipelines_largest_batch(tiny_model, tmp_path, storage):
+    """What an early worker pins while it imports (run/prestart.py's slot_bytes, from the config and the model's
+    config alone) is exactly a pipeline slot for the largest batch the config allows, so the pipeline takes it."""
+    from hsextract.config import RunConfig
+    from hsextract.model.load import load_model
+    from hsextract.prepare.steps import check_inputs
+    from hsextract.run.pipeline import Extractor
+    from hsextract.run.prestart import pin_spec, slot_bytes
+
+    cfg = RunConfig(
+        model=str(tiny_model),
+        data=str(tmp_path / "unused.jsonl"),
+        output=str(tmp_path / "out"),
+        run_dir=str(tmp_path / "run"),
+        staging=str(tmp_path / "staging"),
+        layers="1,2",
+        final_state=True,
+        storage_dtype=storage,
+        dtype="bfloat16",
+        device="cpu",
+        max_tokens_per_batch=640,
+        max_length=512,
+    )
+    facts = check_inputs(cfg)
+    lm = load_model(str(tiny_model), dtype="bfloat16", device="cpu")
+    ext = Extractor(
+        lm,
+        facts.layout.slot_layers,
+        device=torch.device("cpu"),
+        max_tokens=cfg.max_tokens_per_batch,
+        num_slots=1,
+        pad_token_id=0,
+        storage_dtype=facts.layout.storage_dtype,
+    )
+    buf = ext.slots[0].device_buf
+    assert slot_bytes(pin_spec(cfg), cfg.model) == buf.numel() * buf.element_size()

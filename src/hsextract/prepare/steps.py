@@ -3,8 +3,9 @@
 Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
 it was. So ``prepare_run`` goes:
 
-1. ``check_inputs``: the run dir (a directory, with room), the model config and layer ids, the output (a probe object), the staging
-   directory's space, and that staging, output and run dir do not overlap;
+1. ``check_inputs``: the run dir (a directory, with room) and that staging, output and run dir do not overlap
+   (``check_places``, no imports: the launcher starts its CUDA workers' imports then); the model config and layer
+   ids, the output (a probe object) and the staging directory's space (``check_model_and_output``);
 2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row
    tokenized (parallel, cached in the run dir, bad rows counted per source), ids made unique;
 3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
@@ -73,12 +74,14 @@ def prepare_run(
     cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True, on_checked=None
 ) -> Plan:
     """Validate everything, tokenize, plan; write the run files. Loads no weights. ``on_checked()`` is called
-    once the cheap checks have passed and the run dir exists (the launcher starts its workers' imports then)."""
+    once the places are checked and the run dir exists, before the model's config is read (which imports
+    transformers: the launcher starts its workers' imports first) (the launcher starts its workers' imports then)."""
     run_dir = RunDir(cfg.run_dir)
-    model = check_inputs(cfg)
+    check_places(cfg)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     if on_checked is not None:
         on_checked()
+    model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(cfg.model)
     samples, report, renamed = tokenize(
@@ -102,18 +105,28 @@ def prepare_run(
 
 
 def check_inputs(cfg: RunConfig) -> ModelFacts:
-    """The model config, the layer ids, the output and the staging space: fails fast, writes nothing."""
+    """The places, then the model config, the layer ids, the output and the staging space: fails fast, writes
+    nothing."""
+    check_places(cfg)
+    return check_model_and_output(cfg)
+
+
+def check_places(cfg: RunConfig) -> None:
+    """The run dir (a directory, with room) serves this output, staging lies apart, and on CUDA the kernel cache
+    the user chose can be written: no import, nothing written."""
     RunDir(cfg.run_dir).check_is_dir()
     RunDir(cfg.run_dir).check_space()
     check_same_output(cfg)
     check_no_overlap(cfg)
-    config, text, num_layers = load_model_config(cfg.model)
     if cfg.device == "cuda":
         load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
-        if cfg.kernel_cache or os.environ.get(
-            KERNEL_CACHE_ENV
-        ):  # one the user chose (the default falls back)
+        if cfg.kernel_cache or os.environ.get(KERNEL_CACHE_ENV):  # one the user chose (the default falls back)
             check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
+
+
+def check_model_and_output(cfg: RunConfig) -> ModelFacts:
+    """The model config and layer ids, the output (a probe object) and the staging space."""
+    config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     preflight(cfg.output, cfg.s3_endpoint_url)

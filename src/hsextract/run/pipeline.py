@@ -34,6 +34,7 @@ from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.prepare.plan import BatchSpec
 from hsextract.prepare.tokenize import TokenizedSamples
+from hsextract.run.hostmem import drop_reserved, host_buffer, reserved
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Slot:
         self.host_health: torch.Tensor | None = None
         """The pinned host buffer ``health`` is copied into on CUDA, made at the first checked batch."""
         if device.type == "cuda":
-            self.host_buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self.host_buf = host_buffer(numel, dtype)  # exact size, maybe made ahead (run/hostmem.py)
             self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
             self.copied = torch.cuda.Event()
         else:
@@ -171,12 +172,15 @@ class Extractor:
         numel = max_tokens * len(self.layer_ids) * self.hidden
         scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
         t0 = time.perf_counter()
+        ahead, ahead_s = reserved()
         self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
+        drop_reserved()
         log.info(
-            "%d buffer slots of %.2f GB made in %.1f s",
+            "%d buffer slots of %.2f GB made in %.1f s%s",
             num_slots,
             numel * self.slots[0].device_buf.element_size() / 1e9 if self.slots else 0.0,
             time.perf_counter() - t0,
+            f" ({ahead} host buffer(s) pinned ahead, in {ahead_s:.1f} s)" if ahead else "",
         )
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.check_states = check_states

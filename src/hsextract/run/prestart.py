@@ -2,11 +2,13 @@
 
 A GPU worker spends ~20 s importing torch, transformers' model code and flash-linear-attention before it reads a
 byte of weights (an H200 host, docs/PERFORMANCE.md), and the launcher spends ~12 s preparing the data; one after
-the other they were a third of a warm start. So on CUDA, once the cheap checks have passed (model config, layer
-ids, output, staging: ``prepare.steps.check_inputs``), the launcher starts one process per local shard that
+the other they were a third of a warm start. So on CUDA, once the run dir and the places are checked
+(``prepare.steps.check_places``, before the model's config is read: that imports transformers), the launcher starts
+one process per local shard that
 
-1. imports what the worker needs, including the model's own class (and through it FLA and Triton) and hsextract's
-   kernels, and starts CUDA on its GPU;
+1. starts CUDA on its GPU and pins the pipeline's host buffers in a thread (run/hostmem.py; sized from the config
+   for the largest batch it allows), while it imports what the worker needs, including the model's own class (and
+   through it FLA and Triton) and hsextract's kernels;
 2. waits for its go file (``RunDir.prestart_file``): ``{"run": true, "env": {...}}`` once the plan is accepted
    (the warm-up's flag, which only the plan decides, comes in ``env``), or ``{"run": false}``: its shard has
    nothing to do, or the preparation failed;
@@ -43,6 +45,12 @@ GO_FILE_ENV = "HSEXTRACT_PRESTART_GO"
 MODEL_ENV = "HSEXTRACT_PRESTART_MODEL"
 
 
+PIN_ENV = "HSEXTRACT_PRESTART_PIN"
+
+"""What sizes the pipeline's host buffers (``pin_spec``): the early process pins them while it imports
+(run/hostmem.py)."""
+
+
 ENTRY = "import sys; from hsextract.run.prestart import main; sys.exit(main())"
 
 """A ``-c`` program, as the worker's own entry (launcher.py says why)."""
@@ -66,7 +74,8 @@ class Prestarted:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self) -> None:
-        """Start one process per local shard (CUDA only); called once the cheap checks have passed."""
+        """Start one process per local shard (CUDA only); called once the places are checked
+        (``prepare.steps.check_places``), before the model's config is read."""
         from hsextract.run.launcher import start_worker
         from hsextract.run.prewarm import open_kernel_cache
 
@@ -78,6 +87,8 @@ class Prestarted:
             go.parent.mkdir(parents=True, exist_ok=True)
             go.unlink(missing_ok=True)
             extra = {GO_FILE_ENV: str(go), MODEL_ENV: str(self.cfg.model)}
+            if self.cfg.device == "cuda":
+                extra[PIN_ENV] = json.dumps(pin_spec(self.cfg))
             self.procs[shard] = start_worker(self.cfg, shard, kernel_dir, extra, entry=ENTRY)
         log.info("started %d worker(s) early, while the data is prepared", len(self.procs))
 
@@ -116,9 +127,58 @@ class Prestarted:
         self.release()
 
 
-def _warm_imports(model: str) -> None:
-    """What the worker would import at its start and in its model load, the model's class included."""
+def pin_spec(cfg: RunConfig) -> dict:
+    """What the host buffers' size depends on, from the config alone (the model's config is read in the child)."""
+    return {
+        "count": cfg.pinned_buffers,
+        "max_tokens": cfg.max_tokens_per_batch,
+        "layers": cfg.layers if isinstance(cfg.layers, str) else list(cfg.layers),
+        "final_state": cfg.wants_final_state,
+        "storage_dtype": cfg.storage_dtype,
+        "dtype": cfg.dtype,
+    }
+
+
+def slot_bytes(spec: dict, model: str) -> int:
+    """The bytes of one of the pipeline's host buffers for the largest batch the config allows (run/pipeline.py
+    sizes them for the plan's largest, which is at most this)."""
+    from hsextract.config import DTYPE_BYTES
+    from hsextract.format.batch import StateLayout
+    from hsextract.model.layers import resolve_layer_ids
+    from hsextract.model.load import load_model_config
+
+    _, text, num_layers = load_model_config(model)
+    layers = spec["layers"] if isinstance(spec["layers"], str) else tuple(spec["layers"])
+    layout = StateLayout(
+        resolve_layer_ids(layers, num_layers), num_layers, spec["final_state"], spec["storage_dtype"]
+    )
+    itemsize = 1 if layout.storage_dtype else DTYPE_BYTES[spec["dtype"]]
+    return spec["max_tokens"] * len(layout.slot_layers) * text.hidden_size * itemsize
+
+
+def _pin_ahead(spec: dict, model: str) -> None:
+    """CUDA started, then the host buffers pinned in a thread while the rest is imported."""
     import torch
+
+    from hsextract.run.hostmem import reserve
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    try:
+        nbytes = slot_bytes(spec, model)
+    except Exception as e:  # a bad model or layer ids: the launcher's checks say so
+        log.warning("no host buffers pinned ahead: %r", e)
+        return
+    reserve(spec["count"], nbytes)
+
+
+def _warm_imports(model: str, pin: dict | None = None) -> None:
+    """What the worker would import at its start and in its model load, the model's class included. With ``pin``
+    (``pin_spec``), CUDA starts first and the host buffers are pinned in a thread beside the other imports."""
+    import torch
+
+    if pin and torch.cuda.is_available():
+        _pin_ahead(pin, model)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.auto_factory import _get_model_class
 
@@ -145,7 +205,8 @@ def wait_for_go(go: Path, poll_s: float = POLL_S) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     t0 = time.time()
-    _warm_imports(os.environ[MODEL_ENV])
+    pin = os.environ.get(PIN_ENV)
+    _warm_imports(os.environ[MODEL_ENV], json.loads(pin) if pin else None)
     t_ready = time.time()
     go = wait_for_go(Path(os.environ[GO_FILE_ENV]))
     if not go.get("run"):
@@ -155,7 +216,7 @@ def main(argv=None) -> int:
 
     print(  # into the shard's stderr log: the worker's own log starts in worker_main
         f"started early: imports and CUDA in {t_ready - t0:.1f} s, then {time.time() - t_ready:.1f} s waiting "
-        "for the plan",
+        f"for the plan (started at {t0:.3f})",
         flush=True,
     )
     return worker_main(argv)
