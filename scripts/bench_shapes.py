@@ -66,6 +66,32 @@ class Sampler:
         }
 
 
+def prewarm(cfg, plan, work: Path) -> None:
+    """The run's warm-up (``hsextract.model.warmup``) for ``plan``, into a fresh kernel cache this process then
+    uses (set before Triton is imported: the warm-up's kernels are the ones the passes find)."""
+    import os
+    import shutil
+    import subprocess
+
+    from hsextract.run.rundir import RunDir
+
+    shutil.rmtree(work, ignore_errors=True)
+    run_dir = RunDir(work / "run")
+    run_dir.root.mkdir(parents=True)
+    cfg.save(run_dir.config_file)
+    plan.save(run_dir.plan_file)
+    os.environ["TRITON_CACHE_DIR"] = str(work / "kernels")
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-m", "hsextract.model.warmup", str(run_dir.root)], capture_output=True, text=True
+    )
+    print(f"figure prewarm_s {time.perf_counter() - t0:.1f}", flush=True)
+    print(f"figure prewarm_exit {r.returncode}", flush=True)
+    if r.returncode != 0:
+        print(r.stdout[-1500:] + r.stderr[-1500:], flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -76,6 +102,13 @@ def main() -> int:
         "--seed", type=int, default=7, help="another seed, other shapes than the start-up bench's"
     )
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (the demo's tiny model)")
+    ap.add_argument(
+        "--prewarm",
+        action="store_true",
+        help="first run the run's kernel warm-up for this plan into a fresh kernel cache, as `hsextract run` does "
+        "beside its load (without: the kernels of new shapes compile in the passes)",
+    )
+    ap.add_argument("--work", default="/tmp/hsextract-bench-shapes")
     args = ap.parse_args()
     import torch
 
@@ -113,6 +146,8 @@ def main() -> int:
     )
     plan = make_plan(lengths, max_tokens_per_batch=args.max_tokens, max_rows=cfg.max_rows, shards=1)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if args.prewarm:
+        prewarm(cfg, plan, Path(args.work))
     t0 = time.perf_counter()
     lm = load_model_for(cfg, device)
     print(f"figure load_s {time.perf_counter() - t0:.1f}", flush=True)

@@ -137,3 +137,17 @@ if [[ "${1:-}" == "steady" ]]; then
   timeout 100 python3 scripts/bench_loader_gpu.py --files 6 --tokens 16384 --threads 1,4,8 --repeat 2 2>&1 | tee "$OUT/loader_gpu.log"
   timeout 150 python3 scripts/bench_loader.py --files 8 --tokens 16384 --workers 1,2,4 --no-s3 --repeat 2 2>&1 | tee "$OUT/loader.log"
 fi
+# The same, once more: the GPU tests of a real two-shard run and of the fp8 pipeline (both through the pinned host
+# buffers), the trainer's own loader on the export against hsextract's dataset (SpecForge carried as a wheel),
+# then a new shape's cost after the run's own warm-up of the plan (bench_shapes.py --prewarm), as a run has it.
+if [[ "${1:-}" == "steady2" ]]; then
+  timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "two_shards or fp8_pipeline" \
+    2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+  timeout 170 python3 scripts/bench_loader.py --files 6 --tokens 16384 --workers 1,2,4 --no-s3 --repeat 2 2>&1 | tee "$OUT/loader.log"
+  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
+  if [[ ! -f "$CKPT/.complete" ]]; then
+    rm -rf "$CKPT"
+    timeout 100 python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 && touch "$CKPT/.complete"
+  fi
+  timeout 170 python3 scripts/bench_shapes.py --model "$CKPT" --tokens 300000 --prewarm 2>&1 | grep -v Warning | tee "$OUT/shapes.log"
+fi
