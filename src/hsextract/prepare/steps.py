@@ -120,7 +120,9 @@ def check_places(cfg: RunConfig) -> None:
     check_no_overlap(cfg)
     if cfg.device == "cuda":
         load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
-        if cfg.kernel_cache or os.environ.get(KERNEL_CACHE_ENV):  # one the user chose (the default falls back)
+        if cfg.kernel_cache or os.environ.get(
+            KERNEL_CACHE_ENV
+        ):  # one the user chose (the default falls back)
             check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
 
 
