@@ -120,9 +120,8 @@ def check_places(cfg: RunConfig) -> None:
     check_no_overlap(cfg)
     if cfg.device == "cuda":
         load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
-        if cfg.kernel_cache or os.environ.get(
-            KERNEL_CACHE_ENV
-        ):  # one the user chose (the default falls back)
+        # A kernel cache the user chose must be writable (the default one falls back to the run dir).
+        if cfg.kernel_cache or os.environ.get(KERNEL_CACHE_ENV):
             check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
 
 
