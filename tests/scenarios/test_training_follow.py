@@ -143,6 +143,47 @@ def test_a_followed_state_resumes_to_exactly_the_rest(finished_run):
         followed().state_dict(consumed=99)
 
 
+def test_a_followed_state_with_a_skipping_schema_resumes_to_exactly_the_rest_near_the_end(finished_run):
+    """DFlash's schema leaves out samples without two consecutive loss tokens, so the two workers' shares differ and
+    one runs out first; a state taken at any of the last steps still resumes to exactly the rest."""
+    import hashlib
+
+    from hsextract.training import StatesMapDataset
+
+    out = finished_run[0] / "out"
+    assert StatesMapDataset(out, "specforge-dflash").index.skipped  # the schema does leave samples out here
+
+    def key(s):  # DFlash items carry no id: the tokens and the states' sum tell them apart
+        return hashlib.sha1(
+            s["input_ids"].numpy().tobytes() + s["hidden_states"].sum().numpy().tobytes()
+        ).hexdigest()
+
+    def run(data, stop_after=None):
+        got = []
+        loader = DataLoader(data, batch_size=2, num_workers=2, collate_fn=lambda b: [key(s) for s in b])
+        for k, batch in enumerate(loader):
+            if k == stop_after:
+                break
+            got += batch
+        return got
+
+    def followed():
+        return StatesDataset(
+            out, "specforge-dflash", rank=1, world_size=2, batch_size=2, follow=True, poll_s=0.05, seed=9
+        )
+
+    data = followed()
+    whole = run(data)
+    assert len(set(whole)) == len(whole) > 8
+    steps = (len(whole) + 1) // 2
+    for stop in range(steps - 3, steps):
+        head = run(data, stop_after=stop)
+        resumed = followed()
+        resumed.load_state_dict(json.loads(json.dumps(data.state_dict(consumed=len(head)))))
+        rest = run(resumed)
+        assert sorted(head + rest) == sorted(whole) and not set(head) & set(rest), stop
+
+
 def test_an_output_whose_run_stopped_is_served_as_far_as_it_goes_then_times_out(finished_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(finished_run[0] / "out", out)
