@@ -13,6 +13,7 @@ import pytest
 import torch
 from support import damage
 from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.compare import assert_same
 from support.s3server import S3Endpoint
 from torch.utils.data import DataLoader
 
@@ -212,19 +213,6 @@ def test_from_s3_on_loopback_equals_the_local_output(output, s3: S3Endpoint, s3_
 # -- each trainer through its own seam, against its own loader on the export --------------------------------------
 def needs(module: str):
     return pytest.importorskip(module, reason=f"{module} is not installed: run scripts/setup.sh --test")
-
-
-def assert_same(a, b, where=""):
-    """Equal nested batches: tensors equal in dtype, shape and values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, where
 
 
 def test_speculators_batches_from_the_output_equal_those_from_its_export(output, tmp_path):

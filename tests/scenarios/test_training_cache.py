@@ -8,9 +8,9 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 from support import damage
+from support.compare import assert_same
 from support.s3server import S3Endpoint
 from torch.utils.data import DataLoader
 
@@ -27,17 +27,6 @@ def as_list(batch):
 def epoch(data: StatesDataset, e: int, workers: int = 2) -> list[dict]:
     data.set_epoch(e)
     return [s for b in DataLoader(data, batch_size=2, num_workers=workers, collate_fn=as_list) for s in b]
-
-
-def assert_same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, where
 
 
 def block_files(cache: Path) -> list[Path]:

@@ -75,7 +75,7 @@ def prepare_run(
 ) -> Plan:
     """Validate everything, tokenize, plan; write the run files. Loads no weights. ``on_checked()`` is called
     once the places are checked and the run dir exists, before the model's config is read (which imports
-    transformers: the launcher starts its workers' imports first) (the launcher starts its workers' imports then)."""
+    transformers): the launcher starts its workers' imports then."""
     run_dir = RunDir(cfg.run_dir)
     check_places(cfg)
     run_dir.root.mkdir(parents=True, exist_ok=True)

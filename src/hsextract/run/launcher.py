@@ -36,7 +36,7 @@ from hsextract.format.records import verified_done
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
 from hsextract.run.prewarm import Warmup, open_kernel_cache
-from hsextract.run.procs import Terminated, die_with_parent
+from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import OUTPUT_CHECK_ENV, RunDir
 from hsextract.run.stalls import StallWatch
@@ -45,12 +45,12 @@ from hsextract.storage.fileio import atomic_write
 
 STOP_GRACE_S = 30.0
 
+"""How long stopped workers get to kill their uploaders and record their state before they are killed."""
+
 
 # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
 # module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
 WORKER_ENTRY = "import sys; from hsextract.run.worker import main; sys.exit(main())"
-
-"""How long stopped workers get to kill their uploaders and record their state before they are killed."""
 
 
 def _die_with_launcher():
@@ -212,13 +212,7 @@ def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTE
                 p.send_signal(sig)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs.values():
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    wait_or_kill(procs.values(), STOP_GRACE_S)
 
 
 def failure_message(run_dir: RunDir | Path, shard: int, returncode: int) -> str:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from hsextract.config import RunConfig
+from hsextract.run.procs import wait_or_kill
 from hsextract.run.rundir import RunDir
 from hsextract.storage.fileio import atomic_write
 
@@ -112,13 +113,7 @@ class Prestarted:
                 atomic_write(self.run_dir.prestart_file(shard), json.dumps({"run": False}).encode())
             except OSError:
                 pass
-        deadline = time.time() + timeout
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        wait_or_kill(procs.values(), timeout)
 
     def __enter__(self) -> Prestarted:
         return self

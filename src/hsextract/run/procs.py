@@ -16,7 +16,9 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hsextract.errors import redact
@@ -116,3 +118,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def wait_or_kill(procs, timeout: float) -> None:
+    """Wait for every process in ``procs`` until ``timeout`` seconds from now have passed; those still running
+    then are killed (and reaped)."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -49,7 +49,7 @@ from hsextract.format.records import JOB_FILES, done_in_output, read_done
 from hsextract.reader import Output
 from hsextract.run.finalize import job_manifest, load_job_files
 from hsextract.storage import open_sink
-from hsextract.training.index import Where
+from hsextract.training.index import Where, open_where
 from hsextract.training.order import check_same, rank_sequence, worker_share
 from hsextract.training.schemas import Schema
 
@@ -306,18 +306,7 @@ class _LiveOutput:
                 final = self.manifest.get("final_state")
                 if final and final.get("norm") is None:  # every worker writes it before its first batch
                     final["norm"] = read_final_norm_meta(self.sink)
-                w = self.where
-                self._out = Output(
-                    w.path,
-                    w.endpoint_url,
-                    cache_files=self.cache_files,
-                    retry_deadline_s=w.retry_deadline_s,
-                    verify=w.verify,
-                    dtype=w.dtype,
-                    manifest=self.manifest,
-                    cache_dir=w.cache_dir,
-                    cache_max_gb=w.cache_max_gb,
-                )
+                self._out = open_where(self.where, self.manifest, cache_files=self.cache_files)
             return self._out
 
     def batch_file(self, key: str):

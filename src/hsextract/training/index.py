@@ -125,10 +125,11 @@ def index_output(
 
 def index_where(where: Where, schema: str | Schema = "raw", threads: int = 8) -> SampleIndex:
     """The index of the output ``where`` says how to open."""
-    return SampleIndex(_open(where), where, get_schema(schema), threads)
+    return SampleIndex(open_where(where), where, get_schema(schema), threads)
 
 
-def _open(where: Where, manifest: dict | None = None):
+def open_where(where: Where, manifest: dict | None = None, **options):
+    """The output ``where`` says how to open (``options``: the reader's others, e.g. ``cache_files``)."""
     return open_output(
         where.path,
         where.endpoint_url,
@@ -138,6 +139,7 @@ def _open(where: Where, manifest: dict | None = None):
         manifest=manifest,
         cache_dir=where.cache_dir,
         cache_max_gb=where.cache_max_gb,
+        **options,
     )
 
 
@@ -147,7 +149,7 @@ class SampleReader:
 
     def __init__(self, index: SampleIndex, cache_files: int = 32):
         self.index = index
-        self.out = _open(index.where, index.manifest)  # read once, where the index was made
+        self.out = open_where(index.where, index.manifest)  # read once, where the index was made
         self.pid = os.getpid()
         self.alloc = shared_memory if get_worker_info() is not None else plain_memory
         self._files: OrderedDict = OrderedDict()
