@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh issue13  # kernels, then fused
 #   bash scripts/gpu_session.sh fp8      # (a), (b), (b8) with the final state; fp8 error on real states
 #   bash scripts/gpu_session.sh startup  # the real command's start-up, cold / warm / resume (~9 min)
+#   bash scripts/gpu_session.sh forward  # the full forward against the power cap: variants, profile, ceilings
 # flash-linear-attention and liger-kernel come from wheels in .whl/ (fla-core, flash-linear-attention,
 # liger-kernel) when they are not installed.
 set -uo pipefail
@@ -150,4 +151,21 @@ if [[ "${1:-}" == "steady2" ]]; then
     timeout 100 python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 && touch "$CKPT/.complete"
   fi
   timeout 170 python3 scripts/bench_shapes.py --model "$CKPT" --tokens 300000 --prewarm 2>&1 | grep -v Warning | tee "$OUT/shapes.log"
+fi
+# The full forward against the power cap (#22's forward target), session 4 of 2026-12-01: the capped GEMM rate, then
+# fused (with its profile and ceilings), stock, fused with the MLP's gate and up as two GEMMs, fused with q and k
+# repeated before FLA's rule (scripts/bench_forward.py), layers 0..61 of the 27B shape. ~7 minutes.
+if [[ "${1:-}" == "forward" ]]; then
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-forward}
+  timeout "${FORWARD_TIMEOUT:-540}" python3 scripts/bench_forward.py --tokens "${FORWARD_TOKENS:-200000}" \
+    --repeat "${FORWARD_REPEAT:-2}" --variants "${FORWARD_VARIANTS:-fused,stock,fused-mlp-separate,fused-repeat-qk}" \
+    --json-out "$OUT/forward.json" 2>&1 | grep -v Warning | tee "$OUT/forward.log"
+fi
+# The fused kernels' GPU tests on this code (per module and per layer against float32, the MLP's joined gate/up
+# included), then a real two-shard CLI run compared with HF and the hooks on the real shape. ~5 minutes.
+if [[ "${1:-}" == "forwardtests" ]]; then
+  timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/unit/test_kernels.py \
+    2>&1 | tail -40 | tee "$OUT/kernels_tests.log"
+  timeout "${GPU_TESTS_TIMEOUT:-220}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "two_shards or hooks_on_real" \
+    2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
 fi

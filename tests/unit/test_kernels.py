@@ -1,4 +1,5 @@
-"""hsextract.model.qwen3_5 where no GPU is needed: the right-padding rule, and that CPU models are left alone."""
+"""hsextract.model.qwen3_5 where no GPU is needed: the right-padding rule, joined projections, and that CPU models are
+left alone."""
 
 import pytest
 import torch
@@ -45,3 +46,27 @@ def test_apply_leaves_a_cpu_model_alone(tiny_lm):
 def test_unknown_mode_is_a_message(tiny_lm):
     with pytest.raises(HsextractError, match="--kernels 'fast'"):
         kernels.apply(tiny_lm, "fast")
+
+
+def test_two_projections_joined_into_one_gemm_keep_their_weights_and_outputs():
+    torch.manual_seed(0)
+    owner = torch.nn.Module()
+    owner.gate, owner.up = torch.nn.Linear(8, 5, bias=False), torch.nn.Linear(8, 3, bias=False)
+    x = torch.randn(2, 4, 8)
+    want_gate, want_up = owner.gate(x), owner.up(x)
+    joined = kernels._join(owner, owner.gate, owner.up, "_joined")
+    owner._joined = joined
+    assert joined.shape == (8, 8)
+    assert owner.gate.weight.data_ptr() == joined.data_ptr()
+    assert owner.up.weight.data_ptr() == joined[5:].data_ptr()
+    both = x @ kernels._joined(owner, "_joined", owner.gate).t()  # one GEMM: rounding may differ from two
+    torch.testing.assert_close(both[..., :5], want_gate, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(both[..., 5:], want_up, rtol=1e-6, atol=1e-6)
+    assert torch.equal(owner.gate(x), want_gate) and torch.equal(owner.up(x), want_up)  # stock path on views
+    assert kernels._join(owner, owner.gate, owner.up, "_joined") is joined  # a second apply reuses it
+    with torch.no_grad():  # weights loaded in place (load_state_dict) land in the joined tensor too
+        owner.load_state_dict({"gate.weight": torch.ones(5, 8), "up.weight": torch.zeros(3, 8)})
+    assert torch.equal(joined[:5], torch.ones(5, 8)) and torch.equal(joined[5:], torch.zeros(3, 8))
+    # A weight replaced by a new tensor is no longer a view of the joined one: the separate GEMMs again.
+    owner.gate.weight = torch.nn.Parameter(torch.randn(5, 8))
+    assert kernels._joined(owner, "_joined", owner.gate) is None

@@ -18,7 +18,8 @@ elementwise kernels and copies (``docs/PERFORMANCE.md``). Each swap below remove
 - ``residual_add_rms_norm``: in each decoder layer, ``h = x + mixer(x); norm2(h)`` -> liger-kernel's fused
   add + RMSNorm (same rounding as stock: the bf16 sum is normalised), and the layer's last add folded into the
   down projection's GEMM (``addmm_`` with beta = 1 on that sum: one rounding instead of two, no extra pass).
-- ``silu_mul``: the MLP's ``silu(gate) * up`` -> liger-kernel's fused SiLU-and-multiply (silu in float32, as stock).
+- ``silu_mul``: the MLP's ``silu(gate) * up`` -> liger-kernel's fused SiLU-and-multiply (silu in float32, as stock),
+  with the gate and up projections run as one GEMM (their weights become views of one tensor, as for b and a).
 - ``causal_conv1d``: the Gated-DeltaNet depthwise conv, which transformers runs as a padded torch ``conv1d`` on a
   transposed copy when the ``causal-conv1d`` package is absent -> flash-linear-attention's Triton causal conv with
   SiLU fused, reading q, k and v straight out of the projection's output in [B, T, D] layout (no transposes, no
@@ -123,7 +124,7 @@ def _libs():
     try:
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction, LigerSiLUMulFunction
     except ImportError as e:
         raise HsextractError(
             f"--kernels fused needs liger-kernel ({e}); install it with pip install 'hsextract[gpu]' "
@@ -136,6 +137,7 @@ def _libs():
         rms_norm=LigerRMSNormFunction.apply,
         add_rms_norm=LigerFusedAddRMSNormFunction.apply,
         silu_mul=LigerSiLUMulFunction.apply,
+        silu_mul_joined=LigerFusedGateUpSiLUMulFunction.apply,
     )
     return _LIB
 
@@ -161,6 +163,9 @@ def _gated_rms_norm_forward(self, hidden_states, gate):
 
 
 def _mlp_act(mlp, x):
+    joined = _joined(mlp, "_hsx_gate_up", mlp.gate_proj)
+    if joined is not None:  # gate and up in one GEMM, SiLU-and-multiply on its two halves
+        return _libs().silu_mul_joined(x @ joined.t())
     return _libs().silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
 
 
@@ -186,8 +191,8 @@ def _gdn_forward(self, hidden_states, cache_params=None, attention_mask=None, **
     kd, hv = self.key_dim, self.num_v_heads
     qkv = self.in_proj_qkv(hidden_states)  # [B, T, 2 kd + vd]; the conv reads its three parts strided
     z = self.in_proj_z(hidden_states)
-    joined = getattr(self, "_hsx_ba", None)
-    if joined is not None and joined.data_ptr() == self.in_proj_b.weight.data_ptr():  # b and a in one GEMM
+    joined = _joined(self, "_hsx_ba", self.in_proj_b)
+    if joined is not None:  # b and a in one GEMM
         both = hidden_states @ joined.t()
         b, a = both[..., :hv], both[..., hv:]
     else:
@@ -321,20 +326,28 @@ def _is_cuda(lm) -> bool:
     return p is not None and p.device.type == "cuda"
 
 
-def _join_b_a(gdn):
-    """One [2 * heads, hidden] tensor holding the b and a projections' weights, which become views of it, so that
-    both run as one GEMM; kept on the module, reused by a later ``apply`` while the weights are still its views."""
+def _join(owner, first, second, attr: str):
+    """One [n1 + n2, in] tensor holding two projections' weights, which become views of it, so that both run as one
+    GEMM; kept on ``owner`` as ``attr``, and reused by a later ``apply`` while the weights are still its views."""
     import torch
 
-    w1, w2 = gdn.in_proj_b.weight, gdn.in_proj_a.weight
-    joined = getattr(gdn, "_hsx_ba", None)
+    w1, w2 = first.weight, second.weight
+    joined = getattr(owner, attr, None)
     n = w1.shape[0]
     if joined is not None and w1.data_ptr() == joined.data_ptr() and w2.data_ptr() == joined[n:].data_ptr():
         return joined
     joined = torch.cat([w1.detach(), w2.detach()])
-    gdn.in_proj_b.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
-    gdn.in_proj_a.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
+    first.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
+    second.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
     return joined
+
+
+def _joined(owner, attr: str, first):
+    """``owner``'s joined weight when ``first`` (its first projection) still is a view of it, else None."""
+    joined = getattr(owner, attr, None)
+    if joined is not None and joined.data_ptr() == first.weight.data_ptr():
+        return joined
+    return None
 
 
 def _patch(module, forward, name: str, swapped: set) -> None:
@@ -368,9 +381,10 @@ def apply(lm, mode: str = "fused") -> list[str]:
         elif isinstance(mod, m.Qwen3_5RMSNormGated):
             _patch(mod, _gated_rms_norm_forward, "gated_rms_norm", swapped)
         elif isinstance(mod, m.Qwen3_5MLP) and getattr(mod.config, "hidden_act", "silu") in ("silu", "swish"):
+            mod._hsx_gate_up = _join(mod, mod.gate_proj, mod.up_proj, "_hsx_gate_up")
             _patch(mod, _mlp_forward, "silu_mul", swapped)
         elif isinstance(mod, m.Qwen3_5GatedDeltaNet) and mod.activation in ("silu", "swish"):
-            mod._hsx_ba = _join_b_a(mod)
+            mod._hsx_ba = _join(mod, mod.in_proj_b, mod.in_proj_a, "_hsx_ba")
             _patch(mod, _gdn_forward, "gated_delta_rule", swapped)
             swapped.add("causal_conv1d")
         elif isinstance(mod, m.Qwen3_5Attention):
@@ -383,6 +397,9 @@ def apply(lm, mode: str = "fused") -> list[str]:
             mod._hsx_mask_hook = handle
             setattr(mod, _TAG, "right_padding")
             swapped.add("right_padding")
+    import torch
+
+    torch.cuda.empty_cache()  # the separate weights the joins replaced, back to the driver
     return [name for name in SWAPS if name in swapped]
 
 
