@@ -166,6 +166,6 @@ fi
 if [[ "${1:-}" == "forwardtests" ]]; then
   timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/unit/test_kernels.py \
     2>&1 | tail -40 | tee "$OUT/kernels_tests.log"
-  timeout "${GPU_TESTS_TIMEOUT:-220}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "two_shards or hooks_on_real" \
+  timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "two_shards or hooks_on_real" \
     2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
 fi
