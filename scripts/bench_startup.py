@@ -14,6 +14,9 @@ durable, each under ``--step-timeout`` seconds:
   warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
   fresh   a new job on new data of the same size (other lengths, so other batch shapes), same kernel cache;
   resume  the warm job's command again: it resumes (staged files uploaded, the rest computed);
+  steady  (only when asked) a new job on the same data, run to its end: the steady state of the real command,
+          real tokens per second between the batches written after its first two (shard 0's log), and the
+          uploader's seconds per file;
   load    (only when asked) ``load_model`` alone in a fresh process per variant (--load-variants): the fast reader
           (HSEXTRACT_FAST_LOAD=1) and a reader thread count (HSEXTRACT_LOAD_THREADS); the runs above load with
           transformers' 4 threads.
@@ -127,8 +130,38 @@ def phases(run_dir: Path, launcher_out: str, t0: float) -> dict:
     return got
 
 
-def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, env: dict) -> dict:
-    """One ``hsextract run``, stopped once a batch it made durable appears; its figures."""
+def steady_state(run_dir: Path, since: float, skip: int = 2) -> dict:
+    """Shard 0's rhythm once running: real tokens per second between the batches written after its first ``skip``
+    (first-call costs stay out), and the uploader's seconds per file."""
+    written = []
+    for t, line in log_lines(run_dir / "logs" / "shard-00000.log", since):
+        m = re.search(r"batch \d+ written: (\d+) rows, (\d+) tokens, ([0-9.]+) MB in ([0-9.]+) s", line)
+        if m:
+            written.append((t, int(m.group(2)), float(m.group(3)), float(m.group(4))))
+    uploads = [
+        float(m.group(1))
+        for _, line in log_lines(run_dir / "logs" / "shard-00000.uploader.log", since)
+        if (m := re.search(r"uploaded \S+: \d+ bytes in ([0-9.]+) s", line))
+    ]
+    got: dict = {"batches_written": len(written), "tokens_written": sum(w[1] for w in written)}
+    if len(written) > skip + 1:
+        later = written[skip:]
+        span = later[-1][0] - later[0][0]
+        got["steady_batches"] = len(later) - 1
+        got["steady_tokens_per_s"] = round(sum(w[1] for w in later[1:]) / span, 1) if span > 0 else None
+        got["write_s_median"] = round(float(np.median([w[3] for w in later])), 3)
+        got["file_mb_median"] = round(float(np.median([w[2] for w in later])), 1)
+    if uploads:
+        got["upload_s_median"] = round(float(np.median(uploads)), 2)
+        got["upload_s_max"] = round(max(uploads), 2)
+    return got
+
+
+def attempt(
+    name: str, argv: list, run_dir: Path, work: Path, timeout: float, env: dict, to_the_end: bool = False
+) -> dict:
+    """One ``hsextract run``, stopped once a batch it made durable appears (or, ``to_the_end``, left to finish);
+    its figures."""
     before = markers(run_dir)
     out_path = work / f"{name}.out"
     t0 = time.time()
@@ -152,12 +185,16 @@ def attempt(name: str, argv: list, run_dir: Path, work: Path, timeout: float, en
         reader.start()
         result: dict = {"first_durable_s": None}
         while time.time() - t0 < timeout:
-            if markers(run_dir) - before:
+            if result["first_durable_s"] is None and markers(run_dir) - before:
                 result["first_durable_s"] = round(time.time() - t0, 2)
-                break
+                if not to_the_end:
+                    break
             if proc.poll() is not None:
                 break
             time.sleep(0.1)
+        if to_the_end:
+            result["finished"] = proc.poll() is not None
+            result["wall_s"] = round(time.time() - t0, 2)
         result["timed_out"] = result["first_durable_s"] is None and proc.poll() is None
         stopped = proc.poll() is None
         if stopped:
@@ -318,7 +355,9 @@ def main():
     ap.add_argument(
         "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
     )
-    ap.add_argument("--steps", default="cold,warm,resume", help="of untuned, cold, warm, fresh, resume, load")
+    ap.add_argument(
+        "--steps", default="cold,warm,resume", help="of untuned, cold, warm, fresh, resume, steady, load"
+    )
     ap.add_argument(
         "--ship-table",
         help="after the untuned step, copy the autotune table its warm-up recorded here (the shipped table)",
@@ -398,7 +437,14 @@ def main():
         return argv, run_dir
 
     # the job each step runs
-    steps = {"untuned": "untuned", "cold": "cold", "warm": "warm", "fresh": "fresh", "resume": "warm"}
+    steps = {
+        "untuned": "untuned",
+        "cold": "cold",
+        "warm": "warm",
+        "fresh": "fresh",
+        "resume": "warm",
+        "steady": "steady",
+    }
     t_all = time.time()
     for step in args.steps.split(","):
         limit = args.step_timeout
@@ -415,7 +461,10 @@ def main():
             continue
         argv, run_dir = job_args(steps[step])
         step_env = {**env, "HSEXTRACT_TUNED": "0"} if step == "untuned" else env
-        result = attempt(step, argv, run_dir, work, limit, step_env)
+        t_step = time.time()
+        result = attempt(step, argv, run_dir, work, limit, step_env, to_the_end=step == "steady")
+        if step == "steady":
+            result.update(steady_state(run_dir, t_step))
         report[step] = result
         recorded = (
             next(iter(sorted((work / "kernels-untuned").glob("*/hsextract-tuned.json"))), None)
@@ -436,6 +485,8 @@ def main():
             "cold-staging",
             "fresh-out",
             "fresh-staging",
+            "steady-out",
+            "steady-staging",
         ):
             shutil.rmtree(out_root / leftover, ignore_errors=True)
         if args.json_out:  # after every step: a later one cut short keeps the earlier figures

@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh fp8      # (a), (b), (b8) with the final state; fp8 error on real states
 #   bash scripts/gpu_session.sh startup  # the real command's start-up, cold / warm / resume (~9 min)
 #   bash scripts/gpu_session.sh forward  # the full forward against the power cap: variants, profile, ceilings
+#   bash scripts/gpu_session.sh steadyrun  # the real command run to its end: steady real tokens/s
 # flash-linear-attention and liger-kernel come from wheels in .whl/ (fla-core, flash-linear-attention,
 # liger-kernel) when they are not installed.
 set -uo pipefail
@@ -168,4 +169,20 @@ if [[ "${1:-}" == "forwardtests" ]]; then
     2>&1 | tail -40 | tee "$OUT/kernels_tests.log"
   timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "two_shards or hooks_on_real" \
     2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+fi
+# The real command's steady state (session 4 of 2026-12-01): a job on the start-up checkpoint (made here if missing)
+# run to its end, real tokens/s between the batches written after its first two, and the uploader's seconds per file
+# (bench_startup.py --steps steady). 500,000 tokens: ~26 GB of output in /dev/shm. ~4 minutes.
+if [[ "${1:-}" == "steadyrun" ]]; then
+  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
+  if [[ ! -f "$CKPT/.complete" ]]; then
+    rm -rf "$CKPT"
+    timeout 120 python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 && touch "$CKPT/.complete"
+  fi
+  df -h /dev/shm | tail -1
+  timeout "${STEADY_TIMEOUT:-400}" python3 scripts/bench_startup.py --model "$CKPT" --work /tmp/hsextract-steady \
+    --tokens "${STEADY_TOKENS:-500000}" --steps steady --step-timeout "${STEADY_STEP_S:-380}" \
+    --json-out "$OUT/steady_run.json" > "$OUT/steady_run.log" 2>&1
+  grep -E "^figure (setup|steady\.(first_durable|wall|finished|steady|batches|tokens_written|write|file|upload|load_s|prewarm_s|exit))" "$OUT/steady_run.log"
+  tail -n 5 /tmp/hsextract-steady/steady-run/logs/shard-00000.log 2>/dev/null
 fi
