@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -202,6 +203,20 @@ def test_model_signature_follows_layer_shapes_and_kernels_not_depth():
     assert sig(_text(), kernel_mode="stock") != base
     assert sig(_text(), dtype="float16") != base
     assert sig(_text(), pinned=False) != base
+
+
+def test_a_changed_fused_forward_is_a_new_signature_and_stock_ignores_it(tmp_path, monkeypatch):
+    import shutil
+
+    for name in kc.FUSED_SOURCES:  # the package's files, copied where the test may change them
+        shutil.copy(Path(kc.__file__).with_name(name), tmp_path / name)
+    monkeypatch.setattr(kc, "__file__", str(tmp_path / "kernel_cache.py"))
+    args = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
+    fused, stock = (kc.model_signature(_text(), kernel_mode=m, **args) for m in ("fused", "stock"))
+    with open(tmp_path / kc.FUSED_SOURCES[0], "a") as f:
+        f.write("\n# another fused forward\n")
+    assert kc.model_signature(_text(), kernel_mode="fused", **args) != fused
+    assert kc.model_signature(_text(), kernel_mode="stock", **args) == stock
 
 
 def test_warm_shapes_start_with_the_largest_and_keep_one_of_each_missing_class():

@@ -197,15 +197,31 @@ SIGNATURE_FIELDS = (
 )
 
 
+FUSED_SOURCES = ("qwen3_5.py", "triton_kernels.py")
+
+"""hsextract's modules (in this package) that decide which kernels the fused forward launches."""
+
+
+def fused_source_hash(names=FUSED_SOURCES) -> str:
+    """A short hash of the fused forward's own source: another hsextract whose fused forward launches other kernels
+    (the MLP's gate and up joined into one GEMM, say) must not take an older version's stamp as warm."""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def model_signature(
     text_config, *, kernel_mode: str, dtype: str, attn_implementation: str, pinned: bool = True
 ) -> str:
-    """What decides which kernels a forward compiles (layer shapes, not depth), and how (``pinned``: the
-    autotune keys without the token count, model/autotune.py): a short hash."""
+    """What decides which kernels a forward compiles (layer shapes, not depth; for the fused kernels, their
+    source), and how (``pinned``: the autotune keys without the token count, model/autotune.py): a short hash."""
     shape = {f: getattr(text_config, f, None) for f in SIGNATURE_FIELDS}
     types = getattr(text_config, "layer_types", None) or []
     shape["layer_types"] = sorted(set(types))
     facts = {**shape, "kernels": kernel_mode, "dtype": dtype, "attn": attn_implementation, "pinned": pinned}
+    if kernel_mode == "fused":
+        facts["fused_source"] = fused_source_hash()
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
