@@ -70,3 +70,11 @@ def test_two_projections_joined_into_one_gemm_keep_their_weights_and_outputs():
     # A weight replaced by a new tensor is no longer a view of the joined one: the separate GEMMs again.
     owner.gate.weight = torch.nn.Parameter(torch.randn(5, 8))
     assert kernels._joined(owner, "_joined", owner.gate) is None
+
+
+def test_projections_with_a_bias_are_not_joined():
+    owner = torch.nn.Module()
+    owner.gate, owner.up = torch.nn.Linear(8, 5, bias=True), torch.nn.Linear(8, 3, bias=False)
+    weight = owner.gate.weight
+    assert kernels._join(owner, owner.gate, owner.up, "_joined") is None
+    assert owner.gate.weight is weight

@@ -328,9 +328,12 @@ def _is_cuda(lm) -> bool:
 
 def _join(owner, first, second, attr: str):
     """One [n1 + n2, in] tensor holding two projections' weights, which become views of it, so that both run as one
-    GEMM; kept on ``owner`` as ``attr``, and reused by a later ``apply`` while the weights are still its views."""
+    GEMM; kept on ``owner`` as ``attr``, and reused by a later ``apply`` while the weights are still its views.
+    None (the two GEMMs stay) unless both are plain bias-free ``nn.Linear`` layers."""
     import torch
 
+    if not all(type(p) is torch.nn.Linear and p.bias is None for p in (first, second)):
+        return None
     w1, w2 = first.weight, second.weight
     joined = getattr(owner, attr, None)
     n = w1.shape[0]
