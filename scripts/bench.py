@@ -595,6 +595,28 @@ def measure_startup(args) -> dict:
     return out
 
 
+def model_and_batches(args, final_state: bool, device: str = "cuda"):
+    """The target built from ``args.config`` with random bf16 weights, the layers a run stores (``args.layers``;
+    the last one too with ``final_state``), the parameters of layers 0..deepest, and the realistic samples'
+    length-sorted plan (``args.tokens``, ``args.max_tokens``, ``args.max_rows``, ``args.max_length``)."""
+    import types
+
+    t0 = time.perf_counter()
+    lm = load_model(args.config, dtype="bfloat16", device=device, random_weights=True)
+    build_s = time.perf_counter() - t0
+    num_layers = lm.config.num_hidden_layers
+    # The slots a run stores: the captured ids and, with the final state, the last layer.
+    layer_ids = StateLayout(resolve_layer_ids(args.layers, num_layers), num_layers, final_state).slot_layers
+    params = sum(p.numel() for p in decoder_layers(lm)[: max(layer_ids) + 1].parameters())
+    samples = realistic_samples(args.tokens, lm.config.vocab_size, args.max_length)
+    plan = make_plan(
+        samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1
+    )
+    return types.SimpleNamespace(
+        lm=lm, layer_ids=layer_ids, params=params, samples=samples, plan=plan, build_s=build_s
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/qwen3.6-27b")
@@ -650,21 +672,10 @@ def main():
             Path(args.json_out).write_text(json.dumps(report, indent=1))
         return
 
-    t0 = time.perf_counter()
-    lm = load_model(args.config, dtype="bfloat16", device="cuda", random_weights=True)
-    report["model_build_s"] = time.perf_counter() - t0
-    num_layers = lm.config.num_hidden_layers
-    # The slots a run stores: the captured ids and, with --final-state, the last layer.
-    layer_ids = StateLayout(
-        resolve_layer_ids(args.layers, num_layers), num_layers, args.final_state
-    ).slot_layers
-    deepest = max(layer_ids)
-    params = sum(p.numel() for p in decoder_layers(lm)[: deepest + 1].parameters())
+    setup = model_and_batches(args, args.final_state)
+    lm, layer_ids, params, samples, plan = setup.lm, setup.layer_ids, setup.params, setup.samples, setup.plan
+    report["model_build_s"] = setup.build_s
     device = torch.device("cuda", 0)
-    samples = realistic_samples(args.tokens, lm.config.vocab_size, args.max_length)
-    plan = make_plan(
-        samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1
-    )
     batches = list(plan.batches)
     tokens = plan.num_tokens
     report.update(

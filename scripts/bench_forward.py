@@ -39,13 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench import ClockSampler, bench_forward_only, kernel_breakdown, realistic_samples, sync  # noqa: E402
+from bench import ClockSampler, bench_forward_only, kernel_breakdown, model_and_batches, sync  # noqa: E402
 
-from hsextract.format.batch import StateLayout  # noqa: E402
 from hsextract.model import qwen3_5 as kernels  # noqa: E402
-from hsextract.model.layers import resolve_layer_ids  # noqa: E402
-from hsextract.model.load import decoder_layers, load_model  # noqa: E402
-from hsextract.prepare.plan import make_plan  # noqa: E402
+from hsextract.model.load import decoder_layers  # noqa: E402
 
 VARIANTS = ("stock", "fused", "fused-mlp-separate", "fused-repeat-qk")
 
@@ -139,20 +136,13 @@ def main():
 
     from hsextract.model import tuned
 
-    t0 = time.perf_counter()
-    lm = load_model(args.config, dtype="bfloat16", device="cuda", random_weights=True)
-    report["model_build_s"] = time.perf_counter() - t0
+    setup = model_and_batches(args, final_state=False)
+    lm, layer_ids, samples, plan = setup.lm, setup.layer_ids, setup.samples, setup.plan
+    report["model_build_s"] = setup.build_s
     report["tuned_entries"] = tuned.install_here()
-    num_layers = lm.config.num_hidden_layers
-    layer_ids = StateLayout(resolve_layer_ids(args.layers, num_layers), num_layers, False).slot_layers
     deepest = max(layer_ids)
-    params = sum(p.numel() for p in decoder_layers(lm)[: deepest + 1].parameters())
-    flop_per_token = 2 * params
+    flop_per_token = 2 * setup.params
     device = torch.device("cuda", 0)
-    samples = realistic_samples(args.tokens, lm.config.vocab_size, args.max_length)
-    plan = make_plan(
-        samples.lengths.tolist(), max_tokens_per_batch=args.max_tokens, max_rows=args.max_rows, shards=1
-    )
     batches = list(plan.batches)
     real = plan.num_tokens
     padded = sum(b.padded_tokens for b in batches)
@@ -176,7 +166,27 @@ def main():
     results = report.setdefault("variants", {})
     for name in variants:
         try:
-            measure_variant(lm, name, one_pass, results, report, args, real, padded, flop_per_token, gemm)
+            with Variant(lm, name):
+                warm, best, clocks = measure(one_pass, args.repeat)
+                tflops = padded * flop_per_token / best / 1e12
+                results[name] = r = {
+                    "s": best,
+                    "warmup_s": warm,
+                    "tokens_per_s": real / best,
+                    "padded_tokens_per_s": padded / best,
+                    "model_tflops": tflops,
+                    "of_capped_gemm": tflops / gemm["tflops"],
+                    **clocks,
+                }
+                print(
+                    f"{name}: {r['tokens_per_s']:,.0f} real / {r['padded_tokens_per_s']:,.0f} computed tokens/s, "
+                    f"{tflops:.0f} TFLOP/s = {r['of_capped_gemm']:.3f} of the capped GEMM, "
+                    f"{r.get('sm_clock_mhz_mean', float('nan')):.0f} MHz, "
+                    f"{r.get('power_w_mean', float('nan')):.0f} W (warm-up pass {warm:.1f} s)",
+                    flush=True,
+                )
+                if name == variants[0] and not args.no_profile:
+                    report["profile"] = profile(one_pass, padded * flop_per_token, gemm["tflops"], name)
         except Exception:  # one variant failing keeps the others' figures
             import traceback
 
@@ -220,39 +230,19 @@ def main():
     save()
 
 
-def measure_variant(lm, name, one_pass, results, report, args, real, padded, flop_per_token, gemm) -> None:
-    """One variant: an untimed pass (compiles, autotuning), then the best of ``--repeat`` timed passes; the profile
-    of the first variant."""
-    with Variant(lm, name):
-        t0 = time.perf_counter()
-        one_pass()  # compiles and autotunes this variant's kernels for these shapes
-        warm = time.perf_counter() - t0
-        best, clocks = None, {}
-        for _ in range(args.repeat):
-            with ClockSampler() as sampler:
-                dt = one_pass()
-            if best is None or dt < best:
-                best, clocks = dt, sampler.summary()
-        tflops = padded * flop_per_token / best / 1e12
-        results[name] = {
-            "s": best,
-            "warmup_s": warm,
-            "tokens_per_s": real / best,
-            "padded_tokens_per_s": padded / best,
-            "model_tflops": tflops,
-            "of_capped_gemm": tflops / gemm["tflops"],
-            **clocks,
-        }
-        r = results[name]
-        print(
-            f"{name}: {r['tokens_per_s']:,.0f} real / {r['padded_tokens_per_s']:,.0f} computed tokens/s, "
-            f"{tflops:.0f} TFLOP/s = {r['of_capped_gemm']:.3f} of the capped GEMM, "
-            f"{r.get('sm_clock_mhz_mean', float('nan')):.0f} MHz, {r.get('power_w_mean', float('nan')):.0f} W "
-            f"(warm-up pass {warm:.1f} s)",
-            flush=True,
-        )
-        if name == args.variants.split(",")[0] and not args.no_profile:
-            report["profile"] = profile(one_pass, padded * flop_per_token, gemm["tflops"], name)
+def measure(one_pass, repeat: int) -> tuple[float, float, dict]:
+    """An untimed pass (compiles, autotuning), then the best of ``repeat`` timed ones: (warm-up s, best s, the
+    clock and power while the best ran)."""
+    t0 = time.perf_counter()
+    one_pass()
+    warm = time.perf_counter() - t0
+    best, clocks = None, {}
+    for _ in range(repeat):
+        with ClockSampler() as sampler:
+            dt = one_pass()
+        if best is None or dt < best:
+            best, clocks = dt, sampler.summary()
+    return warm, best, clocks
 
 
 def profile(one_pass, flop: float, capped_tflops: float, name: str) -> dict:

@@ -50,6 +50,15 @@ sys.path.insert(0, str(SRC))
 
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
+WRITTEN = re.compile(r"batch \d+ written: (\d+) rows, (\d+) tokens, ([0-9.]+) MB in ([0-9.]+) s")
+
+"""The worker's line for each batch file it staged (run/worker.py): rows, real tokens, MB, seconds to write."""
+
+
+UPLOADED = re.compile(r"uploaded \S+: (\d+) bytes in ([0-9.]+) s")
+
+"""The uploader's line for each file it made durable: bytes, seconds."""
+
 
 def write_data(path: Path, tokens: int, vocab: int, max_length: int, seed: int = 0) -> int:
     """Pre-tokenized rows of the realistic length mix; the number of rows."""
@@ -118,12 +127,12 @@ def phases(run_dir: Path, launcher_out: str, t0: float) -> dict:
     got["loaded_at_s"] = t_loaded - t0 if t_loaded else None
     _, m = first(shard, r"waited ([0-9.]+) s for the kernel warm-up")
     got["kernel_wait_s"] = float(m.group(1)) if m else 0.0
-    t_written, m = first(shard, r"batch \d+ written: .* ([0-9.]+) MB in ([0-9.]+) s")
+    t_written, m = first(shard, WRITTEN)
     got["first_batch_written_at_s"] = t_written - t0 if t_written else None
     got["first_batch_after_load_s"] = t_written - t_loaded if t_written and t_loaded else None
-    got["first_batch_write_s"] = float(m.group(2)) if m else None
+    got["first_batch_write_s"] = float(m.group(4)) if m else None
     uploads = log_lines(run_dir / "logs" / "shard-00000.uploader.log", t0)
-    t_up, m = first(uploads, r"uploaded \S+: (\d+) bytes in ([0-9.]+) s")
+    t_up, m = first(uploads, UPLOADED)
     got["first_upload_s"] = float(m.group(2)) if m else None
     got["first_upload_bytes"] = int(m.group(1)) if m else None
     got["first_uploaded_at_s"] = t_up - t0 if t_up else None
@@ -135,13 +144,12 @@ def steady_state(run_dir: Path, since: float, skip: int = 2) -> dict:
     (first-call costs stay out), and the uploader's seconds per file."""
     written = []
     for t, line in log_lines(run_dir / "logs" / "shard-00000.log", since):
-        m = re.search(r"batch \d+ written: (\d+) rows, (\d+) tokens, ([0-9.]+) MB in ([0-9.]+) s", line)
-        if m:
+        if m := WRITTEN.search(line):
             written.append((t, int(m.group(2)), float(m.group(3)), float(m.group(4))))
     uploads = [
-        float(m.group(1))
+        float(m.group(2))
         for _, line in log_lines(run_dir / "logs" / "shard-00000.uploader.log", since)
-        if (m := re.search(r"uploaded \S+: \d+ bytes in ([0-9.]+) s", line))
+        if (m := UPLOADED.search(line))
     ]
     got: dict = {"batches_written": len(written), "tokens_written": sum(w[1] for w in written)}
     if len(written) > skip + 1:

@@ -22,6 +22,17 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1 TOKENIZ
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, fla, triton; from importlib.metadata import version as v; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'triton', triton.__version__, 'liger-kernel', v('liger-kernel'))"
 date -u
+# The 64-layer random checkpoint of Qwen3.6-27B's shape that the start-up and steady-state modes run on (~54 GB,
+# ~70 s), made once per machine (CKPT=DIR reuses one made earlier); $1: its time limit in seconds.
+CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
+ensure_checkpoint() {
+  if [[ ! -f "$CKPT/.complete" ]]; then
+    rm -rf "$CKPT"
+    timeout "$1" python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 \
+      && touch "$CKPT/.complete"
+    tail -n 1 "$OUT/ckpt.json"
+  fi
+}
 case "${1:-all}" in
   tests|all)
     python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
@@ -80,13 +91,8 @@ fi
 # reader with 4 threads). 300,000 tokens of data (about 7 batches of 65,536), output and staging in /dev/shm.
 # CKPT=DIR reuses a checkpoint made earlier on this machine. The runs' logs go to $OUT/startup-logs.tgz.
 if [[ "${1:-}" == "startup" ]]; then
-  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
   T0=$SECONDS
-  if [[ ! -f "$CKPT/.complete" ]]; then
-    rm -rf "$CKPT"
-    timeout "${CKPT_TIMEOUT:-200}" python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" 2>&1 | tee "$OUT/ckpt.json" \
-      && touch "$CKPT/.complete"
-  fi
+  ensure_checkpoint "${CKPT_TIMEOUT:-200}"
   df -h /tmp /dev/shm | tail -2
   TABLE=src/hsextract/model/autotune_tables/$(python3 -c "import torch, re; print(re.sub(r'[^0-9A-Za-z]+', '_', torch.cuda.get_device_name()).strip('_'))").json
   # What is left of ~9 minutes goes to the steps (each at most STEP_TIMEOUT s); figures print as they come.
@@ -128,12 +134,7 @@ fi
 # loader on the export against hsextract's dataset with 1, 2, 4 DataLoader workers (bench_loader.py, local only:
 # moto is not on this machine). ~7 minutes.
 if [[ "${1:-}" == "steady" ]]; then
-  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
-  if [[ ! -f "$CKPT/.complete" ]]; then
-    rm -rf "$CKPT"
-    timeout "${CKPT_TIMEOUT:-200}" python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 \
-      && touch "$CKPT/.complete"
-  fi
+  ensure_checkpoint "${CKPT_TIMEOUT:-200}"
   timeout "${SHAPES_TIMEOUT:-200}" python3 scripts/bench_shapes.py --model "$CKPT" --tokens "${SHAPES_TOKENS:-300000}" 2>&1 \
     | grep -v Warning | tee "$OUT/shapes.log"
   timeout 100 python3 scripts/bench_loader_gpu.py --files 6 --tokens 16384 --threads 1,4,8 --repeat 2 2>&1 | tee "$OUT/loader_gpu.log"
@@ -146,11 +147,7 @@ if [[ "${1:-}" == "steady2" ]]; then
   timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu.py -k "two_shards or fp8_pipeline" \
     2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
   timeout 170 python3 scripts/bench_loader.py --files 6 --tokens 16384 --workers 1,2,4 --no-s3 --repeat 2 2>&1 | tee "$OUT/loader.log"
-  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
-  if [[ ! -f "$CKPT/.complete" ]]; then
-    rm -rf "$CKPT"
-    timeout 100 python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 && touch "$CKPT/.complete"
-  fi
+  ensure_checkpoint 100
   timeout 170 python3 scripts/bench_shapes.py --model "$CKPT" --tokens 300000 --prewarm 2>&1 | grep -v Warning | tee "$OUT/shapes.log"
 fi
 # The full forward against the power cap (#22's forward target), session 4 of 2026-12-01: the capped GEMM rate, then
@@ -174,11 +171,7 @@ fi
 # run to its end, real tokens/s between the batches written after its first two, and the uploader's seconds per file
 # (bench_startup.py --steps steady). 500,000 tokens: ~26 GB of output in /dev/shm. ~4 minutes.
 if [[ "${1:-}" == "steadyrun" ]]; then
-  CKPT=${CKPT:-/tmp/hsextract-ckpt-27b}
-  if [[ ! -f "$CKPT/.complete" ]]; then
-    rm -rf "$CKPT"
-    timeout 120 python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$CKPT" > "$OUT/ckpt.json" 2>&1 && touch "$CKPT/.complete"
-  fi
+  ensure_checkpoint 120
   df -h /dev/shm | tail -1
   timeout "${STEADY_TIMEOUT:-400}" python3 scripts/bench_startup.py --model "$CKPT" --work /tmp/hsextract-steady \
     --tokens "${STEADY_TOKENS:-500000}" --steps steady --step-timeout "${STEADY_STEP_S:-380}" \

@@ -1,4 +1,5 @@
-"""Equality of nested items (what a DataLoader yields: dicts, lists, tensors) for tests that compare two paths."""
+"""Equality of nested items (what a DataLoader yields: dicts of tensors and plain values) for tests that compare two
+paths."""
 
 import torch
 

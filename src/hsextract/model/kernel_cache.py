@@ -202,11 +202,11 @@ FUSED_SOURCES = ("qwen3_5.py", "triton_kernels.py")
 """hsextract's modules (in this package) that decide which kernels the fused forward launches."""
 
 
-def fused_source_hash(names=FUSED_SOURCES) -> str:
+def fused_source_hash() -> str:
     """A short hash of the fused forward's own source: another hsextract whose fused forward launches other kernels
     (the MLP's gate and up joined into one GEMM, say) must not take an older version's stamp as warm."""
     digest = hashlib.sha256()
-    for name in names:
+    for name in FUSED_SOURCES:
         digest.update(Path(__file__).with_name(name).read_bytes())
     return digest.hexdigest()[:16]
 
