@@ -132,7 +132,7 @@ fi
 # with board power and SM clock (scripts/bench_shapes.py, on the start-up checkpoint, made here if missing), then
 # what one loader process delivers into pinned GPU-ready tensors (bench_loader_gpu.py) and the trainer's own
 # loader on the export against hsextract's dataset with 1, 2, 4 DataLoader workers (bench_loader.py, local only:
-# moto is not on this machine). ~7 minutes.
+# --no-s3). ~7 minutes.
 if [[ "${1:-}" == "steady" ]]; then
   ensure_checkpoint "${CKPT_TIMEOUT:-200}"
   timeout "${SHAPES_TIMEOUT:-200}" python3 scripts/bench_shapes.py --model "$CKPT" --tokens "${SHAPES_TOKENS:-300000}" 2>&1 \
