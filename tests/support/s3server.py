@@ -67,6 +67,10 @@ _SERVICES = ("s3", "master", "volume", "filer", "admin")
 _REQUEST_LINE = re.compile(r'stats\.go:\d+\]? "[^"]*" ([A-Z]+) "([^"]*)" \d+')
 
 
+# Runs "$@" (weed) until it exits or the shell's stdin closes; an asynchronous list reads /dev/null unless told.
+_SUPERVISE = 'exec 3<&0; "$@" </dev/null & pid=$!; (read _ <&3; kill -KILL $pid 2>/dev/null) & wait $pid'
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (connections to it are refused)."""
     with socket.socket() as s:
@@ -162,7 +166,8 @@ class S3Endpoint:
         ]
 
     def start(self) -> None:
-        """Start (again) on the same ports and data; returns once a write succeeds (``READY_TIMEOUT_S`` at most)."""
+        """Start (again) on the same ports and data; returns once a write and a read succeed (``READY_TIMEOUT_S``
+        at most)."""
         if self.running:
             return
         (self.root / "data").mkdir(exist_ok=True)
@@ -171,10 +176,10 @@ class S3Endpoint:
         with open(self.log_path, "ab") as log:
             log.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
             log.flush()
-            # weed never outlives this process: the shell kills it when its stdin, a pipe from here, closes, which
-            # stop() does and this process's exit does whatever ends it.
+            # weed never outlives this process: a subshell kills it when its stdin, a pipe from here, closes, which
+            # stop() does and this process's exit does whatever ends it. The shell itself ends with weed.
             self._process = subprocess.Popen(
-                ["sh", "-c", '"$@" </dev/null & read _; kill -KILL $!; wait', "sh", *self._command()],
+                ["sh", "-c", _SUPERVISE, "sh", *self._command()],
                 stdin=subprocess.PIPE,
                 cwd=self.root,  # weed reads security.toml and others from its working directory
                 stdout=log,
