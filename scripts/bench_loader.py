@@ -1,11 +1,11 @@
 """What a trainer's data loader delivers, side by side on one output: samples/s and GB/s of states with 1, 2 and 4
 DataLoader workers, for (i) the trainer's own loader on ``hsextract export`` (SpecForge's ``load_feature_file`` of
 one ``data_I.ckpt`` per sample, a ``torch.utils.data`` map dataset, shuffled), (ii) ``StatesDataset`` of
-``hsextract.training`` on the local output, (iii) the same from an S3 server on loopback (moto's server, in a process
-of its own as a real endpoint is; ``--s3-server thread`` runs it in this process). All feed the same DataLoader with
-``batch_size=None`` and the DFlash schema; the states cross from the workers into this process as the trainer would
-get them. Also the bytes each variant read against the bytes of states delivered, and what moto takes for one
-ranged GET of a batch file (moto reads the whole object for any range: that bounds (iii), not the client).
+``hsextract.training`` on the local output, (iii) the same from a real S3 server on loopback (SeaweedFS, the tests'
+server from tests/support/s3server.py, started here). All feed the same DataLoader with ``batch_size=None`` and the
+DFlash schema; the states cross from the workers into this process as the trainer would get them. Also the bytes
+each variant read against the bytes of states delivered, and what the server takes for a ranged GET of 1 byte of a
+batch file (its per-request cost).
 
 The output is synthetic and shaped like the default target's (Qwen3.6-27B, DFlash: 5 layers x 5120 hidden, bf16:
 51,200 bytes of states per token), sample lengths drawn around the realistic mix (median ~220 tokens), written under
@@ -21,15 +21,13 @@ other work); the variants take turns within each repeat, so on a shared machine 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import multiprocessing as mp
 import os
 import random
 import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +44,8 @@ from hsextract.run.writer import write_batch_file
 from hsextract.storage.base import read_with_crc32
 from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 LAYERS, HIDDEN = (1, 16, 31, 46, 61), 5120
 
@@ -185,40 +185,8 @@ def epoch(loader) -> dict:
     }
 
 
-def s3_server(mode: str):
-    """Moto's S3 server on 127.0.0.1: its own process (as a real endpoint is), or a thread of this one."""
-    if mode == "thread":
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        return f"http://127.0.0.1:{server.get_host_and_port()[1]}", server.stop
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto's server did not start: {' '.join(cmd)}") from None
-            time.sleep(0.1)
-
-    def stop():
-        proc.terminate()
-        proc.wait(10)
-
-    return f"http://127.0.0.1:{port}", stop
-
-
-def moto_get_seconds(client, key: str, repeat: int = 5) -> float:
-    """What moto takes for a ranged GET of 1 byte of ``key`` (it reads the whole object for any range)."""
+def s3_get_seconds(client, key: str, repeat: int = 5) -> float:
+    """What the server takes for a ranged GET of 1 byte of ``key``: its cost per request."""
     t0 = time.perf_counter()
     for _ in range(repeat):
         client.get_object(Bucket="bench", Key=key, Range="bytes=0-0")["Body"].read()
@@ -237,12 +205,6 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument(
-        "--s3-server",
-        choices=("process", "thread"),
-        default="process",
-        help="moto in a process of its own (as a real endpoint is) or in a thread of this one",
-    )
-    parser.add_argument(
         "--unverified", action="store_true", help="also (ii) with verify=False: what the checksums cost"
     )
     parser.add_argument(
@@ -257,6 +219,7 @@ def main() -> int:
     _count_reads(LocalSink)
     work = Path(tempfile.mkdtemp(prefix="hsextract-bench-loader-", dir=args.dir))
     r: dict = {"files": args.files, "tokens_per_file": args.tokens, "torch_threads": torch.get_num_threads()}
+    stack = contextlib.ExitStack()  # the S3 server, stopped and its data deleted whatever happens
     try:
         out = work / "out"
         manifest = make_output(out, args.files, args.tokens)
@@ -293,31 +256,25 @@ def main() -> int:
                 batch_size=None,
                 num_workers=w,
             )
-        stop_server = None
         if not args.no_s3:
-            import boto3
+            from support.s3server import FAKE_CREDENTIALS, REGION, S3Endpoint
 
             from hsextract.storage.s3 import S3Sink
 
             _count_reads(S3Sink)
-            for k, v in {
-                "AWS_ACCESS_KEY_ID": "x",
-                "AWS_SECRET_ACCESS_KEY": "x",
-                "AWS_DEFAULT_REGION": "us-east-1",
-            }.items():
-                os.environ[k] = v
-            url, stop_server = s3_server(args.s3_server)
-            client = boto3.client("s3", endpoint_url=url)
+            os.environ.update(FAKE_CREDENTIALS, AWS_DEFAULT_REGION=REGION)
+            server = stack.enter_context(S3Endpoint())
+            client = server.client()
             client.create_bucket(Bucket="bench")
             for p in sorted(out.rglob("*")):
                 if p.is_file():
                     client.upload_file(str(p), "bench", f"out/{p.relative_to(out).as_posix()}")
-            r["moto_get_s"] = moto_get_seconds(client, f"out/{manifest['batches'][0]['key']}")
+            r["s3_get_s"] = s3_get_seconds(client, f"out/{manifest['batches'][0]['key']}")
             variants["hsextract_s3_loopback"] = lambda w: DataLoader(
                 StatesDataset(
                     "s3://bench/out",
                     "specforge-dflash",
-                    endpoint_url=url,
+                    endpoint_url=server.url,
                     shuffle=shuffle,
                     threads=args.threads,
                     prefetch=4 * args.threads,
@@ -344,9 +301,8 @@ def main() -> int:
             res["samples_per_s"] = res["samples"] / res["seconds"]
             res["GBps"] = res["state_bytes"] / res["seconds"] / 1e9
             res["read_over_delivered"] = res["read"] / res["state_bytes"]
-        if stop_server is not None:
-            stop_server()
     finally:
+        stack.close()
         shutil.rmtree(work, ignore_errors=True)
 
     if args.json:
@@ -361,12 +317,13 @@ def main() -> int:
             f"{k:32} {v['samples_per_s']:10.0f} {v['GBps']:7.3f} {v['read_over_delivered']:15.3f} "
             f"{v['cpu_s_per_GB']:9.2f}"
         )
-    if "moto_get_s" in r:
-        per_sample = r["runs"][f"hsextract_local/{workers[0]}"]["state_bytes"] / r["samples"]
+    for w in workers:
+        if f"hsextract_s3_loopback/{w}" in r["runs"]:
+            s3, local = r["runs"][f"hsextract_s3_loopback/{w}"], r["runs"][f"hsextract_local/{w}"]
+            print(f"(iii)/(ii) with {w} workers: {s3['GBps'] / local['GBps']:.2f}")
+    if "s3_get_s" in r:
         print(
-            f"moto takes {r['moto_get_s'] * 1e3:.0f} ms for a ranged GET of 1 byte of one batch file (it reads the "
-            f"whole object): one GET per sample of {per_sample / 1e6:.1f} MB on average is at most "
-            f"{per_sample / r['moto_get_s'] / 1e9:.3f} GB/s per object"
+            f"the S3 server takes {r['s3_get_s'] * 1e3:.1f} ms for a ranged GET of 1 byte of one batch file"
         )
     return 0
 

@@ -1,10 +1,11 @@
-"""Throughput of the uploader process: staged files -> Uploader -> a local moto S3 endpoint (and a local dir).
+"""Throughput of the uploader process: staged files -> Uploader -> a real S3 server on loopback (and a local dir).
 
     python scripts/bench_uploader.py --files 40 --size-mib 64
 
-Loopback moto is not S3: moto is single-process Python (it shares a GIL with this script) and keeps objects in
-memory and temp files, so the figure is a floor for the uploader's own overhead (CRC32, transfer manager, process
-hand-off), not a prediction of S3 bandwidth. The local-dir figure is bounded by copy + fsync to the target disk.
+The server is SeaweedFS, the tests' (tests/support/s3server.py), started here: it verifies each part's and the
+whole object's CRC32 and writes to the local disk, sharing this machine's cores with the uploader, so the figure is
+the uploader's own rate on one machine (CRC32, transfer manager, process hand-off, the server's work), not a
+prediction of S3 bandwidth. The local-dir figure is bounded by copy + fsync to the target disk.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from s3server import FAKE_CREDENTIALS, REGION, S3Endpoint  # noqa: E402
+from support.s3server import FAKE_CREDENTIALS, REGION, S3Endpoint  # noqa: E402
 
 from hsextract.run.uploader import Uploader  # noqa: E402
 from hsextract.storage.base import MiB  # noqa: E402
@@ -61,14 +62,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--staging", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     args = parser.parse_args()
-    for name, value in {**FAKE_CREDENTIALS, "AWS_DEFAULT_REGION": REGION}.items():
-        os.environ.setdefault(name, value)
+    os.environ.update(FAKE_CREDENTIALS, AWS_DEFAULT_REGION=REGION)  # the keys the server knows
 
     total_mb = args.files * args.size_mib * MiB / 1e6
-    endpoint = S3Endpoint()
-    bucket = endpoint.create_bucket()
-    targets = {"s3 (moto, loopback)": (f"s3://{bucket}/bench", endpoint.url)}
-    with tempfile.TemporaryDirectory(prefix="hsextract-bench-") as work_dir:
+    with S3Endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="hsextract-bench-") as work_dir:
+        bucket = endpoint.create_bucket()
+        targets = {"s3 (SeaweedFS, loopback)": (f"s3://{bucket}/bench", endpoint.url)}
         targets["local dir"] = (str(Path(work_dir) / "out"), None)
         for label, (output, endpoint_url) in targets.items():
             with tempfile.TemporaryDirectory(prefix="hsextract-staging-", dir=args.staging) as staging:
@@ -79,7 +78,6 @@ def main() -> None:
                     f"{label}: {args.files} x {args.size_mib} MiB = {total_mb:.0f} MB in {seconds:.1f} s "
                     f"-> {total_mb / seconds:.0f} MB/s (concurrency {args.concurrency})"
                 )
-    endpoint.stop()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, moto, ruff), the
-# drafter trainers whose loaders the export tests use (SpecForge, speculators, ModelOpt) and, as root on Debian,
-# Chromium for the status page's browser test.
+# Creates .venv and installs hsextract into it (editable). `--test` adds the test tools (pytest, ruff, SeaweedFS as
+# the tests' S3 server), the drafter trainers whose loaders the export tests use (SpecForge, speculators, ModelOpt)
+# and, as root on Debian, Chromium for the status page's browser test.
 # torch is pinned to the release this project is tested with on CPU; on a GPU node install your CUDA build of
 # torch first (and `pip install -e .[gpu]` for flash-linear-attention), then run this.
 set -euo pipefail

@@ -1,5 +1,5 @@
 """Several nodes, one job: separate launcher processes, each with its own run dir, staging and two CPU shards,
-writing one S3 output on a loopback moto server, as SLURM would start them (one ``srun`` task per node)."""
+writing one S3 output on a loopback SeaweedFS server, as SLURM would start them (one ``srun`` task per node)."""
 
 import json
 import signal

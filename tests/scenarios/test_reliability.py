@@ -451,15 +451,12 @@ def test_an_s3_output_emptied_or_its_endpoint_swapped_for_an_empty_one_is_recomp
     assert "done:" in r.stdout, r.stdout
     assert_s3_output_is(s3, s3_bucket, reference)
 
-    other = S3Endpoint()  # another server, on another port, holding nothing
-    try:
+    with S3Endpoint() as other:  # another server, on other ports, holding nothing
         other.create_bucket(s3_bucket)
         swapped = [other.url if a == s3.url else a for a in map(str, args)]
         r = run_cli(*swapped, env=cli_env(), timeout=400)
         assert "done:" in r.stdout, r.stdout
         assert_s3_output_is(other, s3_bucket, reference)
-    finally:
-        other.stop()
 
 
 def assert_s3_output_is(endpoint, bucket: str, reference: Path) -> None:

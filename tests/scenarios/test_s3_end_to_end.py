@@ -1,4 +1,4 @@
-"""The S3 path of the real CLI: ``hsextract run`` in real processes against a real endpoint (moto's S3 server on
+"""The S3 path of the real CLI: ``hsextract run`` in real processes against a real endpoint (SeaweedFS's S3 server on
 loopback, see s3server.py), checked against the same run to a local directory.
 
 A run to ``s3://bucket/prefix`` must upload every batch once, byte-identical to the local run's files (CPU float32
@@ -282,15 +282,14 @@ def test_refused_credentials_fail_before_the_model_loads(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset
 ):
     # One refusal through the CLI; test_storage checks preflight's other ones (wrong secret, denied access).
-    with s3.require_auth():
-        fails_before_the_model_loads(
-            s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket),
-            tmp_path,
-            f"credentials were refused by {s3.url}",
-            "InvalidAccessKeyId",
-            "AWS_ACCESS_KEY_ID",
-            env=cli_env(AWS_ACCESS_KEY_ID="AKIAUNKNOWNKEY000000"),
-        )
+    fails_before_the_model_loads(
+        s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket),
+        tmp_path,
+        f"credentials were refused by {s3.url}",
+        "InvalidAccessKeyId",
+        "AWS_ACCESS_KEY_ID",
+        env=cli_env(AWS_ACCESS_KEY_ID="AKIAUNKNOWNKEY000000"),
+    )
     assert s3.object_keys(s3_bucket) == [], "something was written to the bucket"
 
 

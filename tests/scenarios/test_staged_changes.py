@@ -1,6 +1,6 @@
 """A staged batch file altered while the run is live, between its writing and its upload: the uploader checks the
 bytes it sends against the CRC32 the writer computed, refuses the file, and the run stops naming it; nothing is
-recorded for the batch, and the rerun recomputes it. On a local output and on S3 (moto's server on loopback).
+recorded for the batch, and the rerun recomputes it. On a local output and on S3 (SeaweedFS on loopback).
 
 The uploader is frozen (SIGSTOP) before its first upload, one staged file gets one byte flipped, then the uploader
 is continued: a real change of a real file under a live run, not raced.

@@ -1,7 +1,9 @@
-"""Sinks against a local directory and a real (moto) S3 endpoint over HTTP; preflight's error messages."""
+"""Sinks against a local directory and a real S3 server (SeaweedFS) over HTTP; preflight's error messages."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import threading
 import time
@@ -13,7 +15,7 @@ from support.s3server import S3Endpoint, free_port
 
 from hsextract.errors import HsextractError, StagedFileChanged
 from hsextract.storage import open_sink, preflight
-from hsextract.storage.base import MiB, Sink
+from hsextract.storage.base import MiB, Sink, crc32_base64
 from hsextract.storage.local import LocalSink
 from hsextract.storage.s3 import S3Sink
 
@@ -125,6 +127,28 @@ def test_s3_multipart_upload_is_byte_identical(s3: S3Endpoint, s3_bucket: str, t
     assert s3.get_object(s3_bucket, "shard-00000/batch-000000.safetensors") == data
 
 
+def test_the_test_s3_server_refuses_wrong_checksums_and_serves_just_the_range(
+    s3: S3Endpoint, s3_bucket: str
+) -> None:
+    """What the sink's checks rely on, shown of the server the tests use (moto accepted both wrong checksums)."""
+    from botocore.exceptions import ClientError
+
+    client = s3.client()
+    data = os.urandom(300_000)
+    wrong_crc32 = crc32_base64(zlib.crc32(data) ^ 1)
+    wrong_md5 = base64.b64encode(hashlib.md5(data[1:]).digest()).decode()
+    for header in ({"ChecksumCRC32": wrong_crc32}, {"ContentMD5": wrong_md5}):
+        with pytest.raises(ClientError, match="BadDigest"):
+            client.put_object(Bucket=s3_bucket, Key="k", Body=data, **header)
+    assert s3.object_keys(s3_bucket) == []
+    client.put_object(Bucket=s3_bucket, Key="k", Body=data, ChecksumCRC32=crc32_base64(zlib.crc32(data)))
+    head = client.head_object(Bucket=s3_bucket, Key="k", ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32"] == crc32_base64(zlib.crc32(data))
+    got = client.get_object(Bucket=s3_bucket, Key="k", Range="bytes=1000-5999")
+    assert (got["ContentLength"], got["ContentRange"]) == (5000, f"bytes 1000-5999/{len(data)}")
+    assert got["Body"].read() == data[1000:6000]
+
+
 @pytest.mark.parametrize("store", ["local", "s3", "s3-multipart"])
 def test_a_file_whose_bytes_are_not_its_writers_is_refused_and_nothing_is_stored(
     store: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -233,23 +257,22 @@ def test_preflight_refused_credentials(
 ) -> None:
     good = s3.create_credentials()
     denied = s3.create_credentials(allow_s3=False)
-    with s3.require_auth():
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
-        with pytest.raises(
-            HsextractError, match=r"credentials were refused .*InvalidAccessKeyId.*AWS_ACCESS_KEY_ID"
-        ):
-            preflight(f"s3://{s3_bucket}", s3.url)
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", good["AWS_ACCESS_KEY_ID"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-        with pytest.raises(HsextractError, match=r"credentials were refused .*SignatureDoesNotMatch"):
-            preflight(f"s3://{s3_bucket}", s3.url)
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", denied["AWS_ACCESS_KEY_ID"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", denied["AWS_SECRET_ACCESS_KEY"])
-        with pytest.raises(HsextractError, match=f"access to s3://{s3_bucket} was denied"):
-            preflight(f"s3://{s3_bucket}", s3.url)
-        for name, value in good.items():
-            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
+    with pytest.raises(
+        HsextractError, match=r"credentials were refused .*InvalidAccessKeyId.*AWS_ACCESS_KEY_ID"
+    ):
         preflight(f"s3://{s3_bucket}", s3.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", good["AWS_ACCESS_KEY_ID"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(HsextractError, match=r"credentials were refused .*SignatureDoesNotMatch"):
+        preflight(f"s3://{s3_bucket}", s3.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", denied["AWS_ACCESS_KEY_ID"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", denied["AWS_SECRET_ACCESS_KEY"])
+    with pytest.raises(HsextractError, match=f"access to s3://{s3_bucket} was denied"):
+        preflight(f"s3://{s3_bucket}", s3.url)
+    for name, value in good.items():
+        monkeypatch.setenv(name, value)
+    preflight(f"s3://{s3_bucket}", s3.url)
 
 
 def test_preflight_without_credentials(

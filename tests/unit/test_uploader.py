@@ -1,4 +1,4 @@
-"""The uploader process against a local directory and a real (moto) S3 endpoint: outages, kills, markers."""
+"""The uploader process against a local directory and a real S3 server (SeaweedFS): outages, kills, markers."""
 
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ A file under ``multipart_threshold`` is read into memory once, its CRC32 compute
   no longer has the writer's CRC32 (read again only then): then the object is deleted and ``StagedFileChanged``
   raised. Servers that reject checksum headers (some S3-compatible stores) are served by botocore's standard
   switch ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``: then no checksum is sent and only the size is
-  verified (a large file is then read for its CRC32 before it is sent). Moto, used by the tests, stores a
-  single-part checksum as sent without validating it but computes full-object CRC32s of multipart uploads itself;
-  AWS validates both.
+  verified (a large file is then read for its CRC32 before it is sent). AWS validates both checksums, and so does
+  SeaweedFS, the tests' server (it answers a wrong one with BadDigest).
 
 Retries: botocore retries a few times on its own ("standard" mode). Around that, every S3 operation runs in one
 loop (``S3Sink._retrying``) that retries transient failures (connection refused/reset, unreachable endpoint,
