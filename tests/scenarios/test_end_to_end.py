@@ -10,6 +10,8 @@ from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mi
 
 from hsextract.reader import open_output
 
+pytestmark = pytest.mark.slow
+
 LAYERS = E2E_LAYERS  # conftest.finished_run, shared with the tests that read or damage its output
 
 
