@@ -2,6 +2,7 @@
 
 import pytest
 from support.cli import e2e_run_args, run_cli, write_mixed_dataset
+from support.output import write_output
 
 pytest_plugins = ["support.s3server"]
 
@@ -29,6 +30,16 @@ def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
     args = e2e_run_args(root, tiny_model, data)
     result = run_cli(*args)
     return root, data, result, args
+
+
+@pytest.fixture(scope="session")
+def written_output(tmp_path_factory, tiny_model, tiny_tokenizer):
+    """A finished output like ``finished_run``'s (its options and data; layers 0, 1, 3, so that the forward stops
+    at layer 3), written in this process by the project's own steps (support/output.py): for unit tests that only
+    read or damage an output. Copy it before damaging it."""
+    root = tmp_path_factory.mktemp("written")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
+    return write_output(root, tiny_model, data, layers="0,1,3")
 
 
 @pytest.fixture(scope="session")
