@@ -1,10 +1,19 @@
 """Shared fixtures: the tiny random qwen3_5 model and tokenizer, built once per test session."""
 
+import os
+
 import pytest
+import torch
 from support.cli import e2e_run_args, run_cli, write_mixed_dataset
 from support.output import write_output
 
 pytest_plugins = ["support.s3server"]
+
+# One thread per torch, here and in every process the tests start (the launcher keeps a given OMP_NUM_THREADS): two
+# test files run at once on two cores, and the tiny model's small ops wait on spinning threads otherwise (its
+# in-process output: 1.2 CPU-s with one thread, 10.8 with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
