@@ -1,7 +1,7 @@
-"""A finished output written in this process by the project's own steps: preparation (tokenize, plan, claim, job
-files), the real model's forward through the pipeline, the batch writer, the uploader's record of each file and
-finalize's manifest. What a worker and its uploader do, without their processes: for unit tests that read or damage
-an output (the CLI's own runs are scenarios)."""
+"""A finished output written in this process by the project's own steps: preparation (tokenize, plan, claim,
+job files), the real model's forward through the pipeline, the batch writer, the uploader's record of each
+file and finalize's manifest. What a worker and its uploader do, without their processes: for unit tests that
+read or damage an output (the CLI's own runs are scenarios)."""
 
 from pathlib import Path
 
@@ -9,9 +9,9 @@ from support.cli import E2E_LAYERS, TINY_LIMITS
 
 
 def write_output(root: Path, model: Path, data: Path, **options) -> Path:
-    """The output of ``hsextract run`` with the shared finished run's options (``support.cli.e2e_run_args``: 2
-    shards, ``E2E_LAYERS``, the tiny limits) under ``root`` (``out``, ``run``, ``staging``); returns ``root/out``.
-    ``options`` replace RunConfig fields."""
+    """The output of ``hsextract run`` with the shared finished run's options (``support.cli.e2e_run_args``:
+    2 shards, ``E2E_LAYERS``, the tiny limits) under ``root`` (``out``, ``run``, ``staging``); returns
+    ``root/out``. ``options`` replace RunConfig fields."""
     from hsextract.config import RunConfig
     from hsextract.format.batch import batch_metadata, read_file_head
     from hsextract.format.final_norm import write_final_norm

@@ -1,6 +1,7 @@
-"""The output's completion records as the one ledger of finished batches (format/records.py ``check_batches``):
-a batch is done only if its record is this plan's and the object is there as recorded. On a local output (no
-stored CRC32) a same-size alteration shows only in the full check, which computes the CRC32 from the bytes."""
+"""The output's completion records as the one ledger of finished batches (format/records.py
+``check_batches``): a batch is done only if its record is this plan's and the object is there as recorded. On
+a local output (no stored CRC32) a same-size alteration shows only in the full check, which computes the CRC32
+from the bytes."""
 
 import json
 

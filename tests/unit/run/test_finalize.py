@@ -1,6 +1,7 @@
 """Finishing an output from the output alone (run/finalize.py ``finalize_output``, format/manifest.py
-``build_manifest``): the manifest lists every planned batch as its file is, in plan order, and is the same bytes
-each time it is built; a batch not done or not sound withdraws the manifest, and a damaged one loses its record."""
+``build_manifest``): the manifest lists every planned batch as its file is, in plan order, and is the same
+bytes each time it is built; a batch not done or not sound withdraws the manifest, and a damaged one loses its
+record."""
 
 import json
 import zlib

@@ -1,6 +1,7 @@
-"""What a restarted shard keeps of its staging (run/resume.py's ``recover_staging``): only complete files of this
-plan's own batches whose bytes match their writer's checksums, each with the CRC32 of those bytes; everything
-else is deleted (and so recomputed). Staged files here are real batch files (conftest.written_output)."""
+"""What a restarted shard keeps of its staging (run/resume.py's ``recover_staging``): only complete files of
+this plan's own batches whose bytes match their writer's checksums, each with the CRC32 of those bytes;
+everything else is deleted (and so recomputed). Staged files here are real batch files
+(conftest.written_output)."""
 
 import json
 import shutil

@@ -1,5 +1,5 @@
-"""Stalls judged from what each watcher sees (run/stalls.py): the worker's own view, a progress file's, and the
-launcher's lines, each a stall named once and its recovery once."""
+"""Stalls judged from what each watcher sees (run/stalls.py): the worker's own view, a progress file's, and
+the launcher's lines, each a stall named once and its recovery once."""
 
 from types import SimpleNamespace
 
