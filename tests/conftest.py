@@ -1,9 +1,19 @@
 """Shared fixtures: the tiny random qwen3_5 model and tokenizer, built once per test session."""
 
+import os
+
 import pytest
+import torch
 from support.cli import e2e_run_args, run_cli, write_mixed_dataset
+from support.output import write_output
 
 pytest_plugins = ["support.s3server"]
+
+# One thread per torch, here and in every process the tests start (the launcher keeps a given OMP_NUM_THREADS): two
+# test files run at once on two cores, and the tiny model's small ops wait on spinning threads otherwise (its
+# in-process output: 1.2 CPU-s with one thread, 10.8 with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +39,16 @@ def finished_run(tmp_path_factory, tiny_model, tiny_tokenizer):
     args = e2e_run_args(root, tiny_model, data)
     result = run_cli(*args)
     return root, data, result, args
+
+
+@pytest.fixture(scope="session")
+def written_output(tmp_path_factory, tiny_model, tiny_tokenizer):
+    """A finished output like ``finished_run``'s (its options and data; layers 0, 1, 3, so that the forward stops
+    at layer 3), written in this process by the project's own steps (support/output.py): for unit tests that only
+    read or damage an output. Copy it before damaging it."""
+    root = tmp_path_factory.mktemp("written")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer)
+    return write_output(root, tiny_model, data, layers="0,1,3")
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import click
 
 from hsextract.config import RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
-from hsextract.errors import HsextractError, disk_full
+from hsextract.errors import HsextractError, disk_full, install_redaction
 from hsextract.run.procs import Terminated, stop_on_signals
 from hsextract.run.rundir import default_run_dir
 
@@ -116,6 +116,7 @@ def _build_config(**opts) -> RunConfig:
 @click.version_option(package_name="hsextract")
 def main():
     """Extract hidden states of chosen decoder layers of a target model, for drafter training."""
+    install_redaction()  # this process's logs and tracebacks never show a credential; the workers do the same
 
 
 @main.command()

@@ -21,7 +21,6 @@ from pathlib import Path
 import yaml
 
 from hsextract.errors import HsextractError, redact
-from hsextract.run.cluster import node_shards
 from hsextract.storage.fileio import load_json, write_json
 
 DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
@@ -282,6 +281,13 @@ def field_docs() -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(doc.value.value)
     return docs
+
+
+def node_shards(total_shards: int, nodes: int, rank: int) -> list[int]:
+    """The plan's shards node ``rank`` of ``nodes`` runs: a contiguous block of ``total_shards // nodes``
+    (every node runs the same ``--shards``). The one place that maps nodes to shards."""
+    per_node = total_shards // max(nodes, 1)
+    return list(range(rank * per_node, (rank + 1) * per_node))
 
 
 def run_staging_dir(staging_root: str | None, run_dir: str | os.PathLike) -> Path:

@@ -22,7 +22,8 @@ def install_redaction() -> None:
     it is made (message, arguments and traceback, whatever handler prints it: a log file, the console, logging's
     last resort) and uncaught exceptions' tracebacks. Libraries' own texts are covered too (botocore puts the
     endpoint URL, credentials and all, into its exceptions). ``HsextractError`` redacts its message itself.
-    Every hsextract process imports the package, which calls this."""
+    The CLI's own processes call this first thing (the command, each worker, each uploader); importing hsextract
+    does not: a library leaves its host's logging and excepthook alone."""
     factory = logging.getLogRecordFactory()
     if getattr(factory, "redacts", False):
         return

@@ -12,6 +12,8 @@ from hsextract.dryrun import dry_run, format_report
 from hsextract.model.load import load_model
 from hsextract.run import pipeline
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_model, tiny_tokenizer):

@@ -6,9 +6,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
+from support.cli import E2E_LAYERS, TINY_LIMITS, batch_bytes, cli_run_args, run_cli, write_mixed_dataset
+from support.output import write_output
 
 from hsextract.reader import open_output
+
+pytestmark = pytest.mark.slow
 
 LAYERS = E2E_LAYERS  # conftest.finished_run, shared with the tests that read or damage its output
 
@@ -181,3 +184,12 @@ def test_a_replaced_final_norm_is_refused_by_the_reader_and_named_by_verify(fp8_
     finally:
         path.write_bytes(original)
     assert verify_output(str(fp8_run), show_progress=False).ok
+
+
+def test_an_output_written_in_process_is_the_clis_byte_for_byte(finished_run, tiny_model, tmp_path):
+    """support/output.py's output (conftest.written_output, which unit tests read and damage) is what the CLI
+    writes from the same data and options: every batch file and the manifest."""
+    root, data, _, _ = finished_run
+    out = write_output(tmp_path, tiny_model, data)
+    assert batch_bytes(out) == batch_bytes(root / "out")
+    assert (out / "manifest.json").read_bytes() == (root / "out" / "manifest.json").read_bytes()

@@ -13,7 +13,7 @@ from support.procs import descendants
 
 from hsextract.run.prestart import PRESTART_ENV
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EARLY = {PRESTART_ENV: "1"}
 

@@ -117,6 +117,7 @@ def test_under_skip_a_row_far_too_long_is_refused_and_one_just_over_is_measured(
     assert reasons["just-over"] == f"{n} tokens > max_length {n - 1}", reasons
 
 
+@pytest.mark.slow
 def test_a_50_mb_row_is_cut_in_seconds(tmp_path, tokenizer):
     """It tokenized for 87 s (docs/PERFORMANCE.md) before it was cut to 300 tokens."""
     text = varied_text(1_000_000, 5) * 50

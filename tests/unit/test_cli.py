@@ -2,9 +2,15 @@
 defaults live in RunConfig alone, and a YAML file fills what the command line leaves out."""
 
 import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
 
 import pytest
 from click.testing import CliRunner
+from support.cli import TINY_LIMITS, cli_run_args, write_mixed_dataset
 
 from hsextract.cli import _build_config, main
 from hsextract.config import RunConfig, field_docs
@@ -72,3 +78,113 @@ def test_gpus_take_a_comma_list_on_the_command_line(tmp_path):
         main, ["run", "--gpus", "0,x", "--model", "m", "--data", "d", "--output", "o"]
     )
     assert result.exit_code == 2 and "comma-separated list of integers" in result.output
+
+
+# -- bad input: one message, exit 2, before any weight loads (the command in this process; one real process:
+# -- tests/scenarios/test_cli_errors.py) ----------------------------------------------------------------------------
+@pytest.fixture
+def cli():
+    """``hsextract ARGS`` in this process: (exit code, stderr). What ``run`` installs in its process (signal
+    handlers, the redaction) is put back after."""
+    saved = (
+        {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)},
+        logging.getLogRecordFactory(),
+        sys.excepthook,
+        threading.excepthook,
+    )
+
+    def invoke(*args, env=None):
+        result = CliRunner().invoke(main, [str(a) for a in args], env=env)
+        if not isinstance(result.exception, SystemExit | None):
+            raise result.exception  # a traceback where a message was due
+        return result.exit_code, result.stderr
+
+    yield invoke
+    for s, handler in saved[0].items():
+        signal.signal(s, handler)
+    logging.setLogRecordFactory(saved[1])
+    sys.excepthook, threading.excepthook = saved[2], saved[3]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, tiny_model, tiny_tokenizer):
+    """A valid ``run`` command under a fresh root: (root, args). Each test breaks one thing."""
+    root = tmp_path_factory.mktemp("cli")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=5)
+    return root, cli_run_args(root, tiny_model, data, num_proc=1, no_progress=True, **TINY_LIMITS)
+
+
+def _replace(args, flag, value):
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+def _refused(cli, args, *needles, env=None):
+    code, err = cli(*args, env=env)
+    assert code == 2, (code, err)
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_a_layer_out_of_range_is_refused(cli, job):
+    _refused(cli, job[1] + ["--layers", "2,8"], "out of range", "ids 0..7")
+
+
+def test_a_missing_model_or_data_path_is_named(cli, job, tmp_path):
+    _refused(cli, _replace(job[1], "--model", tmp_path / "no-model"), "no such directory")
+    _refused(cli, _replace(job[1], "--data", tmp_path / "nope.jsonl"), "nope.jsonl")
+
+
+def test_data_without_one_usable_row_is_refused(cli, job, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\nnot json\n{"foo": 1}\n')
+    _refused(cli, _replace(job[1], "--data", bad), "no usable")
+
+
+def test_max_length_over_the_batch_budget_is_refused(cli, job):
+    _refused(
+        cli, _replace(job[1], "--max-length", "5000"), "--max-length 5000 exceeds --max-tokens-per-batch"
+    )
+
+
+def test_full_staging_is_refused_before_the_model_loads(cli, job):
+    root, args = job
+    # A batch budget no filesystem here can hold stands in for a full /dev/shm.
+    args = _replace(_replace(args, "--max-tokens-per-batch", str(10**13)), "--max-length", "300")
+    _refused(cli, args, "GB free but one batch file needs", "--staging")
+    assert not (root / "run" / "plan.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_staging_is_refused(cli, job, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    _refused(cli, _replace(job[1], "--staging", ro / "x"), "not writable")
+
+
+def test_a_bad_kernel_cache_or_load_thread_count_fails_before_tokenizing(cli, job, tmp_path):
+    root, args = job
+    (tmp_path / "file").write_text("x")
+    cuda = _replace(args, "--device", "cuda")
+    blocked = cuda + ["--kernel-cache", tmp_path / "file" / "k"]
+    _refused(cli, blocked, "kernel cache", "cannot be created", "--kernel-cache")
+    _refused(cli, cuda, "HSEXTRACT_LOAD_THREADS='lots'", env={"HSEXTRACT_LOAD_THREADS": "lots"})
+    assert not (root / "run" / "plan.json").exists()
+
+
+def test_missing_options_are_named(cli):
+    code, err = cli("run", "--device", "cpu")
+    assert code == 2 and "--model" in err and "--data" in err, err
+
+
+def test_random_weights_are_refused_by_run(cli, job, tmp_path):
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text("random_weights: true\n")
+    _refused(cli, job[1] + ["--config", cfg], "benchmarks only")
+
+
+def test_an_unknown_yaml_option_is_named(cli, job, tmp_path):
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text("max_token_per_batch: 4096\n")
+    _refused(cli, job[1] + ["--config", cfg], "unknown option 'max_token_per_batch'")

@@ -375,6 +375,7 @@ def test_bad_arguments_and_unusable_data_raise_clear_errors(tmp_path, tokenizer)
     assert "row 1 (malformed): line 2 is not valid JSON" in message
 
 
+@pytest.mark.slow
 def test_num_proc_2_matches_num_proc_1(tmp_path, tokenizer):
     rows = [*make_conversations(150, seed=11), *MIXED_ROWS[-2:], {"messages": "oops"}]
     path = write_jsonl(rows, tmp_path / "rows.jsonl")

@@ -1,12 +1,18 @@
-"""Errors: every hsextract exception survives pickling (process pools send them back to the parent), and the one
-redaction covers log records and tracebacks of any process."""
+"""Errors: every hsextract exception survives pickling (process pools send them back to the parent), the one
+redaction covers log records and tracebacks of any process that installs it, and only the CLI's processes do:
+importing the library leaves its host's logging and excepthook alone."""
 
 import importlib
 import inspect
+import logging
 import pickle
 import pkgutil
 import subprocess
 import sys
+import threading
+
+import pytest
+from click.testing import CliRunner
 
 import hsextract
 from hsextract.errors import CorruptOutputError, HsextractError, redact
@@ -51,7 +57,8 @@ def test_every_hsextract_exception_survives_pickling_with_its_message_and_fields
 
 PROBE = r"""
 import logging, threading
-import hsextract
+from hsextract.errors import install_redaction
+install_redaction()
 log = logging.getLogger("probe")
 log.warning("retry 1: %s", 'Could not connect to the endpoint URL: "http://user:SECRET@127.0.0.1:1/b"')
 try:
@@ -75,3 +82,39 @@ def test_log_records_and_tracebacks_of_any_process_are_redacted():
     assert 'endpoint URL: "http://***@127.0.0.1:1/b"' in text
     assert "SECRET" not in text, text
     assert redact("s3://k:v@bucket/p and http://u@h") == "s3://***@bucket/p and http://***@h"
+
+
+IMPORT_PROBE = r"""
+import logging, sys, threading
+before = (logging.getLogRecordFactory(), sys.excepthook, threading.excepthook)
+import hsextract, hsextract.reader, hsextract.training, hsextract.errors
+after = (logging.getLogRecordFactory(), sys.excepthook, threading.excepthook)
+print([name for name, a, b in zip(("record factory", "excepthook", "threading.excepthook"), before, after) if a is not b])
+"""
+
+
+def test_importing_the_library_changes_no_global_of_its_host():
+    # A fresh interpreter: this one imported hsextract long ago. A trainer's process imports these two.
+    r = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"importing hsextract replaced {r.stdout.strip()}"
+
+
+@pytest.fixture
+def host_globals():
+    """Put back what a CLI command installs in this (test) process."""
+    saved = (logging.getLogRecordFactory(), sys.excepthook, threading.excepthook)
+    yield
+    logging.setLogRecordFactory(saved[0])
+    sys.excepthook, threading.excepthook = saved[1], saved[2]
+
+
+def test_every_cli_command_redacts_its_own_process(host_globals, tmp_path):
+    from hsextract.cli import main
+
+    CliRunner().invoke(main, ["status", str(tmp_path / "nothing-here")])
+    assert getattr(logging.getLogRecordFactory(), "redacts", False)
+    record = logging.getLogger("probe").makeRecord(
+        "probe", logging.WARNING, "f", 1, "at %s", ("s3://k:v@b/p",), None
+    )
+    assert record.getMessage() == "at s3://***@b/p"

@@ -1,4 +1,5 @@
-"""The package's shape: the light processes import no torch, and no module imports another in a circle."""
+"""The package's shape: the light processes import no torch, no import runs up a floor (prepare never imports run,
+format never run or model, training only the output's read side...), and no module imports another in a circle."""
 
 import ast
 import subprocess
@@ -68,3 +69,66 @@ def test_no_module_over_500_lines():
         if (n := len(p.read_text().splitlines())) > 500
     }
     assert not long, long
+
+
+# The floors, from the leaves up: a module imports its own package or a lower floor, never a higher or level one.
+# The output's read side (batchfile, reader, verify) sits under everything that writes or trains on it; training
+# beside config, so that a trainer's process reads the output without the extraction's config, model or run.
+FLOORS = [
+    {"hsextract", "errors"},
+    {"format"},
+    {"storage"},
+    {"batchfile"},
+    {"reader", "verify"},
+    {"config", "training"},
+    {"model"},
+    {"prepare"},
+    {"run"},
+    {"status", "export", "dryrun", "demo"},
+    {"cli"},
+]
+
+KNOWN_UPWARD = {
+    ("hsextract.config", "hsextract.prepare.sources"): "RunConfig checks --data with the sources' own parser",
+    (
+        "hsextract.verify",
+        "hsextract.prepare.plan",
+    ): "the output holds its plan; Plan's record lives in prepare/",
+    (
+        "hsextract.model.warmup",
+        "hsextract.prepare.plan",
+    ): "the warm-up process's entry reads the run dir's plan",
+    ("hsextract.model.warmup", "hsextract.run.rundir"): "the warm-up process's entry reads the run dir",
+    (
+        "hsextract.prepare.steps",
+        "hsextract.run.rundir",
+    ): "preparation writes the run dir; RunDir and RunInfo live in run/",
+    (
+        "hsextract.training.follow",
+        "hsextract.run.finalize",
+    ): "a growing output's manifest is built with finalize's",
+}
+
+"""Imports that run up a floor today, each with why; a new one fails the test below, a fixed one too (remove it)."""
+
+
+def _floor(module: str) -> int:
+    package = module.split(".")[1] if "." in module else module
+    return next(i for i, names in enumerate(FLOORS) if package in names)
+
+
+def test_no_import_runs_up_a_floor_except_the_known_ones():
+    graph = _imports()
+    assert {m.split(".")[1] for m in graph if "." in m} <= set().union(*FLOORS), (
+        "a new package: give it a floor"
+    )
+    upward = {
+        (module, dep)
+        for module, deps in graph.items()
+        for dep in deps
+        if module.split(".")[:2] != dep.split(".")[:2] and _floor(dep) >= _floor(module)
+    }
+    new = sorted(upward - set(KNOWN_UPWARD))
+    assert not new, "imports that run up a floor: " + "; ".join(f"{m} -> {d}" for m, d in new)
+    fixed = sorted(set(KNOWN_UPWARD) - upward)
+    assert not fixed, f"no longer imported, remove from KNOWN_UPWARD: {fixed}"

@@ -1,10 +1,12 @@
-"""The reader against real damage to a real run's output (conftest.finished_run, copied before each damage).
+"""The reader against real damage to a real output (conftest.written_output, copied before each damage).
 
 Whatever is wrong, the reader raises one error type, ``CorruptOutputError``, naming the file and the problem:
 never struct.error, JSONDecodeError, MemoryError, KeyError or ValueError. Verifying (the default), it refuses a
 sample whose bytes were altered and still serves the intact samples of the same file; ``verify=False`` skips the
 checksums, so the same flips come back as altered values (which proves each flip is real).
 """
+
+import json
 
 import pytest
 import torch
@@ -25,10 +27,13 @@ from hsextract.reader import BatchFile, open_output
 from hsextract.storage.local import LocalSink
 
 
+def manifest(out) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
 @pytest.fixture
-def output(finished_run, tmp_path):
-    root = finished_run[0]
-    return copy_output(root / "out", tmp_path / "out")
+def output(written_output, tmp_path):
+    return copy_output(written_output, tmp_path / "out")
 
 
 def damaged_file(out):
@@ -60,7 +65,7 @@ def test_structural_damage_is_named_without_checksums_or_manifest(output, damage
     damage.apply(path)
     with pytest.raises(CorruptOutputError) as caught:
         f = BatchFile(LocalSink(output), entry["key"], verify=False)
-        f.sample(DAMAGED_ROW, (0, 3, 7))
+        f.sample(DAMAGED_ROW, tuple(manifest(output)["layer_ids"]))
     assert str(path) in str(caught.value)
     expected = {
         "truncated": "is truncated: it ends at byte",
@@ -75,11 +80,11 @@ def test_structural_damage_is_named_without_checksums_or_manifest(output, damage
 
 
 @pytest.mark.parametrize("flip", [flip_in_states, flip_in_ids], ids=["states", "ids"])
-def test_a_flipped_sample_is_refused_while_the_rest_of_its_file_reads(output, flip, finished_run):
+def test_a_flipped_sample_is_refused_while_the_rest_of_its_file_reads(output, flip, written_output):
     entry, path = damaged_file(output)
     flip(path)
     damaged_id, intact_id = entry["sample_ids"][DAMAGED_ROW], entry["sample_ids"][0]
-    clean = open_output(finished_run[0] / "out")
+    clean = open_output(written_output)
     out = open_output(output)
     assert torch.equal(out[intact_id]["hidden_states"], clean[intact_id]["hidden_states"])
     with pytest.raises(CorruptOutputError, match=f"sample '{damaged_id}' \\(row {DAMAGED_ROW}"):

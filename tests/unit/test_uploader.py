@@ -18,7 +18,7 @@ from hsextract.run.rundir import marker_path
 from hsextract.run.uploader import Uploader
 from hsextract.storage import open_sink
 
-pytestmark = pytest.mark.usefixtures("aws_test_env")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env")]  # real uploader processes
 
 
 def _key(i: int) -> str:

@@ -1,18 +1,30 @@
-"""``hsextract verify`` in a real process over a real run's output (conftest.finished_run, copied before damage):
-an intact output verifies clean (exit 0); with one kind of real damage in each of ten files, it lists exactly
-those files, each with its problem, and exits 1; a damaged manifest is named and exits non-zero. S3:
-test_s3_end_to_end.py."""
+"""``hsextract verify`` (the command, in this process) over a real output (conftest.written_output, copied before
+damage): an intact output verifies clean (exit 0); with one kind of real damage in each of ten files, it lists
+exactly those files, each with its problem, and exits 1; a damaged manifest is named and exits non-zero. In a real
+process and on S3: test_s3_end_to_end.py."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
-from support.cli import run_cli
+from click.testing import CliRunner
 from support.damage import DAMAGES, copy_output, manifest_batches, manifest_without_batches, truncate_manifest
 
 
 @pytest.fixture
-def output(finished_run, tmp_path):
-    return copy_output(finished_run[0] / "out", tmp_path / "out")
+def output(written_output, tmp_path):
+    return copy_output(written_output, tmp_path / "out")
+
+
+def run_cli(*args, check=True):
+    """``hsextract ARGS`` in this process: returncode, stdout and stderr, as from a real process."""
+    from hsextract.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if not isinstance(result.exception, SystemExit | None):
+        raise result.exception
+    assert not check or result.exit_code == 0, result.output
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 def test_intact_output_verifies_clean(output):
@@ -75,10 +87,15 @@ def edit_manifest(out, edit) -> dict:
     return manifest
 
 
+LAYERS = (0, 1, 3)  # conftest.written_output's
+RELABELLED = (0, 1, 2)
+
+
 def relabel_layers(m):
-    """Layer 7 relabelled 6 everywhere the manifest says it, so that only the batch headers disagree."""
+    """Layer 3 relabelled 2 everywhere the manifest says it, so that only the batch headers disagree."""
+    assert tuple(m["layer_ids"]) == LAYERS
     for field in ("layer_ids", "slot_layer_ids"):
-        m[field] = [6 if k == 7 else k for k in m[field]]
+        m[field] = [2 if k == 3 else k for k in m[field]]
     m["fingerprint"]["layer_ids"] = m["layer_ids"]
 
 
@@ -95,22 +112,22 @@ def repeat_batch(m):
     [
         (
             relabel_layers,
-            "its header says layer_ids [0, 3, 7], the manifest [0, 3, 6]",
+            "its header says layer_ids [0, 1, 3], the manifest [0, 1, 2]",
             "header says layer_ids",
         ),
         (drop_batch, "lists 15 batches, the plan 16; missing ['shard-0000", None),
         (repeat_batch, "twice", "twice"),
         (
-            lambda m: m.update(layer_ids=[0, 3, 6]),
-            "says layer_ids [0, 3, 6] but its fingerprint",
+            lambda m: m.update(layer_ids=list(RELABELLED)),
+            "says layer_ids [0, 1, 2] but its fingerprint",
             "fingerprint",
         ),
     ],
     ids=["layer-ids", "batch-dropped", "batch-repeated", "layer-ids-only"],
 )
 def test_a_hand_edited_manifest_is_caught_by_verify_and_the_reader(output, edit, verify_says, reader_says):
-    """verify exited 0 on each of these and the reader returned layer 7's states as layer 6, or 79 or 81
-    samples. The reader checks what it can as it opens each file; verify checks the manifest against the plan."""
+    """verify exited 0 on each of these and the reader returned layer 3's states as layer 2, or a batch's
+    samples too few or twice. The reader checks what it can as it opens each file; verify checks the manifest against the plan."""
     from hsextract.errors import CorruptOutputError
     from hsextract.reader import open_output
 
@@ -123,4 +140,4 @@ def test_a_hand_edited_manifest_is_caught_by_verify_and_the_reader(output, edit,
     with pytest.raises(CorruptOutputError, match=reader_says.replace("[", r"\[")):
         out = open_output(output)
         for sample in out:
-            assert 6 not in sample["layers"] or 7 in sample["layers"]
+            assert 2 not in sample["layers"] or 3 in sample["layers"]

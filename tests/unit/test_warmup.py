@@ -117,6 +117,7 @@ def test_open_kernel_cache_points_the_run_dir_at_it_and_makes_nothing_on_cpu(tmp
     assert kc.read_pointer(tmp_path / "absent.json") is None
 
 
+@pytest.mark.slow
 def test_a_cpu_run_names_its_kernel_cache_in_the_run_dir(finished_run):
     root = finished_run[0]
     pointer = json.loads((root / "run" / "kernel-cache.json").read_text())
@@ -356,6 +357,7 @@ def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_fa
         open_kernel_cache(chosen)
 
 
+@pytest.mark.slow
 def test_warm_up_process_agrees_with_the_launcher_on_what_the_stamp_covers(
     finished_run, tmp_path, monkeypatch, capsys
 ):
@@ -377,6 +379,7 @@ def test_warm_up_process_agrees_with_the_launcher_on_what_the_stamp_covers(
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["covered_by_stamp"] is True
 
 
+@pytest.mark.slow
 def test_start_skips_a_covered_plan_and_otherwise_runs_the_warm_up_process(
     finished_run, tmp_path, monkeypatch
 ):

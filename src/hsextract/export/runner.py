@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from hsextract import __version__
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, install_redaction
 from hsextract.export.formats import FORMATS, ExportFormat, _torch_bytes, vocab_mapping
 from hsextract.storage import open_sink
 from hsextract.training.index import SampleIndex, SampleReader, index_output
@@ -115,6 +115,7 @@ def _open_process(
 
 
 def _open_pool_process(*args) -> None:
+    install_redaction()  # a spawned child of the command: its storage retry lines name the endpoint
     torch.set_num_threads(1)
     _open_process(*args)
 

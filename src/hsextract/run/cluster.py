@@ -78,10 +78,3 @@ def _env_place(env) -> NodePlace | None:
                     f"{count_var}={env[count_var]!r} / {rank_var}={env[rank_var]!r} are not integers"
                 ) from None
     return None
-
-
-def node_shards(total_shards: int, nodes: int, rank: int) -> list[int]:
-    """The plan's shards node ``rank`` of ``nodes`` runs: a contiguous block of ``total_shards // nodes``
-    (every node runs the same ``--shards``). The one place that maps nodes to shards."""
-    per_node = total_shards // max(nodes, 1)
-    return list(range(rank * per_node, (rank + 1) * per_node))

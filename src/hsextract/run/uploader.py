@@ -267,7 +267,10 @@ class Uploader:
 
 
 def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    from hsextract.errors import install_redaction
+
     die_with_parent(config.parent_pid)  # also exits at once if the parent died before the request took effect
+    install_redaction()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker stops its uploader (see the module docstring)
     beating = threading.Event()
     threading.Thread(target=_send_heartbeats, args=(results, beating), name="heartbeat", daemon=True).start()

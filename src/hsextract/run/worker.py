@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hsextract.config import RunConfig
-from hsextract.errors import HsextractError, disk_full, redact
+from hsextract.errors import HsextractError, disk_full, install_redaction, redact
 from hsextract.format.batch import batch_metadata
 from hsextract.format.final_norm import write_final_norm
 from hsextract.format.keys import shard_name
@@ -379,6 +379,7 @@ class ShardRun:
 
 
 def main(argv=None) -> int:
+    install_redaction()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, shard = Path(argv[0]), int(argv[1])
     log_to_file(RunDir(run_dir).log_file(shard))

@@ -12,11 +12,11 @@ import socket
 import time
 from pathlib import Path
 
+from hsextract.config import node_shards
 from hsextract.errors import HsextractError
 from hsextract.format.manifest import has_manifest
 from hsextract.format.records import JOB_FILES, done_in_output, read_job
 from hsextract.prepare.plan import Plan
-from hsextract.run.cluster import node_shards
 from hsextract.run.finalize import load_job_files
 from hsextract.run.procs import pid_alive
 from hsextract.run.progress import FINAL_STATES, DamagedProgress, ShardProgress, ShardState

@@ -1,0 +1,50 @@
+"""The output's completion records as the one ledger of finished batches (format/records.py
+``check_batches``): a batch is done only if its record is this plan's and the object is there as recorded. On
+a local output (no stored CRC32) a same-size alteration shows only in the full check, which computes the CRC32
+from the bytes."""
+
+import json
+
+from support.damage import copy_output, flip_in_states, truncate_half
+
+from hsextract.format.records import check_batches, done_in_output, done_key
+from hsextract.prepare.plan import Plan
+from hsextract.storage.local import LocalSink
+
+
+def test_each_way_a_batch_can_be_not_done_is_named_and_only_sound_ones_count(written_output, tmp_path):
+    out = copy_output(written_output, tmp_path / "out")
+    plan = Plan.from_json(json.loads((out / "hsextract" / "plan.json").read_text()))
+    sink = LocalSink(out)
+    keys = [b.key for b in plan.batches]
+    assert done_in_output(sink) == set(keys)
+    assert check_batches(sink, keys, plan.plan_hash, full=True) == (
+        {},
+        {k: json.loads((out / done_key(k)).read_text()) for k in keys},
+    )
+
+    no_record, other_plan, missing, short, flipped = keys[:5]
+    (out / done_key(no_record)).unlink()
+    record = json.loads((out / done_key(other_plan)).read_text())
+    (out / done_key(other_plan)).write_text(json.dumps({**record, "plan_hash": "0123abcd"}))
+    (out / missing).unlink()
+    truncate_half(out / short)
+    flip_in_states(out / flipped)
+    size = (out / short).stat().st_size
+
+    problems, records = check_batches(sink, keys, plan.plan_hash)
+    assert problems == {
+        no_record: "no completion record",
+        other_plan: "completion record of another plan (0123abcd)",
+        missing: "batch file missing",
+        short: f"batch file has {size} bytes, {record_size(out, short)} were uploaded",
+    }
+    assert set(records) == set(keys) - set(problems)  # the flip keeps the size: only the bytes tell
+    problems, records = check_batches(sink, keys, plan.plan_hash, full=True)
+    assert set(problems) == {no_record, other_plan, missing, short, flipped}
+    assert problems[flipped].startswith("batch file CRC32 ") and problems[flipped].endswith(" was uploaded")
+    assert set(records) == set(keys[5:])
+
+
+def record_size(out, key) -> int:
+    return json.loads((out / done_key(key)).read_text())["size"]
