@@ -11,7 +11,7 @@ import math
 import pytest
 
 from hsextract.errors import HsextractError
-from hsextract.training import StatesDataset, StatesMapDataset, TokenBudgetBatches
+from hsextract.training import StatesDataset, StatesMapDataset, TokenBudgetBatches, index_output
 from hsextract.training.state import StateError, checksum
 
 
@@ -236,3 +236,17 @@ def test_set_epoch_takes_only_a_non_negative_int(out):
     for epoch in (-1, 1.5, "z"):
         with pytest.raises(HsextractError, match="epoch"):
             data.set_epoch(epoch)
+
+
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        ({"cache_max_gb": math.nan, "cache_dir": "c"}, "cache_max_gb"),
+        ({"retry_deadline_s": math.inf}, "retry_deadline_s"),
+        ({"verify": 0}, "verify"),
+        ({"dtype": "float32"}, "dtype"),
+    ],
+)
+def test_index_output_refuses_a_bad_argument_by_name(out, options, name):
+    with pytest.raises(HsextractError, match=name):
+        index_output(out, **options)

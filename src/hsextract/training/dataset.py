@@ -39,7 +39,6 @@ from hsextract.training.state import (
     count,
     flag,
     is_int,
-    optional_text,
     sealed,
     seconds,
     whole,
@@ -71,25 +70,12 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 
 def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb) -> Where:
-    """Where to read, from a dataset's arguments, each checked (a wrong one is refused by name, not met later)."""
-    from hsextract.storage.cache import cache_limit
-
+    """Where to read, from a dataset's arguments (each checked by ``Where``)."""
     if not isinstance(output, (str, os.PathLike)):
         raise HsextractError(f"output must be a directory or s3:// URL, got {output!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise HsextractError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-        raise HsextractError(f"cache_dir must be a directory or None, got {cache_dir!r}")
-    cache_limit(cache_max_gb)
-    return Where(
-        str(output),
-        optional_text("endpoint_url", endpoint_url),
-        flag("verify", verify),
-        dtype,
-        120,
-        None if cache_dir is None else os.fspath(cache_dir),
-        cache_max_gb,
-    )
+    if cache_dir is not None and isinstance(cache_dir, os.PathLike):
+        cache_dir = os.fspath(cache_dir)
+    return Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
 
 
 class _Reading:

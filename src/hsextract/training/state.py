@@ -57,6 +57,25 @@ def optional_text(name: str, value) -> str | None:
     return value
 
 
+def check_where(where) -> None:
+    """The reading arguments of a dataset (``index.Where``), each of its type; the cache limit positive and
+    finite."""
+    import os
+
+    import torch
+
+    from hsextract.storage.cache import cache_limit
+
+    optional_text("endpoint_url", where.endpoint_url)
+    flag("verify", where.verify)
+    if not isinstance(where.dtype, torch.dtype):
+        raise HsextractError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {where.dtype!r}")
+    seconds("retry_deadline_s", where.retry_deadline_s)
+    if where.cache_dir is not None and not isinstance(where.cache_dir, (str, os.PathLike)):
+        raise HsextractError(f"cache_dir must be a directory or None, got {where.cache_dir!r}")
+    cache_limit(where.cache_max_gb)
+
+
 def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
