@@ -22,10 +22,12 @@ damaged on local disk reaches a trainer. No fsync: a block torn by a crash fails
 The limit (``max_bytes``) is kept by a byte count in ``.hsextract-cache-usage`` that every process sharing the cache
 (ranks and their DataLoader workers) updates under a file lock before it stores a block. The count carries its own
 checksum: when the file is missing, or holds anything this cache did not write (a hand edit, a torn write), the
-count is made again by walking the cache's own folders, so no edit of it lets the cache grow past its limit. When a block does not fit, the blocks of other outputs and stale versions are
-removed, least recently used output first; this output's own blocks stay, and what does not fit is read through
-without being stored, as is everything once the disk is full (a warning says so; training goes on). For a shuffled multi-epoch run over more data than the cache holds, keeping the first blocks
-gives the hit rate LRU would (the cache's share of the data) without rewriting the cache every epoch.
+count is made again by walking the cache's own folders, so no edit of it lets the cache grow past its limit. When a
+block does not fit, the blocks of other outputs and stale versions are removed, least recently used output first;
+this output's own blocks stay, and what does not fit is read through without being stored, as is everything once
+the disk is full (a warning says so; training goes on). For a shuffled multi-epoch run over more data than the cache
+holds, keeping the first blocks gives the hit rate LRU would (the cache's share of the data) without rewriting the
+cache every epoch.
 
 This module imports no torch (storage/ runs in the uploader too), only the sink it wraps.
 """
