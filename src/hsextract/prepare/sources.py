@@ -535,6 +535,6 @@ def changed_files(before: list[dict], now: list[dict]) -> list[str]:
             lines.append(f"data file {name} is gone")
         elif a is None:
             lines.append(f"data file {name} is new")
-        elif a[1:] != b[1:]:
+        elif (a[1] is not None and a[1] != b[1]) or a[2] != b[2]:  # an older report has no file hashes
             lines.append(f"data file {name} changed ({a[0]} {a[1]} -> {b[1]}, {a[2]} -> {b[2]} bytes)")
     return lines
