@@ -74,9 +74,9 @@ class Output:
                 self.sink, self.manifest, "it cannot be verified; open_output(..., verify=False) reads it"
             )
         if cache_dir is not None:  # batch files and final norm in blocks on local disk (storage/cache.py)
-            from hsextract.storage.cache import CachedSink, manifest_versions
+            from hsextract.storage.cache import CachedSink, cache_limit, manifest_versions
 
-            versions, limit = manifest_versions(self.manifest), int(cache_max_gb * 1e9)
+            versions, limit = manifest_versions(self.manifest), cache_limit(cache_max_gb)
             self.sink = CachedSink(self.sink, cache_dir, limit, versions, identity=f"{endpoint_url}|{path}")
         self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest

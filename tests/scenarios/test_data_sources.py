@@ -199,3 +199,65 @@ def test_a_bad_source_in_a_mix_fails_naming_it_before_any_work(
     assert not (run_dir / "plan.json").exists() and not (run_dir / "tokens.safetensors").exists()
     assert not (run_dir / "logs").exists()  # no worker started, so no weight was loaded
     assert not list((tmp_path / "out").glob("shard-*"))
+
+
+SECRET = "sEcReT-never-printed-7f3a"
+KEY_ID = "AKIDHSXNEVERPRINTED"
+
+
+def leaked(root: Path, *texts: str) -> list[str]:
+    """Where the credentials appear: the texts given, and every file under ``root``."""
+    places = [f"text {i}" for i, t in enumerate(texts) if SECRET in t or KEY_ID in t]
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            if SECRET.encode() in data or KEY_ID.encode() in data:
+                places.append(str(path))
+    return places
+
+
+def test_an_s3_source_changed_or_deleted_before_the_resume_is_named_and_no_secret_is_kept(
+    tmp_path, tiny_model, s3: S3Endpoint, s3_bucket: str
+):
+    """A run over an S3 source with distinctive credentials in the environment: they appear in no file of the run
+    dir or output, no log, no message, no status page. The object changed before the rerun is refused naming it;
+    the object deleted is named as the data the run was prepared from."""
+    rows = make_conversations(6, seed=26)
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    client = s3.client()
+    client.put_object(Bucket=s3_bucket, Key="src/rows.jsonl", Body=body)
+    env = cli_env(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
+    args = run_args(tmp_path, tiny_model, [f"s3://{s3_bucket}/src/rows.jsonl"], s3)
+
+    r = hsextract(args, env)
+
+    assert r.returncode == 0, r.stdout + r.stderr
+    shown = hsextract(["status", tmp_path / "run"], env)
+    shown_json = hsextract(["status", tmp_path / "run", "--json"], env)
+    assert shown.returncode == 0 and shown_json.returncode == 0
+    assert leaked(tmp_path, r.stdout, r.stderr, shown.stdout, shown_json.stdout) == []
+
+    client.put_object(Bucket=s3_bucket, Key="src/rows.jsonl", Body=body.replace(b"a", b"b", 1))
+    r = hsextract(args, env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "holds a different plan" in r.stderr
+    assert f"data file s3://{s3_bucket}/src/rows.jsonl changed (ETag " in r.stderr
+
+    client.delete_object(Bucket=s3_bucket, Key="src/rows.jsonl")
+    r = hsextract(args, env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"no data file at s3://{s3_bucket}/src/rows.jsonl" in r.stderr
+    assert "was prepared from this data: to resume it, put the data back as it was" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert leaked(tmp_path, r.stdout, r.stderr) == []
+
+
+def test_credentials_in_a_source_url_are_refused_and_never_printed_or_kept(
+    tmp_path, tiny_model, s3: S3Endpoint, s3_bucket: str
+):
+    args = run_args(tmp_path, tiny_model, [f"s3://{KEY_ID}:{SECRET}@{s3_bucket}/src/rows.jsonl"], s3)
+    r = hsextract(args, cli_env())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "carries credentials in its URL" in r.stderr and "Traceback" not in r.stderr
+    assert leaked(tmp_path, r.stdout, r.stderr) == []
+    assert not (tmp_path / "run" / "plan.json").exists()

@@ -4,6 +4,7 @@ epoch read from the local output."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -85,3 +86,35 @@ def test_cached_bytes_are_still_checked_by_the_reader(finished_run, s3, remote, 
     fresh = StatesMapDataset(remote, endpoint_url=s3.url, cache_dir=str(cache))
     with pytest.raises(CorruptOutputError, match=f"{key}.*does not match its checksum"):
         fresh[i]
+
+
+def test_a_dataset_whose_cache_is_a_shared_folder_removes_only_the_caches_own(finished_run, tmp_path):
+    """The reproduction: a tiny cache limit in a folder that also holds the user's projects and a link; another
+    output's cache folder there makes room, the user's things stay byte for byte."""
+    out = finished_run[0] / "out"
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    (shared / "my_project").mkdir(parents=True)
+    (shared / "my_project" / "train.py").write_text("print('mine')")
+    (shared / "notes").mkdir()
+    (shared / "notes" / "00000000").write_bytes(b"a note named like a block")
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("elsewhere")
+    (shared / "link").symlink_to(elsewhere)
+    before = {p: p.read_bytes() for p in (*shared.rglob("*"), *elsewhere.rglob("*")) if p.is_file()}
+    copy = tmp_path / "copy"  # a second output, cached first
+    shutil.copytree(out, copy)
+    other = StatesMapDataset(copy, cache_dir=str(shared), cache_max_gb=1)
+    for i in range(len(other)):
+        other[i]
+    [other_folder] = [p for p in shared.iterdir() if p.is_dir() and (p / ".hsextract-cache").is_file()]
+    data = StatesDataset(out, seed=4, batch_size=2, cache_dir=str(shared), cache_max_gb=0.001)
+    assert len(epoch(data, 0, workers=0)) == len(data.index)
+    assert not other_folder.exists()
+    assert {p: p.read_bytes() for p in before if p.is_file()} == before
+    assert sorted(p.name for p in shared.iterdir() if not (p / ".hsextract-cache").is_file()) == [
+        ".hsextract-cache-lock",
+        ".hsextract-cache-usage",
+        "link",
+        "my_project",
+        "notes",
+    ]

@@ -8,11 +8,20 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from support.cli import crash_run_args, launched, launcher_output, write_mixed_dataset
+from support.cli import (
+    copy_finished_run,
+    crash_run_args,
+    launched,
+    launcher_output,
+    rehomed_args,
+    run_cli,
+    write_mixed_dataset,
+)
 from support.s3server import S3Endpoint, cli_env
 from torch.utils.data import DataLoader
 
@@ -204,3 +213,63 @@ def test_an_output_whose_run_stopped_is_served_as_far_as_it_goes_then_times_out(
     assert sorted(served) == sorted(set(manifest_ids(finished_run[0] / "out")) - lost)
     with pytest.raises(HsextractError, match="the job files of .* did not appear"):
         StatesDataset(tmp_path / "nothing-here", follow=True, poll_s=0.05, follow_timeout_s=0.3)
+
+
+def test_a_follower_of_a_run_restarted_onto_a_new_plan_stops_loudly(finished_run, tmp_path):
+    """The followed run is restarted with --restart onto another plan (other batch limits) while a follower has
+    served part of it: the follower raises naming the output, and what it served before is the first plan's."""
+    copy_finished_run(finished_run[0], tmp_path)
+    out = tmp_path / "out"
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).unlink()  # the first run as it was before its last batches
+    (tmp_path / "run" / "COMPLETE").unlink(missing_ok=True)
+    for b in manifest["batches"][-3:]:
+        (out / done_key(b["key"])).unlink()
+    data = StatesDataset(
+        out, follow=True, poll_s=0.05, follow_timeout_s=900, shuffle=False, dtype=torch.float32
+    )
+    it = iter(data)
+    served = [next(it) for _ in range(3)]
+
+    run_cli(*rehomed_args(finished_run[3], tmp_path, max_rows=4), "--restart", timeout=600)
+    assert json.loads((out / MANIFEST).read_text())["plan_hash"] != manifest["plan_hash"]
+
+    with pytest.raises(HsextractError) as e:
+        for s in it:
+            served.append(s)
+    assert str(out) in str(e.value), e.value
+    reference = open_output(str(finished_run[0] / "out"), dtype=torch.float32)
+    for s in served:
+        assert torch.equal(s["hidden_states"], reference[s["sample_id"]]["hidden_states"]), s["sample_id"]
+
+
+@pytest.mark.usefixtures("aws_test_env")
+def test_following_over_s3_with_the_server_stopped_mid_epoch_fails_naming_the_output(
+    finished_run, s3: S3Endpoint, s3_bucket: str
+):
+    """The S3 server stops while a follower waits for the last batches: after the storage's retry deadline the
+    follower raises an ``HsextractError`` naming the output and saying it gave up; it does not hang."""
+    out = finished_run[0] / "out"
+    manifest = json.loads((out / MANIFEST).read_text())
+    held_back = {done_key(b["key"]) for b in manifest["batches"][-3:]}
+    client = s3.client()
+    for path in sorted(out.rglob("*")):
+        key = path.relative_to(out).as_posix()
+        if path.is_file() and key != MANIFEST and key not in held_back:
+            client.upload_file(str(path), s3_bucket, f"live/{key}")
+    url = f"s3://{s3_bucket}/live"
+    data = StatesDataset(
+        url, endpoint_url=s3.url, follow=True, poll_s=0.05, follow_timeout_s=900, shuffle=False
+    )
+    it = iter(data)
+    served = [next(it)["sample_id"] for _ in range(3)]
+    s3.stop()
+    try:
+        started = time.monotonic()
+        with pytest.raises(HsextractError, match=rf"gave up on the .* in {url}") as e:
+            for s in it:
+                served.append(s["sample_id"])
+        assert time.monotonic() - started < 400, e.value
+    finally:
+        s3.start()
+    assert set(served) <= set(manifest_ids(out))

@@ -3,6 +3,7 @@ columns, row kinds, de-duplication, fingerprints, and the errors each bad source
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import shutil
@@ -16,7 +17,7 @@ from hsextract.config import RunConfig, load_yaml
 from hsextract.demo import build_tokenizer, make_conversations, write_jsonl
 from hsextract.errors import HsextractError
 from hsextract.prepare.plan import fingerprint_changes
-from hsextract.prepare.sources import SourceSpec, parse_source, resolve_sources
+from hsextract.prepare.sources import SourceSpec, changed_files, parse_source, resolve_sources
 from hsextract.prepare.tokenize import load_samples
 
 
@@ -37,11 +38,13 @@ def numbered(n: int, start: int = 0) -> list[dict]:
     return [{"id": f"r{i}", "input_ids": [1 + i % 50, 2, 3]} for i in range(start, start + n)]
 
 
-def write_zst(rows: list[dict], path: Path) -> Path:
+def write_zst(rows: list[dict], path: Path, *, checksum: bool = False, frames: int = 1) -> Path:
     import zstandard
 
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    step = -(-len(data) // frames)
+    compress = zstandard.ZstdCompressor(write_checksum=checksum).compress
+    path.write_bytes(b"".join(compress(data[i : i + step]) for i in range(0, len(data), step)))
     return path
 
 
@@ -97,11 +100,18 @@ def test_query_string_options_and_yaml_mappings_parse_to_the_same_spec():
         ("a.jsonl?columns=msgs:conv", r"columns names unknown field\(s\) msgs"),
         ("a.jsonl?name=a/b", r"name 'a/b' must be letters, digits"),
         ({"limit": 5}, r"has no 'path'"),
+        ("x?limit=99999999999999999999", r"limit=99999999999999999999 is larger than any source can hold"),
+        ("x?sample=99999999999999999999", r"sample=99999999999999999999 is larger than any source can hold"),
+        ("?limit=3", r"has options but no path: write PATH\?limit=3"),
+        ("s3://AKIAKEY:SECRETVALUE@bkt/data.jsonl", r"carries credentials in its URL"),
+        ("s3://AKIAKEY:SECRETVALUE@bkt/data.jsonl?limit=2", r"carries credentials in its URL"),
+        ({"path": "s3://SECRETVALUE@bkt/data.jsonl"}, r"carries credentials in its URL"),
     ],
 )
 def test_bad_options_are_refused_naming_the_source(spec, message):
-    with pytest.raises(HsextractError, match=message):
+    with pytest.raises(HsextractError, match=message) as e:
         parse_source(spec)
+    assert "SECRETVALUE" not in str(e.value) and "AKIAKEY" not in str(e.value)
 
 
 def test_config_takes_one_string_a_list_and_a_yaml_list_of_strings_and_mappings(tmp_path):
@@ -135,6 +145,52 @@ def test_compressed_jsonl_globs_and_directories_read_their_rows_in_order(tmp_pat
     assert by_dir == by_glob
     zst_only = resolve_sources(str(shards / "part-2.jsonl.zst"))
     assert [row["id"] for _, _, row in zst_only.rows()] == ["r5", "r6"]
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("keep", [0.9, 1 / 3])
+def test_a_zst_file_cut_short_is_refused_naming_the_truncation(tmp_path, tokenizer, checksum, keep):
+    rows = [{"id": f"r{i}", "text": f"row {i} " * (5 + i % 40)} for i in range(200)]
+    whole = write_zst(rows, tmp_path / "whole.jsonl.zst", checksum=checksum, frames=3)
+    assert [r["id"] for _, _, r in rows_of(str(whole))] == [r["id"] for r in rows]
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(whole.read_bytes()[: int(whole.stat().st_size * keep)])
+    with pytest.raises(HsextractError, match=rf"cannot read {cut}: .*cut short"):
+        rows_of(str(cut))
+    with pytest.raises(
+        HsextractError, match="cut short"
+    ):  # the preparation a run does, not "no usable samples"
+        load(str(cut), tokenizer)
+
+
+def test_each_source_files_hash_is_recorded_and_a_changed_file_is_named(tmp_path):
+    import hashlib
+    import os
+
+    (tmp_path / "shards").mkdir()
+    a = write_zst(numbered(40), tmp_path / "shards" / "a.jsonl.zst", checksum=False)
+    b = write_jsonl(numbered(5, 40), tmp_path / "shards" / "b.jsonl")
+    before = resolve_sources(str(tmp_path / "shards")).describe()
+    files = before[0]["identity"]["files"]
+    for entry, path in zip(files, (a, b), strict=True):
+        want = hashlib.blake2b(digest_size=32)
+        want.update(str(path.stat().st_size).encode() + b"\0" + path.read_bytes())
+        assert entry["path"] == str(path) and entry["hash"] == want.hexdigest()
+    # One byte of the compressed file changed, same size and time: no frame checksum can show it, the hash does.
+    stat = a.stat()
+    raw = bytearray(a.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    a.write_bytes(raw)
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    now = resolve_sources(str(tmp_path / "shards")).describe()
+    [line] = changed_files(before, now)
+    assert line.startswith(f"data file {a} changed (content hash {files[0]['hash']} -> ")
+    b.unlink()
+    assert changed_files(before, resolve_sources(str(a)).describe())[-1] == f"data file {b} is gone"
+    older = copy.deepcopy(now)  # a data report written before file hashes were recorded
+    for entry in older[0]["identity"]["files"]:
+        del entry["hash"]
+    assert changed_files(older, now) == []
 
 
 def write_hub_folder(root: Path, rows: list[dict]) -> Path:

@@ -4,6 +4,7 @@ cache up as Triton 3.6's does (``key in cache``, then ``cache[key]``, else time 
 are covered on the GPU (tests/gpu/test_gpu.py)."""
 
 import json
+import os
 import sys
 import types
 
@@ -129,3 +130,78 @@ def test_the_shipped_tables_are_named_by_gpu_and_hold_their_triton_version():
     for path in sorted(tuned.SHIPPED_DIR.glob("*.json")):
         table = json.loads(path.read_text())
         assert path.name == tuned.gpu_file_name(table["gpu"]) and table["triton"] and table["kernels"]
+
+
+def _recorded(monkeypatch, tmp_path, name: str):
+    """A table recorded by a process that ran ``name``'s kernels, and a fresh copy of that module in place."""
+    first = _module(name)
+    monkeypatch.setitem(sys.modules, name, first)
+    first.chunk_kernel.run((1, 2, 3), best=1)
+    path = tmp_path / tuned.TABLE_NAME
+    tuned.record(path, "NVIDIA H200")
+    fresh = _module(name)
+    monkeypatch.setitem(sys.modules, name, fresh)
+    return path, fresh
+
+
+def test_a_table_naming_a_module_outside_the_kernel_packages_imports_nothing(monkeypatch, tmp_path, caplog):
+    """A cache file never chooses what code runs: only modules of the kernel packages are imported."""
+    path, fresh = _recorded(monkeypatch, tmp_path, "fla.fake_ops4")
+    mods, imported = tmp_path / "mods", tmp_path / "imported"
+    mods.mkdir()
+    (mods / "probe_not_a_kernel.py").write_text(f"open({str(imported)!r}, 'w').write('ran')\nkernel = None\n")
+    (mods / "fla_lookalike.py").write_text(f"open({str(imported)!r}, 'w').write('ran')\nkernel = None\n")
+    monkeypatch.syspath_prepend(str(mods))
+    monkeypatch.delitem(sys.modules, "this", raising=False)
+    table = json.loads(path.read_text())
+    legit = table["kernels"]["fla.fake_ops4:chunk_kernel"]
+    for hostile in (
+        "this:nothing",
+        "probe_not_a_kernel:kernel",
+        "fla_lookalike:kernel",
+        "os:system",
+        "fla.fake_ops4:chunk_kernel; import os",
+        "fla..x:k",
+    ):
+        table["kernels"][hostile] = legit
+    path.write_text(json.dumps(table))
+    with caplog.at_level("WARNING", logger="hsextract.model.tuned"):
+        assert tuned.install("NVIDIA H200", str(tmp_path)) == 1
+    assert not imported.exists() and "this" not in sys.modules
+    assert "probe_not_a_kernel" not in sys.modules and "fla_lookalike" not in sys.modules
+    assert sum("names no kernel module" in r.getMessage() for r in caplog.records) == 6
+    assert (
+        fresh.chunk_kernel.run((1, 2, 3)) is fresh.chunk_kernel.configs[1] and fresh.chunk_kernel.timed == []
+    )
+
+
+def test_a_table_another_user_could_write_is_not_read(monkeypatch, tmp_path, caplog):
+    path, fresh = _recorded(monkeypatch, tmp_path, "fla.fake_ops5")
+    assert path.stat().st_mode & 0o777 == 0o644
+    for mode, says in ((0o666, "lets others write it"), (0o664, "lets its group write it")):
+        path.chmod(mode)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hsextract.model.tuned"):
+            assert tuned.install("NVIDIA H200", str(tmp_path)) == 0
+        assert any(str(path) in r.getMessage() and says in r.getMessage() for r in caplog.records)
+    path.chmod(0o644)
+    if os.geteuid() == 0:  # another owner: only root can make one here
+        os.chown(path, 12345, 12345)
+        with caplog.at_level("WARNING", logger="hsextract.model.tuned"):
+            assert tuned.install("NVIDIA H200", str(tmp_path)) == 0
+        assert any("owned by uid 12345" in r.getMessage() for r in caplog.records)
+        os.chown(path, 0, 0)
+    assert tuned.install("NVIDIA H200", str(tmp_path)) == 1
+    assert fresh.chunk_kernel.run((1, 2, 3)) is fresh.chunk_kernel.configs[1]
+
+
+def test_a_table_is_recorded_writable_by_its_owner_only_whatever_the_umask(monkeypatch, tmp_path):
+    first = _module("fla.fake_ops6")
+    monkeypatch.setitem(sys.modules, "fla.fake_ops6", first)
+    first.chunk_kernel.run((1, 2, 3))
+    old = os.umask(0o002)
+    try:
+        tuned.record(tmp_path / tuned.TABLE_NAME, "NVIDIA H200")
+    finally:
+        os.umask(old)
+    assert (tmp_path / tuned.TABLE_NAME).stat().st_mode & 0o777 == 0o644

@@ -16,6 +16,11 @@ on the weights or the data. So:
   never saw vary (a head dim, a head count) must match exactly, and a kernel whose source changed is not used.
   Triton then compiles the one chosen config instead of every candidate, and times nothing.
 
+A table chooses configs, never code: ``install`` imports only modules of the kernel packages (``KERNEL_PACKAGES``:
+FLA, liger, hsextract's own kernels) named as plain dotted identifiers, so a table naming ``os`` or ``this`` is
+ignored for that entry (a warning). A table file another user could write (not owned by this user or root, or
+writable by group or others: the rule ssh applies to its keys) is not read at all; ``record`` writes it 0644.
+
 Results do not depend on the config beyond float rounding of the reductions' order (the GPU tests compare the
 states with an HF forward either way). ``HSEXTRACT_TUNED=0`` leaves every autotuner as FLA made it. Nothing here
 imports torch or Triton at module import; it runs only on CUDA.
@@ -51,6 +56,37 @@ SHIPPED_DIR = Path(__file__).with_name("autotune_tables")
 
 
 MODULE_PREFIXES = ("fla.", "liger_kernel.", "hsextract.")
+
+
+KERNEL_PACKAGES = ("fla", "liger_kernel", "hsextract")
+
+"""The packages whose modules a table may name: the only code ``install`` imports."""
+
+
+_KERNEL_ID = re.compile(
+    r"^(?P<module>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$"
+)
+
+
+def kernel_module(kernel_id: str) -> tuple[str, str] | None:
+    """``(module, name)`` of a table's ``"module:name"`` when the module is inside one of ``KERNEL_PACKAGES``;
+    None for anything else (another package, a bare top-level module, a name that is not an identifier)."""
+    match = _KERNEL_ID.match(kernel_id) if isinstance(kernel_id, str) else None
+    if match is None or match["module"].partition(".")[0] not in KERNEL_PACKAGES:
+        return None
+    return match["module"], match["name"]
+
+
+def writable_by_others(path: Path) -> str | None:
+    """Why ``path`` could have been written by another user (its owner, its mode), or None when it could not."""
+    st = path.stat()
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it is owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root"
+    if st.st_mode & 0o022:
+        return (
+            f"its mode {st.st_mode & 0o777:o} lets {'others' if st.st_mode & 0o002 else 'its group'} write it"
+        )
+    return None
 
 
 def tuned_enabled(env=None) -> bool:
@@ -152,13 +188,24 @@ def record(path: str | os.PathLike, gpu_name: str) -> int:
     old = read_table(path) or {}
     kernels = merge(old.get("kernels", {}), snapshot())
     table = {"gpu": gpu_name, **software(), "kernels": kernels}
-    atomic_write(path, json.dumps(table, indent=1, sort_keys=True).encode())
+    data = json.dumps(table, indent=1, sort_keys=True).encode()
+    atomic_write(path, lambda f: (os.fchmod(f.fileno(), 0o644), f.write(data)))  # writable by this user only
     return len(kernels)
 
 
-def read_table(path: str | os.PathLike) -> dict | None:
+def read_table(path: str | os.PathLike, *, trusted_only: bool = False) -> dict | None:
+    """The table at ``path``; None when it is missing or unreadable, or (``trusted_only``) another user could
+    have written it (logged)."""
+    path = Path(path)
     try:
-        table = json.loads(Path(path).read_text())
+        if trusted_only and (why := writable_by_others(path)) is not None:
+            log.warning(
+                "autotune table %s not used: %s (chmod go-w it, or remove it; the next warm-up records a new one)",
+                path,
+                why,
+            )
+            return None
+        table = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return table if isinstance(table, dict) and isinstance(table.get("kernels"), dict) else None
@@ -169,7 +216,7 @@ def tables(gpu_name: str, cache_dir: str | None = None) -> list[dict]:
     model when it was made with this Triton version."""
     found = []
     if cache_dir:
-        t = read_table(Path(cache_dir) / TABLE_NAME)
+        t = read_table(Path(cache_dir) / TABLE_NAME, trusted_only=True)
         if t is not None:
             found.append(t)
     shipped = read_table(SHIPPED_DIR / gpu_file_name(gpu_name))
@@ -259,7 +306,15 @@ def install(gpu_name: str, cache_dir: str | None = None) -> int:
         merged = merge(merged, table["kernels"])
     answered = 0
     for kernel_id, rec in merged.items():
-        module_name, _, name = kernel_id.partition(":")
+        named = kernel_module(kernel_id)
+        if named is None:
+            log.warning(
+                "autotune table entry %r not used: it names no kernel module of %s",
+                kernel_id[:200],
+                KERNEL_PACKAGES,
+            )
+            continue
+        module_name, name = named
         try:
             module = importlib.import_module(module_name)
         except Exception:

@@ -96,11 +96,47 @@ def _open_binary(path: Path):
 
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
+        return io.BufferedReader(_ZstdFrames(open(path, "rb")))
+    return open(path, "rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame of ``raw`` in turn. A stream that ends inside a frame raises
+    ``EOFError`` (zstandard's ``stream_reader`` ends quietly there: a cut file would read as a shorter one). A frame
+    written without a checksum cannot show a changed byte; the data report records each file's hash instead."""
+
+    CHUNK = 1 << 16  # compressed bytes per step: bounds the bytes one step decompresses
+
+    def __init__(self, raw):
         import zstandard
 
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return open(path, "rb")
+        self.raw, self._dctx, self._frame = raw, zstandard.ZstdDecompressor(), None
+        self._left, self._out = b"", memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            data = self._left or self.raw.read(self.CHUNK)
+            self._left = b""
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("the zstd stream ends inside a frame: the file is cut short")
+                return 0
+            if self._frame is None or self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+            self._out = memoryview(self._frame.decompress(data))
+            if self._frame.eof:
+                self._left = self._frame.unused_data  # the next frame's first bytes
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -225,7 +261,7 @@ def column_names(path: Path) -> list[str] | None:
 def data_fingerprint(path: str | Path) -> str:
     """blake2b of the data bytes; for a directory, of every file's relative path and bytes, in sorted order.
 
-    Memoized per (path, size, mtime) of each file: preparing a run asks for it twice (cache key and plan), and a
+    Memoized per (path, size, mtime, ctime) of each file: preparing a run asks for it twice (cache key and plan), and a
     large dataset takes seconds to hash."""
     path = Path(path)
     _data_format(path)
@@ -235,14 +271,18 @@ def data_fingerprint(path: str | Path) -> str:
 def tree_fingerprint(path: Path) -> str:
     """``data_fingerprint`` of any file or directory, whatever its format."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    # ctime too: a file rewritten with its size and mtime set back (touch -d) still misses the memo.
+    stats = [f.stat() for f in files]
+    stamp = tuple(
+        (str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns) for f, st in zip(files, stats, strict=True)
+    )
     return _data_fingerprint(path.resolve(), stamp)
 
 
 @functools.lru_cache(maxsize=64)
 def _data_fingerprint(path: Path, stamp: tuple) -> str:
     digest = hashlib.blake2b(digest_size=32)
-    files = [Path(f) for f, _, _ in stamp]
+    files = [Path(f) for f, *_ in stamp]
     for file in files:
         if path.is_dir():
             digest.update(file.relative_to(path).as_posix().encode() + b"\0")

@@ -32,6 +32,7 @@ import glob
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, redact
 from hsextract.prepare import rows as rowio
 from hsextract.prepare.hub_source import is_hub_folder, load_hub, load_hub_folder, load_saved
 
@@ -115,10 +116,22 @@ def parse_source(spec) -> SourceSpec:
         except ValueError as e:
             raise HsextractError(f"data source {spec!r}: cannot parse the options {tail!r} ({e})") from None
         location, options = head, dict(pairs)
+        if not location.strip():
+            raise HsextractError(
+                f"data source {spec!r} has options but no path: write PATH?{tail} (a file, glob, directory, "
+                "hf:ID or s3:// URL before the '?')"
+            )
     return _with_options(location, options, spec)
 
 
 def _with_options(location: str, options: dict, given) -> SourceSpec:
+    if redact(location) != location:
+        # The spec is stored in the run dir's config and data report and printed in messages: no secret goes in.
+        raise HsextractError(
+            f"data source {redact(location)!r} carries credentials in its URL: they are not accepted there (the "
+            "run dir, the data report and the logs would keep them). Give them as AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or an AWS profile, and write the URL without them"
+        )
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise HsextractError(
@@ -163,6 +176,11 @@ def _positive_int(value, key: str, given) -> int:
         number = 0
     if isinstance(value, bool) or number < 1 or str(number) != str(value).strip():
         raise HsextractError(f"data source {given!r}: {key} must be a positive integer, got {value!r}")
+    if number > sys.maxsize:
+        raise HsextractError(
+            f"data source {given!r}: {key}={value} is larger than any source can hold (at most {sys.maxsize}): "
+            f"drop {key} to take every row"
+        )
     return number
 
 
@@ -460,9 +478,11 @@ def _files_source(
             "hash": hashes[0]
             if len(files) == 1
             else hashlib.blake2b("".join(hashes).encode(), digest_size=32).hexdigest(),
+            # Each file's content hash: a .zst without frame checksums, or any plain file, cannot show a changed
+            # byte itself; on resume a changed file is named by it (``changed_files``).
             "files": [
-                {"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
-                for f in files[:100]
+                {"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns, "hash": h}
+                for f, h in zip(files[:100], hashes, strict=False)
             ],
             "file_count": len(files),
         }
@@ -491,3 +511,30 @@ def _check_columns(source: Source) -> None:
                     + (f" (file {where})" if where else "")
                     + f"; they have {', '.join(sorted(names)) or 'no columns'}: fix columns="
                 )
+
+
+def changed_files(before: list[dict], now: list[dict]) -> list[str]:
+    """Lines naming the files and S3 objects of the sources that differ between two data reports' ``sources``
+    (``Mix.describe()``): a changed hash, size or ETag, one gone, one new."""
+
+    def parts(described: list[dict]) -> dict[str, tuple]:
+        out = {}
+        for source in described:
+            identity = source.get("identity") or {}
+            for f in identity.get("files") or []:
+                out[f["path"]] = ("content hash", f.get("hash"), f.get("size"))
+            for o in identity.get("objects") or []:
+                out[f"s3://{identity.get('bucket')}/{o.get('key')}"] = ("ETag", o.get("etag"), o.get("size"))
+        return out
+
+    old, new = parts(before), parts(now)
+    lines = []
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name), new.get(name)
+        if b is None:
+            lines.append(f"data file {name} is gone")
+        elif a is None:
+            lines.append(f"data file {name} is new")
+        elif (a[1] is not None and a[1] != b[1]) or a[2] != b[2]:  # an older report has no file hashes
+            lines.append(f"data file {name} changed ({a[0]} {a[1]} -> {b[1]}, {a[2]} -> {b[2]} bytes)")
+    return lines

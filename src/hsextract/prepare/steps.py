@@ -18,6 +18,7 @@ it was. So ``prepare_run`` goes:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -43,7 +44,7 @@ from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
 from hsextract.model.layers import layer_types, resolve_layer_ids
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
-from hsextract.prepare.sources import Mix, resolve_sources
+from hsextract.prepare.sources import Mix, changed_files, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
     TokenizedSamples,
@@ -96,7 +97,7 @@ def prepare_run(
         fingerprint=fingerprint,
     )
     check_output_space(cfg, plan, model)
-    accept_plan(cfg, run_dir, plan, restart=restart, echo=echo)
+    accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe())
     write_run_files(
         cfg, run_dir, plan, model, tokenizer, samples, {**report.to_json(), "duplicate_ids_renamed": renamed}
     )
@@ -217,9 +218,17 @@ def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
 def resolve_data(cfg: RunConfig, run_dir: RunDir) -> Mix:
     """Every data source found and checked (a missing path, column or bucket fails here, naming the source); S3
     objects are fetched into the run dir's cache."""
-    return resolve_sources(
-        cfg.data, seed=cfg.seed, cache_dir=run_dir.cache_dir, s3_endpoint_url=cfg.s3_endpoint_url
-    )
+    try:
+        return resolve_sources(
+            cfg.data, seed=cfg.seed, cache_dir=run_dir.cache_dir, s3_endpoint_url=cfg.s3_endpoint_url
+        )
+    except HsextractError as e:
+        if not run_dir.plan_file.exists():
+            raise
+        raise HsextractError(
+            f"{e}\nThe run in {run_dir.root} was prepared from this data: to resume it, put the data back as it "
+            "was; to start over with other data, give --restart"
+        ) from None
 
 
 def tokenize(
@@ -312,8 +321,11 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
     }
 
 
-def accept_plan(cfg: RunConfig, run_dir: RunDir, plan: Plan, *, restart: bool, echo=print) -> None:
-    """Resume only the same plan; ``restart`` clears a different (or damaged) one. Then claim the output."""
+def accept_plan(
+    cfg: RunConfig, run_dir: RunDir, plan: Plan, *, restart: bool, echo=print, data: list[dict] | None = None
+) -> None:
+    """Resume only the same plan; ``restart`` clears a different (or damaged) one. Then claim the output.
+    ``data``: the sources as described now, whose changed files a refusal names."""
     sink = open_sink(cfg.output, cfg.s3_endpoint_url)
     new_run_dir = not run_dir.plan_file.exists()
     if not new_run_dir:
@@ -326,6 +338,12 @@ def accept_plan(cfg: RunConfig, run_dir: RunDir, plan: Plan, *, restart: bool, e
         if old is None or old.plan_hash != plan.plan_hash:
             if not restart:
                 changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
+                if data is not None and run_dir.data_report_file.is_file():
+                    try:
+                        before = json.loads(run_dir.data_report_file.read_text()).get("sources") or []
+                    except (OSError, ValueError, AttributeError):
+                        before = []
+                    changes += changed_files(before, data)
                 if old.shards != plan.shards:
                     changes.append(f"shards: {old.shards} -> {plan.shards}")
                 raise HsextractError(

@@ -10,17 +10,24 @@ rank's share, or reads of several samples at once), yet any byte read once is th
 
 Layout: ``cache_dir/<output id>/<key>/<tag>/<block>``, the output id a hash of the endpoint and URL, the tag the
 file's recorded size and CRC32: a file rewritten with other content has another tag and never meets the old blocks.
+``cache_dir`` may hold other things (a shared scratch folder): the cache owns only the folders it made, each a
+16-hex-digit name holding the marker file ``.hsextract-cache`` that names it, and its two files
+``.hsextract-cache-usage`` and ``.hsextract-cache-lock``. It removes nothing else, never a link, and never follows
+one: a user's folder, a link to elsewhere, or an older hsextract's folder without the marker is left alone.
 Each block file is the block's bytes followed by their xxh3_64 (8 bytes), written under a temporary name and renamed
 (storage/fileio.py): a block file is complete. A block whose bytes do not match its checksum, or of the wrong size,
 is deleted and fetched again (logged); the reader's own checks then run on the bytes as on any others, so nothing
 damaged on local disk reaches a trainer. No fsync: a block torn by a crash fails its checksum and is fetched again.
 
-The limit (``max_bytes``) is kept by a byte count in ``cache_dir/usage`` that every process sharing the cache (ranks
-and their DataLoader workers) updates under a file lock before it stores a block; the count is made by walking the
-directory when the file is missing. When a block does not fit, the blocks of other outputs and stale versions are
-removed, least recently used output first; this output's own blocks stay, and what does not fit is read through
-without being stored. For a shuffled multi-epoch run over more data than the cache holds, keeping the first blocks
-gives the hit rate LRU would (the cache's share of the data) without rewriting the cache every epoch.
+The limit (``max_bytes``) is kept by a byte count in ``.hsextract-cache-usage`` that every process sharing the cache
+(ranks and their DataLoader workers) updates under a file lock before it stores a block. The count carries its own
+checksum: when the file is missing, or holds anything this cache did not write (a hand edit, a torn write), the
+count is made again by walking the cache's own folders, so no edit of it lets the cache grow past its limit. When a
+block does not fit, the blocks of other outputs and stale versions are removed, least recently used output first;
+this output's own blocks stay, and what does not fit is read through without being stored, as is everything once
+the disk is full (a warning says so; training goes on). For a shuffled multi-epoch run over more data than the cache
+holds, keeping the first blocks gives the hit rate LRU would (the cache's share of the data) without rewriting the
+cache every epoch.
 
 This module imports no torch (storage/ runs in the uploader too), only the sink it wraps.
 """
@@ -30,15 +37,18 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import os
+import re
 import shutil
+import stat
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
 
-from hsextract.errors import HsextractError
+from hsextract.errors import FULL_ERRNOS, HsextractError
 from hsextract.storage.base import Sink
 from hsextract.storage.fileio import TMP_MARK, atomic_write
 
@@ -51,6 +61,52 @@ shared with its neighbours'."""
 
 
 _DIGEST = 8
+
+
+MARKER = ".hsextract-cache"
+
+"""In every output folder the cache made: what proves a folder of ``cache_dir`` is the cache's to remove."""
+
+
+USAGE, LOCK = ".hsextract-cache-usage", ".hsextract-cache-lock"
+
+
+_OUTPUT_ID = re.compile(r"^[0-9a-f]{16}$")
+
+
+def cache_limit(cache_max_gb) -> int:
+    """``cache_max_gb`` as the cache's limit in bytes; a value that is not a positive, finite number is refused."""
+    ok = isinstance(cache_max_gb, (int, float)) and not isinstance(cache_max_gb, bool)
+    if not ok or not math.isfinite(cache_max_gb) or cache_max_gb * 1e9 < 1:
+        raise HsextractError(
+            f"cache_max_gb must be a positive, finite number of GB (decimal), got {cache_max_gb!r}"
+        )
+    return int(cache_max_gb * 1e9)
+
+
+def _marker_text(output_id: str) -> str:
+    return f"hsextract block cache of output {output_id}\n"
+
+
+def owned_outputs(cache_dir: Path) -> list[Path]:
+    """The output folders of ``cache_dir`` this cache made: real folders (not links) of its naming, holding a
+    regular marker file that names them. Nothing else in ``cache_dir`` is the cache's."""
+    found = []
+    try:
+        entries = list(os.scandir(cache_dir))
+    except OSError:
+        return found
+    for entry in entries:
+        if not _OUTPUT_ID.match(entry.name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        marker = Path(entry.path) / MARKER
+        try:
+            if not stat.S_ISREG(marker.lstat().st_mode) or marker.read_text() != _marker_text(entry.name):
+                continue
+        except (OSError, UnicodeDecodeError):
+            continue
+        found.append(Path(entry.path))
+    return found
 
 
 def _digest(data) -> bytes:
@@ -77,13 +133,26 @@ class CachedSink:
         self.cache_dir = Path(cache_dir)
         output_id = hashlib.sha256((identity or sink.url).encode()).hexdigest()[:16]
         self.root = self.cache_dir / output_id
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            os.utime(self.root)  # the output's last use, for removing other outputs' blocks first
-        except OSError as e:
-            raise HsextractError(f"cannot keep a cache in {self.cache_dir}: {e}") from None
         self._usage = _Usage(self.cache_dir)
         self._full = False  # no room left for this output: read through from now on
+        if self.root.is_symlink() or (self.root.exists() and not self.root.is_dir()):
+            raise HsextractError(
+                f"{self.root} is in the place of this output's cache folder but is not one the cache made (a link "
+                "or a file): move it away, or give another cache_dir"
+            )
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            marker = self.root / MARKER
+            if not marker.is_file() or marker.read_text() != _marker_text(output_id):
+                # The folder's name is this output's hash: it is the cache's own (an older hsextract's, if the
+                # marker is missing), now marked as such.
+                atomic_write(marker, _marker_text(output_id), durable=False)
+            os.utime(self.root)  # the output's last use, for removing other outputs' blocks first
+        except OSError as e:
+            if e.errno not in FULL_ERRNOS:
+                raise HsextractError(f"cannot keep a cache in {self.cache_dir}: {e}") from None
+            self._read_through(e)
+        self._real_root = os.path.realpath(self.root)
 
     def __getattr__(self, name):
         # Everything but reads is the sink's. A read this class does not define must not slip past the cache.
@@ -102,7 +171,7 @@ class CachedSink:
 
     def read_range(self, key: str, offset: int, length: int):
         v = self.version(key)
-        if v is None or length <= 0 or offset >= v[1]:
+        if v is None or length <= 0 or offset >= v[1] or not _plain_key(key):
             return self.sink.read_range(key, offset, length)
         tag, size = v
         end = min(offset + length, size)
@@ -151,6 +220,10 @@ class CachedSink:
             raw = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except IsADirectoryError:  # not a block the cache wrote: the cache's damage, not the output's
+            log.warning("cache block %s is a directory, not a block: removed, fetched again", path)
+            self._remove(path)
+            return None
         data, digest = memoryview(raw)[:-_DIGEST], raw[-_DIGEST:]
         want = min(BLOCK_BYTES, size - block * BLOCK_BYTES)
         if len(raw) != want + _DIGEST or _digest(data) != digest:
@@ -159,17 +232,56 @@ class CachedSink:
                 path,
                 len(raw),
             )
-            try:
-                path.unlink()
-                self._usage.add(-len(raw))
-            except FileNotFoundError:
-                pass  # another process dropped it first
+            if self._remove(path):
+                self._count(-len(raw))
             return None
         return data
 
+    def _inside(self, path: Path) -> bool:
+        """``path``'s folder is inside this output's cache folder, no link leading out of it."""
+        parent = os.path.realpath(path.parent)
+        return parent == self._real_root or parent.startswith(self._real_root + os.sep)
+
+    def _remove(self, path: Path) -> bool:
+        """Remove what is at a block's place (a file, a link, a folder) inside this output's cache folder."""
+        if not self._inside(path):
+            log.warning("cache block %s leads out of %s through a link: left alone", path, self.root)
+            return False
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            return False  # another process dropped it first
+        except OSError as e:
+            log.warning("cache block %s cannot be removed (%s)", path, e)
+            return False
+        return True
+
+    def _count(self, n: int) -> None:
+        try:
+            self._usage.add(n)
+        except OSError as e:
+            self._read_through(e)
+
+    def _read_through(self, e: OSError) -> None:
+        if not self._full:
+            log.warning("cache %s cannot store blocks (%s): read through from now on", self.cache_dir, e)
+        self._full = True
+
     def _store(self, key: str, tag: str, block: int, data) -> bool:
         n = len(data) + _DIGEST
-        if not self._usage.reserve(n, self.max_bytes, self._evict):
+        path = self._path(key, tag, block)
+        if not self._inside(path):
+            self._read_through(OSError(f"{path.parent} leads out of {self.root} through a link"))
+            return False
+        try:
+            reserved = self._usage.reserve(n, self.max_bytes, self._evict)
+        except OSError as e:  # the count cannot be written: the disk is full
+            self._read_through(e)
+            return False
+        if not reserved:
             self._full = True
             log.info(
                 "cache %s is full (%d bytes): further blocks of %s are read through",
@@ -178,22 +290,22 @@ class CachedSink:
                 self.sink.url,
             )
             return False
-        path = self._path(key, tag, block)
         try:
             atomic_write(path, lambda f: (f.write(data), f.write(_digest(data))), durable=False)
         except OSError as e:
-            self._usage.add(-n)
-            self._full = True
-            log.warning("cache %s cannot store blocks (%s): read through from now on", self.cache_dir, e)
+            self._read_through(e)
+            self._count(-n)
             return False
         return True
 
     def _evict(self, need: int) -> int:
         """Remove other outputs' blocks (least recently used first), then stale versions of this output's files,
-        until ``need`` bytes are free; returns the bytes removed. Called with the usage lock held."""
+        until ``need`` bytes are free; returns the bytes removed. Only the cache's own folders are candidates
+        (``owned_outputs``); rmtree removes links inside them, never what they point to. Called with the usage
+        lock held."""
         freed = 0
-        others = [p for p in self.cache_dir.iterdir() if p.is_dir() and p != self.root]
-        for path in sorted(others, key=lambda p: p.stat().st_mtime):
+        others = [p for p in owned_outputs(self.cache_dir) if p.name != self.root.name]
+        for path in sorted(others, key=lambda p: p.lstat().st_mtime):
             if freed >= need:
                 return freed
             freed += _tree_bytes(path)
@@ -211,11 +323,12 @@ class CachedSink:
 
 
 class _Usage:
-    """The cache's size in bytes, in ``usage``, updated under the lock ``usage.lock`` by every process sharing it.
-    It can only overstate (two processes storing the same block both count it): the limit holds."""
+    """The cache's size in bytes, in ``.hsextract-cache-usage`` with its checksum, updated under the lock
+    ``.hsextract-cache-lock`` by every process sharing it. It can only overstate (two processes storing the same
+    block both count it): the limit holds."""
 
     def __init__(self, cache_dir: Path):
-        self.path, self.lock = cache_dir / "usage", cache_dir / "usage.lock"
+        self.cache_dir, self.path, self.lock = cache_dir, cache_dir / USAGE, cache_dir / LOCK
 
     @contextmanager
     def _locked(self):
@@ -228,12 +341,27 @@ class _Usage:
 
     def _read(self) -> int:
         try:
-            return int(self.path.read_text())
-        except (FileNotFoundError, ValueError):
-            return _tree_bytes(self.path.parent)
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return self._walk()
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        count, _, check = text.strip().partition(" ")
+        if count.isdigit() and check == _usage_check(int(count)):
+            return int(count)
+        log.warning(
+            "cache usage file %s holds %r, not a count this cache wrote: counted again from its blocks",
+            self.path,
+            text[:80],
+        )
+        return self._walk()
+
+    def _walk(self) -> int:
+        return sum(_tree_bytes(p) for p in owned_outputs(self.cache_dir))
 
     def _write(self, used: int) -> None:
-        atomic_write(self.path, str(max(0, used)), durable=False)
+        used = max(0, used)
+        atomic_write(self.path, f"{used} {_usage_check(used)}", durable=False)
 
     def reserve(self, n: int, limit: int, evict: Callable[[int], int]) -> bool:
         with self._locked():
@@ -265,6 +393,16 @@ def manifest_versions(manifest: dict) -> Callable[[str], tuple[str, int] | None]
         return None
 
     return version
+
+
+def _usage_check(count: int) -> str:
+    return xxhash.xxh3_64(f"hsextract-cache-usage:{count}".encode()).hexdigest()
+
+
+def _plain_key(key: str) -> bool:
+    """A key that names a place inside the output's cache folder (no ``..``, not absolute)."""
+    parts = key.split("/")
+    return bool(key) and not key.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
 def _tree_bytes(path: Path) -> int:

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 
 from hsextract.errors import HsextractError
 from hsextract.training.dataset import _rank_and_world
-from hsextract.training.order import check_same
+from hsextract.training.state import StateError, anything, check_state, count, flag, is_int, sealed, whole
 
 
 def token_budget_batches(
@@ -101,14 +101,17 @@ class TokenBudgetBatches:
         max_samples: int | None = None,
     ):
         index = getattr(data, "index", data)
+        if not all(hasattr(index, a) for a in ("lengths", "file_samples", "file_keys")):
+            raise HsextractError(
+                f"data must be a StatesMapDataset or its SampleIndex, got {type(data).__name__}"
+            )
         self.lengths, self.files = index.lengths, [index.file_samples[k] for k in index.file_keys]
-        for name, value in (
-            ("max_tokens", max_tokens),
-            ("window_files", window_files),
-            ("max_samples", max_samples),
-        ):
-            if value is not None and value < 1:
-                raise HsextractError(f"{name} must be at least 1, got {value}")
+        max_tokens, window_files = whole("max_tokens", max_tokens, 1), whole("window_files", window_files, 1)
+        if max_samples is not None:
+            max_samples = whole("max_samples", max_samples, 1)
+        if not is_int(seed):
+            raise HsextractError(f"seed must be an integer, got {seed!r}")
+        shuffle = flag("shuffle", shuffle)
         too_long = [n for n in self.lengths if n > max_tokens]
         if too_long:
             raise HsextractError(
@@ -123,6 +126,7 @@ class TokenBudgetBatches:
         self._cached: tuple[int, list[list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
+        epoch = whole("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch, self._skip = epoch, 0
 
@@ -151,20 +155,23 @@ class TokenBudgetBatches:
         return len(self.rank_batches())
 
     def state_dict(self, consumed: int) -> dict:
-        return {
-            "epoch": self.epoch,
-            "consumed": self._skip + consumed,
-            **self._identity(),
-        }
+        return sealed(
+            {"epoch": self.epoch, "consumed": self._skip + whole("consumed", consumed, 0), **self._identity()}
+        )
 
     def load_state_dict(self, state: dict) -> None:
+        """Every field checked (state.py): a state that does not fit raises ``StateError`` naming the field."""
         mine = self._identity()
-        check_same(state, mine, list(mine), "sampler")
+        fields = {"epoch": count(0), "consumed": count(0), **dict.fromkeys(mine, anything)}
+        check_state(state, fields, mine, "TokenBudgetBatches")
+        epoch = self.epoch
         self.epoch = state["epoch"]
-        if not 0 <= state["consumed"] <= len(self):
-            raise HsextractError(
-                f"consumed={state['consumed']} is not in 0..{len(self)} batches for this rank"
+        if state["consumed"] > len(self):  # this rank's batches of that epoch
+            problem = (
+                f"{state['consumed']} is more than this rank's {len(self)} batches of epoch {self.epoch}"
             )
+            self.epoch = epoch
+            raise StateError("consumed", problem)
         self._skip = state["consumed"]
 
     def _identity(self) -> dict:

@@ -30,8 +30,19 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from hsextract.errors import HsextractError
 from hsextract.training.follow import Follow
 from hsextract.training.index import SampleIndex, SampleReader, Where, index_where
-from hsextract.training.order import check_same, epoch_order, rank_sequence, worker_share
+from hsextract.training.order import epoch_order, rank_sequence, worker_share
 from hsextract.training.schemas import Schema, get_schema
+from hsextract.training.state import (
+    anything,
+    as_state,
+    check_state,
+    count,
+    flag,
+    is_int,
+    sealed,
+    seconds,
+    whole,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +57,25 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         else:
-            rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+            if not (rank.isdigit() and world_size.isdigit()):
+                raise HsextractError(
+                    f"RANK={rank!r} and WORLD_SIZE={world_size!r} in the environment must be whole numbers"
+                )
+            rank, world_size = int(rank), int(world_size)
+    rank, world_size = whole("rank", rank, 0), whole("world_size", world_size, 1)
     if not 0 <= rank < world_size:
         raise HsextractError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
     return rank, world_size
+
+
+def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb) -> Where:
+    """Where to read, from a dataset's arguments (each checked by ``Where``)."""
+    if not isinstance(output, (str, os.PathLike)):
+        raise HsextractError(f"output must be a directory or s3:// URL, got {output!r}")
+    if cache_dir is not None and isinstance(cache_dir, os.PathLike):
+        cache_dir = os.fspath(cache_dir)
+    return Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
 
 
 class _Reading:
@@ -92,7 +118,7 @@ class StatesMapDataset(_Reading, Dataset):
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
     ):
-        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb)
         self.index = index or index_where(where, schema)
 
     def __len__(self) -> int:
@@ -145,14 +171,17 @@ class StatesDataset(_Reading, IterableDataset):
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
     ):
-        for name, value in (("batch_size", batch_size), ("window_files", window_files), ("threads", threads)):
-            if value < 1:
-                raise HsextractError(f"{name} must be at least 1, got {value}")
+        batch_size, window_files = whole("batch_size", batch_size, 1), whole("window_files", window_files, 1)
+        threads, prefetch = whole("threads", threads, 1), whole("prefetch", prefetch, 1)
         if prefetch < threads:
             raise HsextractError(f"prefetch ({prefetch}) must be at least threads ({threads})")
+        if not is_int(seed):
+            raise HsextractError(f"seed must be an integer, got {seed!r}")
+        shuffle, follow = flag("shuffle", shuffle), flag("follow", follow)
+        poll_s, follow_timeout_s = seconds("poll_s", poll_s), seconds("follow_timeout_s", follow_timeout_s)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.follow: Follow | None = None
-        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb)
         if follow:
             self.follow = Follow(
                 where,
@@ -164,7 +193,7 @@ class StatesDataset(_Reading, IterableDataset):
             )
         else:
             self.index = index or index_where(where, schema)
-        self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
+        self.shuffle, self.seed, self.batch_size = shuffle, int(seed), batch_size
         self.window_files, self.threads, self.prefetch = window_files, threads, prefetch
         self.epoch = 0
         self._skip = 0  # samples of this rank's sequence already consumed this epoch (resume)
@@ -173,6 +202,7 @@ class StatesDataset(_Reading, IterableDataset):
     # -- the order -----------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Serve epoch ``epoch`` next (call before iterating, as with ``DistributedSampler``)."""
+        epoch = whole("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch, self._skip, self._served = epoch, 0, 0
             if self.follow is not None:
@@ -204,31 +234,48 @@ class StatesDataset(_Reading, IterableDataset):
         counts them itself). DataLoader workers copy the dataset at each iteration: leave persistent_workers off."""
         if self.follow is not None:
             return self.follow.state_dict(self, self._served if consumed is None else consumed)
+        if consumed is not None:
+            consumed = whole("consumed", consumed, 0)
         done = self._skip + self._served if consumed is None else self._skip + consumed
-        return {
-            "epoch": self.epoch,
-            "consumed": done,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "window_files": self.window_files,
-            "num_samples": len(self.index),
-        }
+        return sealed(
+            {
+                "epoch": self.epoch,
+                "consumed": done,
+                "seed": self.seed,
+                "shuffle": self.shuffle,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "batch_size": self.batch_size,
+                "window_files": self.window_files,
+                "num_samples": len(self.index),
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where ``state`` stood: the next iteration serves exactly the rest of that epoch."""
+        """Continue where ``state`` stood: the next iteration serves exactly the rest of that epoch. Every field
+        is checked (state.py): a state that does not fit raises ``StateError`` naming the field."""
+        as_state(state, "StatesDataset")
         if self.follow is not None:
             self.follow.load_state_dict(self, state)
             self._served = 0
             return
         if state.get("follow"):
             raise HsextractError("this state was taken with follow=True: resume it with follow=True")
-        keys = ("seed", "shuffle", "rank", "world_size", "window_files", "num_samples")
-        check_same(state, self.state_dict(), keys, "dataset")
-        if not 0 <= state["consumed"] <= len(self):
-            raise HsextractError(f"consumed={state['consumed']} is not in 0..{len(self)} for this rank")
+        mine = {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "window_files": self.window_files,
+            "num_samples": len(self.index),
+        }
+        fields = {
+            "epoch": count(0),
+            "consumed": count(0, len(self)),  # this rank's share of the epoch
+            "batch_size": count(1),
+            **dict.fromkeys(mine, anything),
+        }
+        check_state(state, fields, mine, "StatesDataset")
         self.epoch, self._skip, self._served = state["epoch"], state["consumed"], 0
 
     # -- reading -------------------------------------------------------------------------------------------------

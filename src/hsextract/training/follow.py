@@ -50,8 +50,9 @@ from hsextract.reader import Output
 from hsextract.run.finalize import job_manifest, load_job_files
 from hsextract.storage import open_sink
 from hsextract.training.index import Where, open_where
-from hsextract.training.order import check_same, rank_sequence, worker_share
+from hsextract.training.order import rank_sequence, worker_share
 from hsextract.training.schemas import Schema
+from hsextract.training.state import anything, check_state, count, is_int, sealed, seconds
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,7 @@ class Follow:
     def __init__(
         self, where: Where, schema: Schema, *, rank: int, world_size: int, poll_s: float, timeout_s: float
     ):
-        if poll_s <= 0 or timeout_s <= 0:
-            raise HsextractError(
-                f"poll_s and follow_timeout_s must be positive, got {poll_s} and {timeout_s}"
-            )
+        poll_s, timeout_s = seconds("poll_s", poll_s), seconds("follow_timeout_s", timeout_s)
         self.where, self.schema = where, schema
         self.rank, self.world_size = rank, world_size
         self.poll_s, self.timeout_s = poll_s, timeout_s
@@ -167,39 +165,73 @@ class Follow:
             if rows:
                 rank_rows = sum(start + r in mine for r in range(len(b["sample_ids"])))
                 by_file[key] = "all" if len(rows) == rank_rows else rows
-        return {
+        return sealed(
+            {
+                "follow": True,
+                "epoch": ds.epoch,
+                "consumed": self.prior + consumed,
+                "seed": ds.seed,
+                "shuffle": ds.shuffle,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "plan_hash": self.manifest.get("plan_hash"),
+                "num_samples": self.num_samples,
+                "consumed_samples": by_file,
+            }
+        )
+
+    def load_state_dict(self, ds, state: dict) -> None:
+        """Every field checked (state.py); the rows of ``consumed_samples`` must be rows of their file, each once,
+        and this rank's in that epoch, and as many as ``consumed`` says."""
+        if not state.get("follow"):
+            raise HsextractError(
+                "this state was taken without follow=True: resume it with a plain StatesDataset"
+            )
+        mine = {
             "follow": True,
-            "epoch": ds.epoch,
-            "consumed": self.prior + consumed,
             "seed": ds.seed,
             "shuffle": ds.shuffle,
             "rank": self.rank,
             "world_size": self.world_size,
             "plan_hash": self.manifest.get("plan_hash"),
             "num_samples": self.num_samples,
-            "consumed_samples": by_file,
         }
+        consumed: set[int] = set()
 
-    def load_state_dict(self, ds, state: dict) -> None:
-        if not state.get("follow"):
-            raise HsextractError(
-                "this state was taken without follow=True: resume it with a plain StatesDataset"
-            )
-        keys = ("seed", "shuffle", "rank", "world_size", "plan_hash", "num_samples")
-        check_same(state, self.state_dict(ds, 0), keys, "followed dataset")
+        def check_rows(by_file) -> str | None:
+            if not isinstance(by_file, dict):
+                return f"must be a dict batch key -> rows or 'all', got {by_file!r:.80}"
+            rank = set(self.rank_positions(state["epoch"], ds.seed, ds.shuffle))
+            for key, rows in by_file.items():
+                if key not in self.starts:
+                    return f"names batch {key!r}, which this output's plan does not hold"
+                start, n = self.starts[key], len(self.manifest["batches"][self.keys.index(key)]["sample_ids"])
+                if rows == "all":
+                    consumed.update(p for p in range(start, start + n) if p in rank)
+                    continue
+                if not isinstance(rows, list) or not all(is_int(r) for r in rows):
+                    return f"{key}: must be a list of row numbers or 'all', got {rows!r:.80}"
+                outside = [r for r in rows if not 0 <= r < n]
+                if outside:
+                    return f"{key}: rows {outside[:5]} are not rows of that file (0..{n - 1})"
+                if len(set(rows)) != len(rows):
+                    return f"{key}: a row is named twice"
+                others = [r for r in rows if start + r not in rank]
+                if others:
+                    return f"{key}: rows {others[:5]} are not this rank's in epoch {state['epoch']}"
+                consumed.update(start + r for r in rows)
+            if len(consumed) != state["consumed"]:
+                return f"names {len(consumed)} samples, but consumed is {state['consumed']}"
+            return None
+
+        fields = {
+            "epoch": count(0),
+            "consumed": count(0, len(self)),
+            "consumed_samples": check_rows,
+            **dict.fromkeys(mine, anything),
+        }
+        check_state(state, fields, mine, "followed StatesDataset")
         ds.epoch = state["epoch"]
-        rank = set(self.rank_positions(ds.epoch, ds.seed, ds.shuffle))
-        consumed = set()
-        for key, rows in state["consumed_samples"].items():
-            if key not in self.starts:
-                raise HsextractError(
-                    f"this state names batch {key!r}, which this output's plan does not hold"
-                )
-            if rows == "all":
-                n = len(self.manifest["batches"][self.keys.index(key)]["sample_ids"])
-                consumed.update(p for p in range(self.starts[key], self.starts[key] + n) if p in rank)
-            else:
-                consumed.update(self.starts[key] + r for r in rows)
         self.consumed, self.prior, self.generation = consumed, state["consumed"], self.generation + 1
 
 

@@ -26,6 +26,7 @@ from hsextract.batchfile import plain_memory
 from hsextract.reader import open_output
 from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
 from hsextract.training.schemas import Schema, get_schema
+from hsextract.training.state import check_where
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class Where:
     cache_dir: str | None = None
     """A local disk cache of the batch files read (storage/cache.py), for many epochs from S3."""
     cache_max_gb: float = 100.0
+
+    def __post_init__(self):
+        # Every dataset's arguments pass here: a wrong one is refused by name, not met in a worker later.
+        check_where(self)
 
 
 class SampleIndex:

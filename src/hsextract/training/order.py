@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import random
 
-from hsextract.errors import HsextractError
-
 
 def epoch_order(
     file_samples: list[list[int]], *, shuffle: bool, seed: int, epoch: int, window_files: int
@@ -35,16 +33,6 @@ def epoch_order(
 
 def rank_sequence(order: list[int], rank: int, world_size: int) -> list[int]:
     return order[rank::world_size]
-
-
-def check_same(state: dict, mine: dict, keys, what: str) -> None:
-    """Refuse a resume ``state`` that differs from this dataset's own state ``mine`` in any of ``keys``."""
-    for k in keys:
-        if state.get(k) != mine[k]:
-            raise HsextractError(
-                f"this state was taken with {k}={state.get(k)!r}, this {what} has {k}={mine[k]!r}: resume with "
-                f"the same output and the same {', '.join(keys)}"
-            )
 
 
 def worker_share(sequence: list[int], worker: int, num_workers: int, batch_size: int) -> list[int]:
