@@ -71,7 +71,8 @@ def test_a_missing_or_unknown_key_is_named(out):
     data, state = taken(out)
     fresh = StatesDataset(out, rank=0, world_size=2, seed=3)
     for key in state:
-        refused(fresh, {k: v for k, v in state.items() if k != key}, key)
+        if key != "checksum":  # optional: older states have none (the test below)
+            refused(fresh, {k: v for k, v in state.items() if k != key}, key)
     refused(fresh, edited(state, extra=1), "extra")
 
 
@@ -89,6 +90,16 @@ def test_an_edit_that_fits_every_range_fails_the_checksum(out):
     error = refused(fresh, {**state, "consumed": 3}, "checksum")
     assert "edited or damaged" in str(error)
     assert fresh.state_dict(0)["consumed"] == 0  # nothing taken from the refused state
+
+
+def test_a_state_without_a_checksum_resumes_on_its_field_checks(out):
+    """States saved before the checksum existed: accepted when every field fits, refused by field otherwise."""
+    data, state = taken(out)
+    old = {k: v for k, v in state.items() if k != "checksum"}
+    fresh = StatesDataset(out, rank=0, world_size=2, seed=3)
+    refused(fresh, {**old, "epoch": -1}, "epoch")
+    fresh.load_state_dict(old)
+    assert fresh.state_dict(0)["consumed"] == state["consumed"]
 
 
 def test_token_budget_batches_refuse_a_state_that_does_not_fit(out):

@@ -5,7 +5,9 @@ trusted: it must be the dict ``state_dict()`` made, with exactly its keys, each 
 epoch a non-negative int, a count an int within the rank's share, the rows of a followed state within their file
 and this rank's), the identity fields equal to this dataset's, and its ``checksum`` (a hash of every other field)
 intact, so that even an edit that fits every range (a count lowered by two) is refused rather than serving samples
-twice. A state that does not fit raises ``StateError`` naming the field, before anything is read.
+twice. A state without a checksum (saved by an hsextract that wrote none) passes on its fields' checks alone, so a
+training job resumes across an upgrade. A state that does not fit raises ``StateError`` naming the field, before
+anything is read.
 """
 
 from __future__ import annotations
@@ -125,10 +127,11 @@ def as_state(state, what: str) -> Mapping:
 
 
 def check_state(state, fields: Mapping[str, Check], mine: Mapping, what: str) -> None:
-    """Refuse ``state`` unless it has exactly ``fields`` and a checksum, the fields of ``mine`` (this dataset's
-    identity) are equal, each field passes its check, and the checksum matches; the first that fails is named."""
+    """Refuse ``state`` unless it has exactly ``fields`` (and perhaps a checksum), the fields of ``mine`` (this
+    dataset's identity) are equal, each field passes its check, and a checksum given matches; the first that fails
+    is named."""
     state = as_state(state, what)
-    missing = [k for k in (*fields, "checksum") if k not in state]
+    missing = [k for k in fields if k not in state]
     if missing:
         raise StateError(
             missing[0],
@@ -148,7 +151,7 @@ def check_state(state, fields: Mapping[str, Check], mine: Mapping, what: str) ->
         problem = check(state[name])
         if problem is not None:
             raise StateError(name, problem)
-    if state["checksum"] != checksum(state):
+    if "checksum" in state and state["checksum"] != checksum(state):
         raise StateError(
             "checksum",
             f"{state['checksum']!r} does not match the state's fields: the state was edited or damaged after "
