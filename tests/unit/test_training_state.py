@@ -16,8 +16,8 @@ from hsextract.training.state import StateError, checksum
 
 
 @pytest.fixture(scope="module")
-def out(finished_run):
-    return finished_run[0] / "out"
+def out(written_output):
+    return written_output
 
 
 def taken(out, **options) -> tuple[StatesDataset, dict]:
