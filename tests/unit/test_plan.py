@@ -66,3 +66,24 @@ def test_fingerprint_changes_names_each_difference():
         {"layer_ids": [1, 2], "dtype": "bfloat16"}, {"layer_ids": [2, 3], "dtype": "bfloat16"}
     )
     assert lines == ["layer_ids: [1, 2] -> [2, 3]"]
+
+
+def test_plan_hash_is_the_documented_digest_and_computed_once(monkeypatch):
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    import hsextract.prepare.plan as plan_module
+
+    plan = make_plan(
+        realistic_lengths(3000), max_tokens_per_batch=16384, max_rows=64, shards=3, fingerprint={"a": 1}
+    )
+    body = {"format": 1, "fingerprint": {"a": 1}, "shards": 3, "batches": [asdict(b) for b in plan.batches]}
+    expected = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    dumps = []
+    monkeypatch.setattr(
+        plan_module.json, "dumps", lambda *a, **k: dumps.append(1) or json.JSONEncoder(**k).encode(*a)
+    )
+    assert [plan.plan_hash for _ in range(5)] == [expected] * 5
+    assert len(dumps) == 1
+    assert Plan.from_json(plan.to_json()).plan_hash == expected
