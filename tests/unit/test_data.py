@@ -447,6 +447,9 @@ def test_fingerprints_follow_content_not_names(tmp_path, tokenizer):
         tokenizer_fingerprint(other)["chat_template_hash"]
         != tokenizer_fingerprint(tokenizer)["chat_template_hash"]
     )
+    grown = copy.deepcopy(other)  # carries the hash kept on `other`: a token added after loading changes it
+    grown.add_tokens(["<|grown|>"])
+    assert tokenizer_fingerprint(grown)["tokenizer_hash"] != tokenizer_fingerprint(other)["tokenizer_hash"]
 
 
 LLAMA3_TEMPLATE = (

@@ -309,15 +309,25 @@ class TokenFileWriter:
 
 def tokenizer_fingerprint(tokenizer) -> dict:
     """Hashes of what decides the token ids: the tokenizer (with its special tokens) and the chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     # Templates render bos/eos by name, so the special-token map belongs to the tokenizer's identity.
-    text += json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
+    specials = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
     template = tokenizer.chat_template
     if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)
+    # Serializing a large vocabulary takes seconds and preparing asks twice (cache key, plan): kept on the
+    # tokenizer, keyed by what could change on it after loading.
+    key = (len(tokenizer), specials)
+    cached = getattr(tokenizer, "_hsextract_tokenizer_hash", None)
+    if cached is None or cached[0] != key:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+        cached = (key, hashlib.sha256((text + specials).encode()).hexdigest())
+        try:
+            tokenizer._hsextract_tokenizer_hash = cached
+        except AttributeError:
+            pass
     return {
-        "tokenizer_hash": hashlib.sha256(text.encode()).hexdigest(),
+        "tokenizer_hash": cached[1],
         "chat_template_hash": hashlib.sha256(template.encode()).hexdigest(),
     }
 
