@@ -772,3 +772,29 @@ def test_token_file_header_longer_than_its_reserve_moves_the_data_once(tmp_path,
     loaded, metadata = TokenizedSamples._load(path)
     assert_same_samples(loaded, samples)
     assert metadata["data_report"] == "x" * 500
+
+
+def test_a_sample_is_the_first_rows_of_each_source_in_proportion_or_the_cache_when_there(tmp_path, tokenizer):
+    from hsextract.prepare.sources import resolve_sources
+
+    _write_gz_shards(make_conversations(300, seed=2), tmp_path / "big", 2)
+    _write_gz_shards(make_conversations(100, seed=3), tmp_path / "small", 1)
+    mix = resolve_sources([str(tmp_path / "big" / "*.jsonl.gz"), str(tmp_path / "small" / "*.jsonl.gz")])
+    whole, _ = load(mix, tokenizer, max_length=256)
+
+    sampled = data.load_sample(mix, tokenizer, max_length=256, rows=40, cache_dir=tmp_path / "cache")
+    assert (sampled.rows_sampled, sampled.rows_total, sampled.scale, sampled.basis) == (
+        40,
+        400,
+        10.0,
+        "sample",
+    )
+    big = [s for s in whole.sample_ids if s.startswith("big/")]
+    small = [s for s in whole.sample_ids if s.startswith("small/")]
+    assert sampled.samples.sample_ids == big[:30] + small[:10]
+    assert not (tmp_path / "cache").exists()  # a sample is never cached as the data's tokens
+
+    load(mix, tokenizer, max_length=256, cache_dir=tmp_path / "cache")
+    cached = data.load_sample(mix, tokenizer, max_length=256, rows=40, cache_dir=tmp_path / "cache")
+    assert (cached.rows_sampled, cached.rows_total, cached.basis) == (400, 400, "token cache")
+    assert_same_samples(cached.samples, whole)

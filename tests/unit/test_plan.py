@@ -15,6 +15,7 @@ def test_batches_respect_both_bounds_and_cover_every_sample_once():
     plan = make_plan(lengths, max_tokens_per_batch=65536, max_rows=512, shards=4)
     seen = [i for b in plan.batches for i in b.sample_indices]
     assert sorted(seen) == list(range(len(lengths)))
+    assert seen == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first, ties by index
     for b in plan.batches:
         assert b.rows <= 512
         assert b.padded_tokens <= 65536

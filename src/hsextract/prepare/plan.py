@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from hsextract.errors import HsextractError
 from hsextract.format.keys import batch_key
 from hsextract.storage.fileio import atomic_write, load_json
@@ -167,8 +169,8 @@ def make_plan(
         raise ValueError(
             f"a sample of {max(lengths)} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
         )
-    # Longest first; ties broken by index so the order never depends on the sort's stability.
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # Longest first, ties by index: a stable sort of the negated lengths (numpy's, at a million samples).
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:

@@ -38,6 +38,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -431,14 +432,24 @@ def _tokenize(
     progress: bool,
     dedupe: bool,
     path: Path,
+    rows_of: Iterator[tuple[int, int, Any]] | None = None,
 ) -> tuple[TokenizedSamples, DataReport]:
-    """Tokenize every row into the token file at ``path``, streaming; returns its samples (mapped) and report."""
+    """Tokenize every row (or those of ``rows_of``) into the token file at ``path``, streaming; returns its
+    samples (mapped) and report."""
     builder = ReportBuilder(mix.describe(), max_length, labelled=mix.prefixed)
     seen: set[bytes] = set()
     total = None if any(s.spec.fraction or s.spec.sample for s in mix.sources) else _known_total(mix)
+    if rows_of is not None:
+        total = None
     with TokenFileWriter(path) as writer:
         for rows, ids, mask in _encode_all(
-            mix.rows(), total, tokenizer, max_length, too_long, num_proc, progress
+            mix.rows() if rows_of is None else rows_of,
+            total,
+            tokenizer,
+            max_length,
+            too_long,
+            num_proc,
+            progress,
         ):
             kept_ids, lengths, cut, at = [], [], [], 0
             for source, position, row_id, status, reason, tokens, digest in rows:
@@ -583,6 +594,78 @@ def load_samples(
             log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
             return samples, report
     return _tokenize(mix, tokenizer, max_length, too_long, num_proc, progress, dedupe, cache_path)
+
+
+SAMPLE_ROWS = 2000
+
+"""Rows the dry run tokenizes for its estimate when the token cache does not hold the data yet."""
+
+
+@dataclass(frozen=True)
+class SampledData:
+    """Tokenized samples standing for the data: all of it (from the token cache) or its first rows."""
+
+    samples: TokenizedSamples
+    report: DataReport
+    rows_sampled: int
+    """Rows tokenized; equal to ``rows_total`` when the samples are the whole data."""
+    rows_total: int
+    basis: str
+    """``token cache``, ``all rows`` (tokenized now: fewer than a sample's) or ``sample``."""
+
+    @property
+    def scale(self) -> float:
+        """Rows of the data per row tokenized."""
+        return self.rows_total / max(1, self.rows_sampled)
+
+
+def load_sample(
+    mix: Mix,
+    tokenizer,
+    *,
+    max_length: int,
+    too_long: str = "truncate",
+    cache_dir: Path | None = None,
+    dedupe: bool = False,
+    rows: int | None = None,
+) -> SampledData:
+    """The whole data from the token cache when it is there, else about ``rows`` (``SAMPLE_ROWS``) rows tokenized: from each source
+    its first rows, in proportion to its row count (one pass over the lines, no parsing), so that an estimate
+    scaled by ``scale`` stands for the mix."""
+    if cache_dir is not None:
+        path = cache_file(cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe)
+        if path.exists():
+            samples, report = load_samples(
+                mix, tokenizer, max_length=max_length, too_long=too_long, cache_dir=cache_dir, dedupe=dedupe
+            )
+            return SampledData(samples, report, report.rows, report.rows, "token cache")
+    rows = SAMPLE_ROWS if rows is None else rows
+    counts = [_selected_rows(s, mix.seed) for s in mix.sources]
+    total = sum(counts)
+    take = [max(1, round(rows * n / max(1, total))) if n else 0 for n in counts]
+
+    def first_rows() -> Iterator[tuple[int, int, Any]]:
+        for i, (source, k) in enumerate(zip(mix.sources, take, strict=True)):
+            for position, row in islice(source.rows(mix.seed), k):
+                yield i, position, row
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hsextract-tokens-") as tmp:
+        path = Path(tmp) / "tokens.safetensors"
+        samples, report = _tokenize(
+            mix, tokenizer, max_length, too_long, 1, False, dedupe, path, rows_of=first_rows()
+        )
+    basis = "all rows" if report.rows >= total else "sample"
+    return SampledData(replace(samples, file=None), report, report.rows, total, basis)
+
+
+def _selected_rows(source, seed: int) -> int:
+    chosen = source.selected(seed)
+    if chosen is not None:
+        return len(chosen)
+    available = source.available()
+    return available if source.spec.limit is None else min(source.spec.limit, available)
 
 
 def load_tokenizer(model: str):
