@@ -145,6 +145,9 @@ def test_a_mix_of_four_sources_runs_and_each_row_matches_itself_alone(
             - s["skipped_duplicate"]
         )
     assert "  convs (" in r.stdout and "2 duplicates dropped" in r.stdout
+    # The tokens are written once: the run dir's token file is the cache's, linked.
+    [cached] = (tmp_path / "run" / "cache").glob("tokens-*.safetensors")
+    assert (tmp_path / "run" / "tokens.safetensors").stat().st_ino == cached.stat().st_ino
 
     output = open_output(str(tmp_path / "out"))
     ids = output.sample_ids()

@@ -162,3 +162,18 @@ def test_final_state_and_fp8_are_shown_proven_and_counted(setup):
     assert est["layers_run"] == 8
     text = format_report(report)
     assert "final state: layer 7" in text and "fp8 err" in text
+
+
+def test_estimate_from_a_sample_says_so_and_scales_to_the_data(setup, monkeypatch):
+    from hsextract.prepare import tokenize
+
+    _, cfg = setup
+    full = dry_run(cfg, num_samples=3)
+    monkeypatch.setattr(tokenize, "SAMPLE_ROWS", 12)
+    sampled = dry_run(cfg, num_samples=3)
+    est, exact = sampled.report["estimate"], full.report["estimate"]
+    assert sampled.ok
+    assert est["basis"] == {"from": "sample", "rows_tokenized": 12, "rows": exact["basis"]["rows"]}
+    assert exact["basis"]["from"] == "all rows"
+    assert abs(est["samples"] - exact["samples"]) <= exact["samples"] * 0.1
+    assert "estimate from a sample: the first rows of each source, 12 of" in format_report(sampled.report)

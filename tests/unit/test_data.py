@@ -409,6 +409,7 @@ def test_cache_is_reused_for_the_same_inputs_only(tmp_path, tokenizer, monkeypat
     load(path, tokenizer=other_template, cache_dir=cache)
     assert len(list(cache.glob("tokens-*.safetensors"))) == 3
 
+    cache_file.unlink()  # a new file: `first` maps the old one, and hsextract never writes a token file in place
     cache_file.write_bytes(b"garbage")
     third, _ = load(path, tokenizer, cache_dir=cache)  # an unreadable cache is rebuilt, not fatal
     assert_same_samples(third, first)
@@ -447,6 +448,9 @@ def test_fingerprints_follow_content_not_names(tmp_path, tokenizer):
         tokenizer_fingerprint(other)["chat_template_hash"]
         != tokenizer_fingerprint(tokenizer)["chat_template_hash"]
     )
+    grown = copy.deepcopy(other)  # carries the hash kept on `other`: a token added after loading changes it
+    grown.add_tokens(["<|grown|>"])
+    assert tokenizer_fingerprint(grown)["tokenizer_hash"] != tokenizer_fingerprint(other)["tokenizer_hash"]
 
 
 LLAMA3_TEMPLATE = (
@@ -680,3 +684,118 @@ def test_tokenizer_without_chat_template_marks_chat_rows_malformed(tmp_path, tok
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
     with pytest.raises(HsextractError, match="the tokenizer has no chat template"):
         load(write_jsonl(rows, tmp_path / "r.jsonl"), bare)
+
+
+def _write_gz_shards(rows: list[dict], folder, shards: int) -> None:
+    import gzip
+
+    folder.mkdir(parents=True)
+    for k in range(shards):
+        with gzip.open(folder / f"part-{k:03d}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows[k::shards])
+
+
+def test_streamed_pool_gives_each_row_its_own_encoding_and_the_plan_of_those_lengths(tmp_path, tokenizer):
+    """Two sources of .jsonl.gz shards, tokenized by a pool in small chunks into the token cache: the tokens are
+    each row's own encoding (ids as ``apply_chat_template`` gives them), in source order, duplicates dropped."""
+    from hsextract.prepare.chat import RowEncoder
+    from hsextract.prepare.plan import make_plan
+    from hsextract.prepare.sources import resolve_sources
+
+    rng = random.Random(5)
+    chat = make_conversations(220, seed=21)
+    chat.insert(40, {"messages": "oops"})
+    chat.insert(90, dict(chat[10]))  # a duplicate of an earlier row (dedupe drops it, mid-chunk)
+    sharegpt = [
+        {
+            "id": f"s{i}",
+            "conversations": [
+                {
+                    "from": "human",
+                    "value": " ".join(rng.choice(["why", "how", "tell", "me"]) for _ in range(9)),
+                },
+                {
+                    "from": "gpt",
+                    "value": " ".join(rng.choice(["because", "so", "it", "is"]) for _ in range(40)),
+                },
+            ],
+        }
+        for i in range(150)
+    ]
+    _write_gz_shards(chat, tmp_path / "chat", 3)
+    _write_gz_shards(sharegpt, tmp_path / "share", 2)
+    data_specs = [str(tmp_path / "chat" / "*.jsonl.gz"), str(tmp_path / "share" / "*.jsonl.gz")]
+    mix = resolve_sources(data_specs)
+
+    encoder = RowEncoder(tokenizer, 256, "truncate")
+    want_ids, want_ids_list, want_masks, seen = [], [], [], set()
+    for source, position, row in mix.rows():
+        _, row_id, _, _, ids, mask = encoder.encode(position, row)
+        if ids is None or tuple(ids) in seen:
+            continue
+        seen.add(tuple(ids))
+        want_ids.append(mix.sample_id(source, row_id))
+        want_ids_list.append(np.asarray(ids))
+        want_masks.append(np.asarray(mask))
+        messages = row.get("messages") or [
+            {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+            for t in row["conversations"]
+        ]
+        rendered = tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=True)
+        rendered = rendered if isinstance(rendered, list) else rendered["input_ids"]
+        assert list(ids) == list(rendered)[:256]
+
+    cache = tmp_path / "cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(data, "CHUNK_ROWS", 7)
+        patch.setattr(data, "CHUNKS_IN_FLIGHT", 1)
+        got, report = load(mix, tokenizer, max_length=256, num_proc=2, cache_dir=cache, dedupe=True)
+    again, _ = load(mix, tokenizer, max_length=256, num_proc=1, cache_dir=cache, dedupe=True)
+
+    assert report.skipped_duplicate == 1 and report.skipped_malformed == 1
+    for samples in (got, again):
+        assert samples.sample_ids == want_ids
+        np.testing.assert_array_equal(samples.input_ids, np.concatenate(want_ids_list))
+        np.testing.assert_array_equal(samples.loss_mask, np.concatenate(want_masks))
+    want_plan = make_plan([len(i) for i in want_ids_list], max_tokens_per_batch=1024, max_rows=16, shards=2)
+    got_plan = make_plan(got.lengths.tolist(), max_tokens_per_batch=1024, max_rows=16, shards=2)
+    assert got_plan == want_plan and got_plan.plan_hash == want_plan.plan_hash
+    assert [p.name for p in cache.iterdir()] == [got.file.name]  # one file, no leftovers
+
+
+def test_token_file_header_longer_than_its_reserve_moves_the_data_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "HEADER_RESERVE", 64)
+    samples = TokenizedSamples(
+        sample_ids=["a", "b"], input_ids=[1, 2, 3], loss_mask=[0, 1, 1], offsets=[0, 1, 3]
+    )
+    path = samples._save(tmp_path / "s.safetensors", {"data_report": "x" * 500})
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
+    loaded, metadata = TokenizedSamples._load(path)
+    assert_same_samples(loaded, samples)
+    assert metadata["data_report"] == "x" * 500
+
+
+def test_a_sample_is_the_first_rows_of_each_source_in_proportion_or_the_cache_when_there(tmp_path, tokenizer):
+    from hsextract.prepare.sources import resolve_sources
+
+    _write_gz_shards(make_conversations(300, seed=2), tmp_path / "big", 2)
+    _write_gz_shards(make_conversations(100, seed=3), tmp_path / "small", 1)
+    mix = resolve_sources([str(tmp_path / "big" / "*.jsonl.gz"), str(tmp_path / "small" / "*.jsonl.gz")])
+    whole, _ = load(mix, tokenizer, max_length=256)
+
+    sampled = data.load_sample(mix, tokenizer, max_length=256, rows=40, cache_dir=tmp_path / "cache")
+    assert (sampled.rows_sampled, sampled.rows_total, sampled.scale, sampled.basis) == (
+        40,
+        400,
+        10.0,
+        "sample",
+    )
+    big = [s for s in whole.sample_ids if s.startswith("big/")]
+    small = [s for s in whole.sample_ids if s.startswith("small/")]
+    assert sampled.samples.sample_ids == big[:30] + small[:10]
+    assert not (tmp_path / "cache").exists()  # a sample is never cached as the data's tokens
+
+    load(mix, tokenizer, max_length=256, cache_dir=tmp_path / "cache")
+    cached = data.load_sample(mix, tokenizer, max_length=256, rows=40, cache_dir=tmp_path / "cache")
+    assert (cached.rows_sampled, cached.rows_total, cached.basis) == (400, 400, "token cache")
+    assert_same_samples(cached.samples, whole)

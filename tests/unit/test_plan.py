@@ -15,6 +15,7 @@ def test_batches_respect_both_bounds_and_cover_every_sample_once():
     plan = make_plan(lengths, max_tokens_per_batch=65536, max_rows=512, shards=4)
     seen = [i for b in plan.batches for i in b.sample_indices]
     assert sorted(seen) == list(range(len(lengths)))
+    assert seen == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first, ties by index
     for b in plan.batches:
         assert b.rows <= 512
         assert b.padded_tokens <= 65536
@@ -66,3 +67,24 @@ def test_fingerprint_changes_names_each_difference():
         {"layer_ids": [1, 2], "dtype": "bfloat16"}, {"layer_ids": [2, 3], "dtype": "bfloat16"}
     )
     assert lines == ["layer_ids: [1, 2] -> [2, 3]"]
+
+
+def test_plan_hash_is_the_documented_digest_and_computed_once(monkeypatch):
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    import hsextract.prepare.plan as plan_module
+
+    plan = make_plan(
+        realistic_lengths(3000), max_tokens_per_batch=16384, max_rows=64, shards=3, fingerprint={"a": 1}
+    )
+    body = {"format": 1, "fingerprint": {"a": 1}, "shards": 3, "batches": [asdict(b) for b in plan.batches]}
+    expected = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    dumps = []
+    monkeypatch.setattr(
+        plan_module.json, "dumps", lambda *a, **k: dumps.append(1) or json.JSONEncoder(**k).encode(*a)
+    )
+    assert [plan.plan_hash for _ in range(5)] == [expected] * 5
+    assert len(dumps) == 1
+    assert Plan.from_json(plan.to_json()).plan_hash == expected

