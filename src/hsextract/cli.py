@@ -306,10 +306,24 @@ def verify(output, s3_endpoint_url, workers, as_json):
     help="speculators: only the table (input_ids, loss_mask, seq_len), no states; train with "
     "hsextract.training.speculators.OutputTransfer reading them from OUTPUT (docs/TRAINING.md).",
 )
+@click.option(
+    "--layers",
+    help="The stored layers to export, in this order: ids (5,19,33,47,61) or a preset the output records "
+    "(dflash2). Default: the format's own preset of an output of several, else every captured layer.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @_user_errors
 def export(
-    output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpoint_url, index_only, no_progress
+    output,
+    dest,
+    fmt,
+    draft_vocab,
+    target_vocab_size,
+    num_proc,
+    s3_endpoint_url,
+    index_only,
+    layers,
+    no_progress,
 ):
     """Rewrite a finished OUTPUT as the files a drafter trainer reads, into DEST; rerun to resume."""
     from hsextract.export.runner import export as run_export
@@ -323,6 +337,7 @@ def export(
         num_proc=num_proc,
         endpoint_url=s3_endpoint_url,
         index_only=index_only,
+        layers=layers,
         show_progress=not no_progress,
         echo=click.echo,
     )

@@ -53,9 +53,9 @@ class ExportFormat:
     def name(self) -> str:
         return self.schema.name
 
-    def check(self, manifest: dict) -> None:
+    def check(self, manifest: dict, layer_ids=None) -> None:
         try:
-            self.schema.check(manifest)
+            self.schema.check(manifest, layer_ids)
         except HsextractError as e:
             raise HsextractError(f"--format {e}") from None
 

@@ -226,22 +226,26 @@ def export(
     num_proc: int = 4,
     endpoint_url: str | None = None,
     index_only: bool = False,
+    layers=None,
     show_progress: bool = True,
     echo=print,
 ) -> dict:
     """Export the finished output at ``source`` to ``dest_url`` in format ``fmt_name``; resumes a cut-short export.
     ``index_only`` (speculators) writes the table and the statistics, no states: the trainer reads those from the
-    output through ``hsextract.training.speculators.OutputTransfer``. Returns what ``export.json`` holds."""
+    output through ``hsextract.training.speculators.OutputTransfer``. ``layers``: the stored layers exported, in
+    order (ids or a preset the output records; by default the format's own preset of a union output, else every
+    captured layer). Returns what ``export.json`` holds."""
     from tqdm import tqdm
 
-    from hsextract.reader import open_output
+    from hsextract.reader import open_output, served_layers
 
     if fmt_name not in FORMATS:
         raise HsextractError(f"--format {fmt_name!r} is not one of {', '.join(FORMATS)}")
     fmt = FORMATS[fmt_name]
     out = open_output(source, endpoint_url)
     manifest = out.manifest
-    fmt.check(manifest)
+    layers = fmt.schema.layers_for(manifest, layers)
+    fmt.check(manifest, served_layers(manifest, layers) or out.layer_ids)
     vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
     if num_proc < 1:
         raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
@@ -252,9 +256,10 @@ def export(
         )
 
     # What the training dataset serves of this output, the samples the format's trainer cannot take left out.
-    index = index_output(source, fmt.schema, endpoint_url=endpoint_url)
+    index = index_output(source, fmt.schema, endpoint_url=endpoint_url, layers=layers)
+    served = {**manifest, "layer_ids": list(index.layer_ids)}  # what the trainer is told it reads
     dest = open_sink(dest_url, endpoint_url)
-    spec = _spec(fmt, manifest, draft_vocab, index_only)
+    spec = _spec(fmt, served, draft_vocab, index_only)
     _claim_dest(dest, spec, dest_url)
     if dest.exists(COMPLETE_KEY):
         echo(f"{dest_url} already holds this export, complete")
@@ -326,7 +331,7 @@ def export(
         "skipped": skipped,
         "loss_tokens": sum(token_freq.values()),
         "train_with": {
-            **fmt.train_hint(manifest),
+            **fmt.train_hint(served),
             **(
                 {"transfer": f"hsextract.training.speculators.OutputTransfer({source!r})"}
                 if index_only

@@ -78,7 +78,7 @@ class _Reading:
 
 class StatesMapDataset(_Reading, Dataset):
     """Index -> item over an output, for trainers that bring their own sampler. Index ``i`` is the ``i``-th sample
-    the schema serves, in manifest order; ``lengths[i]`` its token count."""
+    the schema serves, in manifest order; ``lengths[i]`` its token count. ``layers`` as ``StatesDataset``'s."""
 
     def __init__(
         self,
@@ -91,8 +91,9 @@ class StatesMapDataset(_Reading, Dataset):
         index: SampleIndex | None = None,
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
+        layers=None,
     ):
-        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb, layers)
         self.index = index or index_where(where, schema)
 
     def __len__(self) -> int:
@@ -120,7 +121,11 @@ class StatesDataset(_Reading, IterableDataset):
     ``follow_timeout_s`` without a new batch raises. Lengths and the sequence are then not known in advance.
 
     ``cache_dir``: what is read lands in a local disk cache of at most ``cache_max_gb`` (shared by the ranks and
-    workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3."""
+    workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3.
+
+    ``layers``: the stored layers each item holds, in this order: ids (``[5, 19, 33, 47, 61]``) or a preset the
+    output records (``"dflash2"``). By default every captured layer, or from an output of several presets the
+    schema's own (``specforge-dflash`` reads ``dflash``'s)."""
 
     def __init__(
         self,
@@ -144,6 +149,7 @@ class StatesDataset(_Reading, IterableDataset):
         follow_timeout_s: float = 1800.0,
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
+        layers=None,
     ):
         for name, value in (("batch_size", batch_size), ("window_files", window_files), ("threads", threads)):
             if value < 1:
@@ -152,7 +158,7 @@ class StatesDataset(_Reading, IterableDataset):
             raise HsextractError(f"prefetch ({prefetch}) must be at least threads ({threads})")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.follow: Follow | None = None
-        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+        where = Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb, layers)
         if follow:
             self.follow = Follow(
                 where,

@@ -36,14 +36,30 @@ class Schema:
 
     name: str
     needs_final_state = True
+    preset: str | None = None
+    """The layer preset this trainer reads (model/layers.py): what it is served from an output of several."""
 
-    def check(self, manifest: dict) -> None:
-        """Refuse an output this trainer cannot use, before anything is read or written."""
+    def check(self, manifest: dict, layer_ids=None) -> None:
+        """Refuse an output this trainer cannot use, before anything is read or written (``layer_ids``: the ones
+        served, by default every captured one)."""
         if self.needs_final_state and not manifest.get("final_state"):
             raise HsextractError(
                 f"{self.name} needs the final hidden state, which this output does not hold: "
-                "rerun the extraction with --final-state (implied by --layers eagle3)"
+                "rerun the extraction with --final-state (implied by the eagle3 and dspark presets)"
             )
+
+    def layers_for(self, manifest: dict, layers):
+        """The layers to serve: those asked for; from an output of several presets, this trainer's own; else every
+        captured layer (None), as an output of one preset or of explicit ids holds just what was asked for."""
+        presets = manifest.get("presets") or {}
+        if layers is not None or len(presets) <= 1:
+            return layers
+        if self.preset in presets:
+            return self.preset
+        raise HsextractError(
+            f"this output holds the layers of several presets ({', '.join(presets)}): say which ones {self.name} "
+            f"reads with layers= (a preset, e.g. {next(iter(presets))!r}, or ids)"
+        )
 
     def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
         """Why a sample cannot be served, decided from its tokens alone (dataset and export agree on it)."""
@@ -77,6 +93,7 @@ class SpecForgeDFlash(Schema):
 
     name = "specforge-dflash"
     needs_final_state = False
+    preset = "dflash"
 
     def skip_reason(self, input_ids, loss_mask):
         if not has_consecutive_loss_tokens(loss_mask):
@@ -96,14 +113,16 @@ class SpecForgeEagle3(Schema):
     frozen lm_head), exactly 3 captured layers."""
 
     name = "specforge-eagle3"
+    preset = "eagle3"
 
-    def check(self, manifest):
-        super().check(manifest)
-        if len(manifest["layer_ids"]) != 3:
+    def check(self, manifest, layer_ids=None):
+        super().check(manifest, layer_ids)
+        ids = list(manifest["layer_ids"] if layer_ids is None else layer_ids)
+        if len(ids) != 3:
             raise HsextractError(
                 f"{self.name} needs exactly 3 captured layers (SpecForge's EAGLE-3 reads "
-                f"aux_hidden_state [1, T, 3H]); this output holds {len(manifest['layer_ids'])}: "
-                f"{manifest['layer_ids']}. Extract with --layers eagle3 or three ids."
+                f"aux_hidden_state [1, T, 3H]); this output serves {len(ids)}: {ids}. Extract with --layers "
+                "eagle3 or three ids, or serve three of them (layers=)."
             )
 
     def record(self, s):
