@@ -108,6 +108,83 @@ class SpecForgeDFlash(Schema):
         }
 
 
+class SpecForgeDFlash2(SpecForgeDFlash):
+    """SpecForge's DFlash-family ``data_I.ckpt`` (the same record and loader as DFlash) with DFlash 2's layers."""
+
+    name = "specforge-dflash2"
+    preset = "dflash2"
+
+
+class SpecForgeDSpark(SpecForgeDFlash):
+    """``torch.load`` of SpecForge's DSpark ``data_I.ckpt`` (``normalize_dspark_offline_sample`` in its loader):
+    DFlash's keys plus ``target_last_hidden_states`` [T, H], the final state after the norm."""
+
+    name = "specforge-dspark"
+    needs_final_state = True
+    preset = "dspark"
+
+    def record(self, s):
+        return {**super().record(s), "target_last_hidden_states": s["final_hidden_state"]}
+
+
+class DeepSpecDSpark(Schema):
+    """An item of DeepSpec's ``TargetCacheDataset`` (``deepspec/data/target_cache_dataset.py``), what its
+    ``CacheCollator`` pads: ``input_ids`` int32 [T], ``loss_mask`` uint8 [T], ``target_hidden_states`` [T, k*H] (its
+    hooks' layer outputs in id order), ``target_last_hidden_states`` [T, H] (the model's ``last_hidden_state``, after
+    the norm)."""
+
+    name = "deepspec-dspark"
+    preset = "dspark"
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].to(torch.int32),
+            "loss_mask": s["loss_mask"].to(torch.uint8),
+            "target_hidden_states": s["hidden_states"],
+            "target_last_hidden_states": s["final_hidden_state"],
+        }
+
+
+class NemoDSpark(Schema):
+    """One sample of NeMo Automodel's DSpark offline cache (``datasets/llm/dspark_cache.py``, ``CACHE_KEYS``):
+    ``input_ids`` and ``loss_mask`` int64 [T], ``target_hidden_states`` [T, k*H], ``target_last_hidden_states``
+    [T, H] after the norm. Its ``CachedDSparkDataset`` yields them padded to the cache's ``seq_length`` (zeros, no
+    loss): the item pads to ``seq_length`` when one is given (``NemoDSpark(seq_length=4096)``) and refuses longer
+    samples, since the cache cannot hold them."""
+
+    name = "nemo-dspark"
+    preset = "dspark"
+    KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+
+    def __init__(self, seq_length: int | None = None):
+        self.seq_length = seq_length
+
+    def skip_reason(self, input_ids, loss_mask):
+        if self.seq_length is not None and input_ids.numel() > self.seq_length:
+            return f"longer than the cache's seq_length {self.seq_length}"
+        return None
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].long(),
+            "loss_mask": s["loss_mask"].long(),
+            "target_hidden_states": s["hidden_states"],
+            "target_last_hidden_states": s["final_hidden_state"],
+        }
+
+    def item(self, record, s=None):
+        if self.seq_length is None:
+            return record
+        return {k: pad_rows(record[k], self.seq_length) for k in self.KEYS}
+
+
+def pad_rows(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` [T, ...] with zero rows appended up to ``length``."""
+    out = t.new_zeros((length, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
 class SpecForgeEagle3(Schema):
     """``torch.load`` of SpecForge's EAGLE-3 ``data_I.ckpt``: the final state after the norm (it applies only the
     frozen lm_head), exactly 3 captured layers."""
@@ -197,12 +274,24 @@ class ModelOpt(Schema):
 
 
 SCHEMAS: dict[str, Schema] = {
-    s.name: s for s in (Raw(), SpecForgeDFlash(), SpecForgeEagle3(), Speculators(), ModelOpt())
+    s.name: s
+    for s in (
+        Raw(),
+        SpecForgeDFlash(),
+        SpecForgeDFlash2(),
+        SpecForgeDSpark(),
+        SpecForgeEagle3(),
+        Speculators(),
+        ModelOpt(),
+        DeepSpecDSpark(),
+        NemoDSpark(),
+    )
 }
 
 
 def get_schema(schema: str | Schema) -> Schema:
-    """A schema by name (``raw``, ``specforge-dflash``, ``specforge-eagle3``, ``speculators``, ``modelopt``)."""
+    """A schema by name (``raw``, ``specforge-dflash``, ``specforge-dflash2``, ``specforge-dspark``,
+    ``specforge-eagle3``, ``speculators``, ``modelopt``, ``deepspec-dspark``, ``nemo-dspark``)."""
     if isinstance(schema, Schema):
         return schema
     if schema not in SCHEMAS:
