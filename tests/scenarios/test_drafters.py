@@ -73,7 +73,7 @@ def deep_model(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, deep_model) -> dict[str, Path]:
-    """One union run and one run per preset over the same 6 conversations (one shard, the tiny limits)."""
+    """One union run and one run per preset over the same 6 conversations cut to 96 tokens (one shard)."""
     from hsextract.demo import make_conversations
 
     root = tmp_path_factory.mktemp("drafters")
@@ -83,11 +83,9 @@ def runs(tmp_path_factory, deep_model) -> dict[str, Path]:
     for name in ("union", *PRESETS):
         layers = ",".join(PRESETS) if name == "union" else name
         run_root = root / name
-        run_cli(
-            *cli_run_args(
-                run_root, deep_model, data, layers=layers, num_proc=1, no_progress=True, **TINY_LIMITS
-            )
-        )
+        limits = {**TINY_LIMITS, "max_length": 96}
+        args = cli_run_args(run_root, deep_model, data, layers=layers, num_proc=1, no_progress=True, **limits)
+        run_cli(*args, timeout=900)
         outputs[name] = run_root / "out"
     return outputs
 
