@@ -337,25 +337,27 @@ class SampleView:
     final_norm: FinalNorm | None
     dequantize: bool = True
     dtype: torch.dtype = torch.bfloat16
+    served: tuple[int, ...] | None = None
+    """The layer ids served (``layers``, ``hidden_states``), in this order: a subset of the stored ones (one
+    drafter's from a union of presets), or None: every captured layer in id order."""
 
     def states(self, states: torch.Tensor, scale: torch.Tensor | None, alloc=plain_memory) -> dict:
         """The trainer's keys from the stored slots ``states`` [T, slots, H] (and fp8 ``scale`` [T, slots]); what
-        has to be made anew (dequantized states, the captured slots without the extra final one) is made in
-        memory from ``alloc``."""
-        ids, n = self.layout.layer_ids, len(self.layout.layer_ids)
+        has to be made anew (dequantized states, the served slots without the others) is made in memory from
+        ``alloc``."""
+        ids = self.served or self.layout.layer_ids
+        slot_of = {k: j for j, k in enumerate(self.layout.slot_layers)}
+        picked = [slot_of[k] for k in ids]
         tokens = states.shape[0]
         out: dict = {}
         if scale is not None and self.dequantize:
             into = _empty(alloc, states.shape, self.dtype)
             states, scale = dequantize_fp8(states, scale, self.dtype, out=into), None
-        out["layers"] = {k: states[:, j] for j, k in enumerate(ids)}
-        captured = states[:, :n]
-        if not captured.is_contiguous():  # the final state's extra slot follows: [T, n, H] is not contiguous
-            captured = _empty(alloc, captured.shape, captured.dtype).copy_(captured)
-        out["hidden_states"] = captured.view(tokens, -1)
+        out["layers"] = {k: states[:, j] for k, j in zip(ids, picked, strict=True)}
+        out["hidden_states"] = _slots(states, picked, alloc).view(tokens, -1)
         if scale is not None:
-            out["scales"] = {k: scale[:, j] for j, k in enumerate(ids)}
-            out["hidden_states_scale"] = scale[:, :n]
+            out["scales"] = {k: scale[:, j] for k, j in zip(ids, picked, strict=True)}
+            out["hidden_states_scale"] = _slots(scale, picked, alloc)
         f = self.layout.final_slot
         if f is not None:
             prenorm = states[:, f]
@@ -365,3 +367,17 @@ class SampleView:
                 prenorm = dequantize_fp8(prenorm, scale[:, f], self.dtype)
             out["final_hidden_state"] = self.final_norm(prenorm)
         return out
+
+
+def _slots(x: torch.Tensor, picked: list[int], alloc) -> torch.Tensor:
+    """``x[:, picked]`` contiguous: a view where the slots are a contiguous run of every token's whole row, else
+    gathered into memory from ``alloc`` (a subset, or the captured slots before the final state's)."""
+    a = picked[0]
+    if picked == list(range(a, a + len(picked))):
+        view = x[:, a : a + len(picked)]
+        if view.is_contiguous():
+            return view
+    out = _empty(alloc, (x.shape[0], len(picked), *x.shape[2:]), x.dtype)
+    for i, j in enumerate(picked):
+        out[:, i] = x[:, j]
+    return out

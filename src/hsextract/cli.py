@@ -288,7 +288,17 @@ def verify(output, s3_endpoint_url, workers, as_json):
     "--format",
     "fmt",
     required=True,
-    type=click.Choice(["specforge-dflash", "specforge-eagle3", "speculators", "modelopt"]),
+    type=click.Choice(
+        [
+            "specforge-dflash",
+            "specforge-dflash2",
+            "specforge-dspark",
+            "specforge-eagle3",
+            "speculators",
+            "modelopt",
+            "nemo-dspark",
+        ]
+    ),
     help="The trainer's offline layout (docs/EXPORT.md).",
 )
 @click.option(
@@ -307,10 +317,30 @@ def verify(output, s3_endpoint_url, workers, as_json):
     help="speculators: only the table (input_ids, loss_mask, seq_len), no states; train with "
     "hsextract.training.speculators.OutputTransfer reading them from OUTPUT (docs/TRAINING.md).",
 )
+@click.option(
+    "--layers",
+    help="The stored layers to export, in this order: ids (5,19,33,47,61) or a preset the output records "
+    "(dflash2). Default: the format's own preset of an output of several, else every captured layer.",
+)
+@click.option(
+    "--seq-length", type=int, help="nemo-dspark: every row padded to this length (default: --max-length)."
+)
+@click.option("--shard-size", type=int, help="nemo-dspark: samples per shard (default 16).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @_user_errors
 def export(
-    output, dest, fmt, draft_vocab, target_vocab_size, num_proc, s3_endpoint_url, index_only, no_progress
+    output,
+    dest,
+    fmt,
+    draft_vocab,
+    target_vocab_size,
+    num_proc,
+    s3_endpoint_url,
+    index_only,
+    layers,
+    seq_length,
+    shard_size,
+    no_progress,
 ):
     """Rewrite a finished OUTPUT as the files a drafter trainer reads, into DEST; rerun to resume."""
     from hsextract.export.runner import export as run_export
@@ -324,6 +354,9 @@ def export(
         num_proc=num_proc,
         endpoint_url=s3_endpoint_url,
         index_only=index_only,
+        layers=layers,
+        seq_length=seq_length,
+        shard_size=shard_size,
         show_progress=not no_progress,
         echo=click.echo,
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from hsextract.errors import HsextractError, redact
+from hsextract.model.layers import implies_final_state
 from hsextract.storage.fileio import load_json, write_json
 
 DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
@@ -67,8 +68,10 @@ class RunConfig:
     """Local directory for the plan, token cache, logs and progress markers. Reruns resume from it."""
 
     layers: tuple[int, ...] | str = _opt("dflash")
-    """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or a
-    preset: ``dflash`` (5 evenly spaced layers, 1..N-3) or ``eagle3`` (1, N//2-1, N-4)."""
+    """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or presets
+    (model/layers.py): ``dflash`` (5 evenly spaced, 1..N-3), ``dflash2`` ([5, 19, 33, 47, 61] for 64 layers),
+    ``dspark`` (dflash's and the final state) or ``eagle3`` (1, N//2-1, N-4 and the final state); a union such as
+    ``dflash,dflash2,eagle3`` captures every id they need once, in one forward."""
 
     max_length: int = _opt(4096)
     """Samples longer than this many tokens are truncated or skipped (``too_long``)."""
@@ -111,7 +114,7 @@ class RunConfig:
     final_state: bool = _opt(False)
     """Also store the final hidden state: the last decoder layer's output before the final norm for every token
     (the forward then runs to the last layer), and the norm's weight and epsilon once per output. EAGLE-3
-    trainers, and DFlash in speculators and ModelOpt, need it; ``layers: eagle3`` implies it."""
+    trainers, DSpark, and DFlash in speculators and ModelOpt, need it; the ``eagle3`` and ``dspark`` presets imply it."""
 
     storage_dtype: str | None = _opt(None, choices=STORAGE_DTYPES)
     """How states are stored: the run ``dtype`` (default), or ``float8_e4m3fn`` with a float32 scale per token
@@ -213,8 +216,8 @@ class RunConfig:
 
     @property
     def wants_final_state(self) -> bool:
-        """``final_state``, or implied by the ``eagle3`` preset (every EAGLE-3 trainer needs the final state)."""
-        return self.final_state or (isinstance(self.layers, str) and self.layers.strip().lower() == "eagle3")
+        """``final_state``, or implied by a preset whose trainers read it (``eagle3``, ``dspark``)."""
+        return self.final_state or implies_final_state(self.layers)
 
     @property
     def kernel_mode(self) -> str:

@@ -30,12 +30,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from hsextract.config import DTYPE_BYTES, RunConfig
+from hsextract.config import DTYPE_BYTES, STORAGE_DTYPES, RunConfig
 from hsextract.format.batch import StateLayout, estimate_file_bytes
 from hsextract.format.fp8 import dequantize_fp8
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import model_final_norm
-from hsextract.model.layers import describe_layer, layer_types, resolve_layer_ids
+from hsextract.model.layers import (
+    FINAL_STATE_PRESETS,
+    describe_layer,
+    layer_types,
+    presets_layer_ids,
+    resolve_layer_ids,
+)
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, make_plan
 from hsextract.prepare.report import DataReport
@@ -299,12 +305,7 @@ def estimate(
         shards=cfg.shards,
     )
     token_bytes = layout.bytes_per_token(hidden, DTYPE_BYTES[cfg.dtype])
-    total_bytes = sum(
-        estimate_file_bytes(b.num_tokens, b.rows, token_bytes)
-        + HEADER_BYTES_FIXED
-        + HEADER_BYTES_PER_SAMPLE * b.rows
-        for b in plan.batches
-    )
+    total_bytes = job_bytes(plan, token_bytes)
     tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
     return {
         "data": sampled.report.to_json(),
@@ -319,6 +320,9 @@ def estimate(
         "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
         "padding_waste": plan.padding_waste,
         "bytes_per_token": token_bytes,
+        "storage": storage_table(
+            presets_layer_ids(cfg.layers, layout.num_layers), layout, hidden, cfg.dtype, plan
+        ),
         "layers_run": max(layout.slot_layers) + 1,
         "total_bytes": total_bytes,
         "measured_tokens_per_s": tokens_per_s,
@@ -327,6 +331,48 @@ def estimate(
         "shards": cfg.shards,
         "eta_s": plan.num_tokens / (tokens_per_s * cfg.shards),
     }
+
+
+def job_bytes(plan, token_bytes: int) -> int:
+    """The bytes of every batch file of ``plan`` at ``token_bytes`` per token, headers included."""
+    return sum(
+        estimate_file_bytes(b.num_tokens, b.rows, token_bytes)
+        + HEADER_BYTES_FIXED
+        + HEADER_BYTES_PER_SAMPLE * b.rows
+        for b in plan.batches
+    )
+
+
+def storage_table(presets: dict, layout: StateLayout, hidden: int, dtype: str, plan) -> list[dict]:
+    """Per preset alone, then for what this run captures (their union): ids, slots, bytes per token and for the
+    whole job, in the run dtype and in fp8. What one extraction for several drafters costs against one each."""
+    storage = (dtype, "float8_e4m3fn")
+
+    def row(name, ids, final_state):
+        slots = StateLayout(tuple(ids), layout.num_layers, final_state)
+        per_token = {
+            s: StateLayout(
+                slots.layer_ids, slots.num_layers, final_state, s if s in STORAGE_DTYPES else None
+            ).bytes_per_token(hidden, DTYPE_BYTES.get(s, 1))
+            for s in storage
+        }
+        return {
+            "name": name,
+            "layer_ids": list(ids),
+            "final_state": final_state,
+            "slots": len(slots.slot_layers),
+            "bytes_per_token": per_token,
+            "total_bytes": {s: job_bytes(plan, n) for s, n in per_token.items()},
+        }
+
+    rows = [row(name, ids, name in FINAL_STATE_PRESETS) for name, ids in presets.items()]
+    if (
+        len(rows) != 1
+        or rows[0]["layer_ids"] != list(layout.layer_ids)
+        or rows[0]["final_state"] != layout.final_state
+    ):
+        rows.append(row("union" if len(rows) > 1 else "this run", layout.layer_ids, layout.final_state))
+    return rows
 
 
 def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) -> tuple[float, dict]:
@@ -357,6 +403,18 @@ def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) 
         "seconds": seconds,
     }
     return batch.num_tokens / seconds, shape
+
+
+def storage_lines(rows: list[dict]) -> list[str]:
+    """The storage table: each preset alone, then the union this run captures."""
+    kinds = list(rows[0]["bytes_per_token"])
+    lines = [f"storage per token and for the job ({' | '.join(kinds)}):"]
+    for r in rows:
+        ids = ", ".join(map(str, r["layer_ids"])) + (" + final state" if r["final_state"] else "")
+        per_token = " | ".join(f"{r['bytes_per_token'][k]:,} B" for k in kinds)
+        total = " | ".join(f"{r['total_bytes'][k] / 1e9:,.2f} GB" for k in kinds)
+        lines.append(f"  {r['name']:<9}[{ids}] {r['slots']} slots: {per_token}; {total}")
+    return lines
 
 
 def format_report(report: dict) -> str:
@@ -410,6 +468,7 @@ def format_report(report: dict) -> str:
         f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
         f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
         f"{est['total_bytes'] / 1e9:,.2f} GB in total; the forward runs layers 0..{est['layers_run'] - 1}",
+        *storage_lines(est["storage"]),
         f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']} "
         f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
         f"ETA with {est['shards']} shard(s): {format_duration(est['eta_s'])}",

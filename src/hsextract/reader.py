@@ -10,6 +10,7 @@
     s["input_ids"], s["loss_mask"]
     s["final_hidden_state"]      # [T, hidden], after the final norm = HF output_hidden_states[-1] (--final-state)
     s["final_hidden_state_prenorm"]  # [T, hidden], the last decoder layer's raw output
+    dflash2 = open_output("s3://bucket/union", layers="dflash2")  # one preset of a union, or ids: [5, 19, 33]
 
 A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
 Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major), never a whole
@@ -29,6 +30,11 @@ per layer (value = fp8 * scale), ``s["hidden_states_scale"]`` [T, layers] and
 ``s["final_hidden_state_prenorm_scale"]`` [T]; ``final_hidden_state`` is still derived from the dequantized state.
 The final state's slot is part of the sample's states (the same read); the normed final state is computed here from
 the stored one with the model's own norm rule (format/final_norm.py).
+
+``layers=`` serves a subset of the stored layers in the order given (ids, or a preset the output records: one
+drafter's layers from a union of presets): ``s["hidden_states"]`` and ``s["layers"]`` hold those only. The file is
+token-major, so a sample's read still brings every slot of its tokens (its checksum covers them all); the subset
+saves the trainer's memory and copies, not the bytes read (docs/FORMAT.md says what a layout change would save).
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from collections import OrderedDict
 import torch
 
 from hsextract.batchfile import BatchFile, SampleView, plain_memory
+from hsextract.errors import HsextractError
 from hsextract.format.batch import StateLayout
 from hsextract.format.final_norm import read_final_norm
 from hsextract.format.manifest import header_expectations, read_manifest, require_checksums
+from hsextract.model.layers import PRESETS, preset_layer_ids
 from hsextract.storage import open_sink
 
 __all__ = ["BatchFile", "Output", "SampleView", "open_output", "plain_memory"]
@@ -62,6 +70,7 @@ class Output:
         manifest: dict | None = None,
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
+        layers=None,
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
         self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
@@ -78,14 +87,16 @@ class Output:
 
             versions, limit = manifest_versions(self.manifest), cache_limit(cache_max_gb)
             self.sink = CachedSink(self.sink, cache_dir, limit, versions, identity=f"{endpoint_url}|{path}")
-        self.layer_ids: tuple[int, ...] = tuple(self.manifest["layer_ids"])
         self.metadata: dict = self.manifest
         self._entries = {batch["key"]: batch for batch in self.manifest["batches"]}
         self.layout = StateLayout.from_manifest(self.manifest)
+        served = served_layers(self.manifest, layers)
+        self.layer_ids: tuple[int, ...] = served or self.layout.layer_ids
+        """The layer ids each sample serves, in the order served."""
         norm = None
         if self.layout.final_state:
             norm = read_final_norm(self.sink, self.manifest["final_state"]["norm"], verify=verify)
-        self._view = SampleView(self.layout, norm, dequantize, dtype)
+        self._view = SampleView(self.layout, norm, dequantize, dtype, served)
         self._where: dict[str, tuple[str, int]] = {}
         self._order: list[str] = []
         for batch in self.manifest["batches"]:
@@ -151,6 +162,38 @@ class Output:
             yield from self.batch_samples(batch["key"])
 
 
+def served_layers(manifest: dict, layers) -> tuple[int, ...] | None:
+    """The layer ids to serve for ``layers``: None (every captured layer), a preset name the output records (or
+    whose ids, computed from the depth, it stores), or ids in the order wanted, each one the output stores."""
+    if layers is None:
+        return None
+    stored = StateLayout.from_manifest(manifest)
+    try:
+        parts = layers.split(",") if isinstance(layers, str) else layers
+        ids = tuple(int(k) for k in parts if str(k).strip())
+    except ValueError:
+        name, presets = layers.strip().lower(), manifest.get("presets") or {}
+        if name in presets:
+            return tuple(presets[name])
+        if name not in PRESETS:
+            raise HsextractError(
+                f"layers={layers!r} is neither a preset ({', '.join(PRESETS)}) nor layer ids; this output records "
+                f"the presets {sorted(presets) or 'none'} and stores the layers {list(stored.layer_ids)}"
+            ) from None
+        ids = preset_layer_ids(name, stored.num_layers)  # an output that records no presets: by its depth
+    missing = [k for k in ids if k not in stored.slot_layers]
+    if missing or not ids or len(set(ids)) != len(ids):
+        raise HsextractError(
+            f"layers={layers!r} ({list(ids)}) cannot be served: this output stores the layers "
+            f"{list(stored.layer_ids)}"
+            + (f" and the final state (layer {stored.num_layers - 1})" if stored.final_state else "")
+            + (f", recording the presets {manifest['presets']}" if manifest.get("presets") else "")
+            + ("; ask for each stored id at most once" if ids and not missing else "")
+            + (f"; {missing} are not stored: extract them (--layers) or ask for others" if missing else "")
+        )
+    return tuple(ids)
+
+
 def open_output(
     path: str,
     endpoint_url: str | None = None,
@@ -159,6 +202,7 @@ def open_output(
     verify: bool = True,
     dequantize: bool = True,
     dtype: torch.dtype = torch.bfloat16,
+    layers=None,
     **options,
 ) -> Output:
     """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading. Transient S3 errors are
@@ -166,7 +210,8 @@ def open_output(
     sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``. fp8 states are
     dequantized to ``dtype`` unless ``dequantize=False``. ``options``: ``cache_dir=`` keeps what is read in a local
     disk cache of at most ``cache_max_gb=`` (100) (storage/cache.py), for reading an S3 output many times;
-    ``manifest=`` the manifest read already."""
+    ``manifest=`` the manifest read already. ``layers``: serve only these stored layers, in this order (ids, or a
+    preset such as ``"dflash2"``; ``served_layers``)."""
     return Output(
         str(path),
         endpoint_url,
@@ -174,5 +219,6 @@ def open_output(
         verify=verify,
         dequantize=dequantize,
         dtype=dtype,
+        layers=layers,
         **options,
     )

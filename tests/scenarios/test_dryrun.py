@@ -177,3 +177,25 @@ def test_estimate_from_a_sample_says_so_and_scales_to_the_data(setup, monkeypatc
     assert exact["basis"]["from"] == "all rows"
     assert abs(est["samples"] - exact["samples"]) <= exact["samples"] * 0.1
     assert "estimate from a sample: the first rows of each source, 12 of" in format_report(sampled.report)
+
+
+def test_union_of_presets_is_proven_once_and_its_storage_shown_per_preset(setup):
+    _, cfg = setup
+    cfg = RunConfig(**{**cfg.to_json(), "layers": "dflash,dflash2,dspark,eagle3"})
+    result = dry_run(cfg, num_samples=3)
+    assert result.ok, format_report(result.report)
+    # 8 layers: dflash = dflash2 = dspark = [1..5], eagle3 [1, 3, 4]; dspark and eagle3 add the final state (7).
+    assert [e["layer_id"] for e in result.report["layers"]] == [1, 2, 3, 4, 5, 7]
+    rows = {r["name"]: r for r in result.report["estimate"]["storage"]}
+    assert list(rows) == ["dflash", "dflash2", "dspark", "eagle3", "union"]
+    assert rows["eagle3"]["layer_ids"] == [1, 3, 4] and rows["eagle3"]["slots"] == 4
+    assert rows["dflash"]["slots"] == 5 and rows["union"]["slots"] == 6
+    hidden = 64
+    tokens = result.report["estimate"]["tokens"]
+    for r in rows.values():
+        assert r["bytes_per_token"]["float32"] == r["slots"] * hidden * 4 + 5
+        assert r["bytes_per_token"]["float8_e4m3fn"] == r["slots"] * (hidden + 4) + 5
+        assert r["total_bytes"]["float32"] > tokens * r["bytes_per_token"]["float32"]
+    assert result.report["estimate"]["bytes_per_token"] == rows["union"]["bytes_per_token"]["float32"]
+    text = format_report(result.report)
+    assert "  eagle3   [1, 3, 4 + final state] 4 slots" in text

@@ -4,7 +4,14 @@ from support.faults import ShiftedCapture
 
 from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
-from hsextract.model.layers import dflash_layer_ids, eagle3_layer_ids, resolve_layer_ids
+from hsextract.model.layers import (
+    dflash2_layer_ids,
+    dflash_layer_ids,
+    eagle3_layer_ids,
+    implies_final_state,
+    presets_layer_ids,
+    resolve_layer_ids,
+)
 from hsextract.model.load import load_model, load_model_config
 
 
@@ -15,6 +22,26 @@ def test_presets_match_published_defaults_for_64_layers():
     assert resolve_layer_ids("1, 16,31", 64) == (1, 16, 31)
 
 
+def test_dflash2_ids_match_every_published_drafter_config():
+    assert dflash2_layer_ids(64) == (5, 19, 33, 47, 61)  # z-lab/Qwen3.8-27B-DFlash2
+    assert dflash2_layer_ids(52) == (1, 13, 25, 37, 49)  # z-lab/dflash tests/fixtures/dflash2-config.json
+    assert dflash2_layer_ids(36) == (1, 9, 17, 25, 33)  # NeMo Automodel qwen3_dflash2.yaml (Qwen3-8B)
+    assert dflash2_layer_ids(8) == dflash_layer_ids(8)  # too shallow for the spacing: DFlash's rule
+
+
+def test_union_of_presets_captures_each_id_once_and_records_each_preset():
+    spec = "DFlash, dflash2,eagle3,dflash"
+    assert resolve_layer_ids(spec, 64) == (1, 5, 16, 19, 31, 33, 46, 47, 60, 61)
+    assert presets_layer_ids(spec, 64) == {
+        "dflash": [1, 16, 31, 46, 61],
+        "dflash2": [5, 19, 33, 47, 61],
+        "eagle3": [1, 31, 60],
+    }
+    assert presets_layer_ids("1,2", 64) == {}
+    assert implies_final_state("dflash,dspark") and implies_final_state("eagle3")
+    assert not implies_final_state("dflash,dflash2") and not implies_final_state((1, 2))
+
+
 @pytest.mark.parametrize(
     "spec, match",
     [
@@ -23,6 +50,8 @@ def test_presets_match_published_defaults_for_64_layers():
         ("a,b", "preset"),
         ("", "empty"),
         ("-1", "out of range"),
+        ("dflash,3", "mixes presets and layer ids"),
+        ("dflash,eagle", "neither presets"),
     ],
 )
 def test_bad_layer_ids_get_a_clear_error(spec, match):

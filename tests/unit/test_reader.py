@@ -114,3 +114,74 @@ def test_damaged_manifest_raises_the_same_error_naming_it(output, damage, says):
     assert caught.value.key == "manifest.json"
     assert str(output / "manifest.json") in str(caught.value)
     assert says in caught.value.problem
+
+
+class CountingSink:
+    """A sink that counts the bytes its ranged reads return (the bytes a reader fetched)."""
+
+    def __init__(self, sink):
+        self.sink, self.bytes_read = sink, 0
+
+    def read_range(self, key, offset, length):
+        raw = self.sink.read_range(key, offset, length)
+        self.bytes_read += len(raw)
+        return raw
+
+    def read_range_into(self, key, offset, buffer, on_part=None):
+        got = self.sink.read_range_into(key, offset, buffer, on_part)
+        self.bytes_read += got
+        return got
+
+    def __getattr__(self, name):
+        return getattr(self.sink, name)
+
+
+def test_a_layer_subset_is_served_in_the_order_asked_and_equals_the_full_read(finished_run):
+    out_dir = finished_run[0] / "out"
+    full = open_output(out_dir)
+    sub = open_output(out_dir, layers=[7, 0])
+    assert sub.layer_ids == (7, 0) and full.layer_ids == (0, 3, 7)
+    for sid in full.sample_ids()[:12]:
+        a, b = full[sid], sub[sid]
+        assert list(b["layers"]) == [7, 0]
+        assert torch.equal(b["layers"][7], a["layers"][7]) and torch.equal(b["layers"][0], a["layers"][0])
+        assert torch.equal(b["hidden_states"], torch.cat([a["layers"][7], a["layers"][0]], dim=-1))
+        assert torch.equal(b["input_ids"], a["input_ids"])
+    contiguous = open_output(out_dir, layers="3,7")[full.sample_ids()[0]]
+    assert contiguous["hidden_states"].is_contiguous() and list(contiguous["layers"]) == [3, 7]
+
+
+def test_a_layer_subset_reads_every_stored_slot_of_its_tokens(finished_run):
+    """The batch files are token-major: a subset saves memory and copies, not bytes read (docs/FORMAT.md)."""
+    out_dir = finished_run[0] / "out"
+    counts = {}
+    for layers in (None, [3]):
+        out = open_output(out_dir, layers=layers)
+        samples = [out[sid] for sid in out.sample_ids()]  # opens every file first: headers and held tensors
+        out.sink = CountingSink(out.sink)
+        out._files.clear()
+        delivered = 0
+        for sid in out.sample_ids():
+            delivered += out[sid]["hidden_states"].numel() * 4  # float32 run
+        counts[str(layers)] = (out.sink.bytes_read, delivered)
+        assert len(samples) == len(out)
+    (read_all, delivered_all), (read_one, delivered_one) = counts["None"], counts["[3]"]
+    assert read_one == read_all  # the same ranged reads either way
+    assert delivered_one * 3 == delivered_all  # one of the three stored layers delivered
+
+
+@pytest.mark.parametrize(
+    "layers, says",
+    [
+        ([5], r"\[5\] are not stored"),
+        ("dflash", r"\[1, 2, 4, 5\] are not stored"),
+        ([3, 3], "at most once"),
+        ("eagle", "neither a preset"),
+    ],
+)
+def test_layers_the_output_does_not_store_are_refused_naming_what_it_stores(finished_run, layers, says):
+    from hsextract.errors import HsextractError
+
+    with pytest.raises(HsextractError, match=says) as caught:
+        open_output(finished_run[0] / "out", layers=layers)
+    assert "[0, 3, 7]" in str(caught.value)

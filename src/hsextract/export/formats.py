@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.training.schemas import SCHEMAS, Schema
+from hsextract.training.schemas import SCHEMAS, NemoDSpark, Schema
 
 FILE_GROUP = 2000  # samples per subdirectory, as SpecForge's prepare_hidden_states.py groups them
 
@@ -48,14 +48,16 @@ class ExportFormat:
 
     schema: Schema
     vocab_files: tuple[str, ...] = ()
+    per_sample = True
+    """Files per sample, written batch file by batch file; else the format writes its own (export/nemo.py)."""
 
     @property
     def name(self) -> str:
         return self.schema.name
 
-    def check(self, manifest: dict) -> None:
+    def check(self, manifest: dict, layer_ids=None) -> None:
         try:
-            self.schema.check(manifest)
+            self.schema.check(manifest, layer_ids)
         except HsextractError as e:
             raise HsextractError(f"--format {e}") from None
 
@@ -90,6 +92,22 @@ class SpecForgeDFlash(ExportFormat):
             "layer_ids": ids,
             "where": f'draft model config: "dflash_config": {{"target_layer_ids": {_ids(ids)}}}',
             "command": "specforge train --config YOUR-dflash-offline.yaml data.hidden_states_path=DEST",
+        }
+
+
+class SpecForgeDFlash2(SpecForgeDFlash):
+    schema = SCHEMAS["specforge-dflash2"]
+
+
+class SpecForgeDSpark(SpecForgeDFlash):
+    schema = SCHEMAS["specforge-dspark"]
+
+    def train_hint(self, manifest):
+        ids = list(manifest["layer_ids"])
+        return {
+            "layer_ids": ids,
+            "where": f"the DSpark draft config's target_layer_ids: {_ids(ids)}",
+            "command": "specforge train --config YOUR-dspark-offline.yaml data.hidden_states_path=DEST",
         }
 
 
@@ -186,8 +204,44 @@ class ModelOpt(ExportFormat):
         }
 
 
+class NemoDSparkCache(ExportFormat):
+    """NeMo Automodel's DSpark offline cache: shards and a manifest, written by export/nemo.py."""
+
+    schema = SCHEMAS["nemo-dspark"]
+    per_sample = False
+
+    def schema_for(self, seq_length: int) -> NemoDSpark:
+        return NemoDSpark(seq_length=seq_length)
+
+    def write_cache(self, dest, index, reader, **options) -> int:
+        from hsextract.export.nemo import write_cache
+
+        return write_cache(dest, index, reader, **options)
+
+    def vocab_mapping_files(self, d2t, t2d):
+        raise HsextractError("--draft-vocab: NeMo's DSpark drafter predicts over the full target vocabulary")
+
+    def train_hint(self, manifest):
+        ids = list(manifest["layer_ids"])
+        return {
+            "layer_ids": ids,
+            "where": f"recipe_args.target_layer_ids: {_ids(ids)} and recipe_args.cached_target_path: DEST (and "
+            "seq_length as the cache's; target_weights.safetensors beside the shards: docs/EXPORT.md)",
+            "command": "torchrun -m nemo_automodel.recipes.llm.train_dspark -c YOUR-dspark.yaml",
+        }
+
+
 FORMATS: dict[str, ExportFormat] = {
-    f.name: f for f in (SpecForgeDFlash(), SpecForgeEagle3(), Speculators(), ModelOpt())
+    f.name: f
+    for f in (
+        SpecForgeDFlash(),
+        SpecForgeDFlash2(),
+        SpecForgeDSpark(),
+        SpecForgeEagle3(),
+        Speculators(),
+        ModelOpt(),
+        NemoDSparkCache(),
+    )
 }
 
 

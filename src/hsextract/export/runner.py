@@ -227,22 +227,29 @@ def export(
     num_proc: int = 4,
     endpoint_url: str | None = None,
     index_only: bool = False,
+    layers=None,
+    seq_length: int | None = None,
+    shard_size: int | None = None,
     show_progress: bool = True,
     echo=print,
 ) -> dict:
     """Export the finished output at ``source`` to ``dest_url`` in format ``fmt_name``; resumes a cut-short export.
     ``index_only`` (speculators) writes the table and the statistics, no states: the trainer reads those from the
-    output through ``hsextract.training.speculators.OutputTransfer``. Returns what ``export.json`` holds."""
+    output through ``hsextract.training.speculators.OutputTransfer``. ``layers``: the stored layers exported, in
+    order (ids or a preset the output records; by default the format's own preset of a union output, else every
+    captured layer). ``seq_length`` and ``shard_size``: the padded length and samples per shard of a sharded cache
+    (``nemo-dspark``; by default the output's --max-length and 16). Returns what ``export.json`` holds."""
     from tqdm import tqdm
 
-    from hsextract.reader import open_output
+    from hsextract.reader import open_output, served_layers
 
     if fmt_name not in FORMATS:
         raise HsextractError(f"--format {fmt_name!r} is not one of {', '.join(FORMATS)}")
     fmt = FORMATS[fmt_name]
     out = open_output(source, endpoint_url)
     manifest = out.manifest
-    fmt.check(manifest)
+    layers = fmt.schema.layers_for(manifest, layers)
+    fmt.check(manifest, served_layers(manifest, layers) or out.layer_ids)
     vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
     if num_proc < 1:
         raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
@@ -252,10 +259,24 @@ def export(
             f"output through a HiddenStatesTransfer); --format {fmt.name} has no such seam"
         )
 
+    schema, cache = fmt.schema, None
+    if not fmt.per_sample:  # a sharded cache of fixed-length rows (export/nemo.py)
+        cache = {
+            "seq_length": seq_length or (manifest.get("fingerprint") or {}).get("max_length") or 4096,
+            "shard_size": shard_size or 16,
+        }
+        schema = fmt.schema_for(cache["seq_length"])
+    elif seq_length or shard_size:
+        raise HsextractError(
+            f"--seq-length and --shard-size are for sharded caches (nemo-dspark), not {fmt.name}"
+        )
     # What the training dataset serves of this output, the samples the format's trainer cannot take left out.
-    index = index_output(source, fmt.schema, endpoint_url=endpoint_url)
+    index = index_output(source, schema, endpoint_url=endpoint_url, layers=layers)
+    served = {**manifest, "layer_ids": list(index.layer_ids)}  # what the trainer is told it reads
     dest = open_sink(dest_url, endpoint_url)
-    spec = _spec(fmt, manifest, draft_vocab, index_only)
+    spec = _spec(fmt, served, draft_vocab, index_only)
+    if cache:
+        spec["cache"] = cache
     _claim_dest(dest, spec, dest_url)
     if dest.exists(COMPLETE_KEY):
         echo(f"{dest_url} already holds this export, complete")
@@ -265,12 +286,12 @@ def export(
 
     units = units_of(manifest)
     done = set(dest.list_keys(DONE_PREFIX))
-    todo = [] if index_only else [u for u in units if u.marker not in done]
+    todo = [] if index_only or cache else [u for u in units if u.marker not in done]
     total = sum(u.num_samples for u in units)
     bar = tqdm(
         total=total, desc=f"export {fmt.name}", unit="sample", disable=not show_progress, dynamic_ncols=True
     )
-    bar.update(total - sum(u.num_samples for u in todo))
+    bar.update(0 if cache else total - sum(u.num_samples for u in todo))
     t0 = time.time()
     processes = 1 if num_proc == 1 or len(todo) <= 1 else min(num_proc, len(todo))
     opening = (index, dest_url, endpoint_url, fmt.name, max(1, READ_THREADS // processes))
@@ -288,12 +309,17 @@ def export(
         ) as pool:
             for summary in pool.imap_unordered(_export_unit, todo):
                 bar.update(summary["samples"])
+    if cache:
+        fmt.write_cache(dest, index, SampleReader(index), threads=READ_THREADS, progress=bar.update, **cache)
+        bar.update(len(index.skipped))
     bar.close()
 
     # Everything per sample is durable; now the files about the whole export, from the markers and a pass over
     # the token ids and loss masks.
     if index_only:  # speculators leaves no sample out
         summaries = [{"skipped": {}, "written": u.num_samples} for u in units]
+    elif cache:
+        summaries = [{"skipped": index.skipped, "written": len(index)}]
     else:
         summaries = [json.loads(dest.get_bytes(u.marker)) for u in units]
     skipped = {sid: why for s in summaries for sid, why in s["skipped"].items()}
@@ -327,7 +353,7 @@ def export(
         "skipped": skipped,
         "loss_tokens": sum(token_freq.values()),
         "train_with": {
-            **fmt.train_hint(manifest),
+            **fmt.train_hint(served),
             **(
                 {"transfer": f"hsextract.training.speculators.OutputTransfer({source!r})"}
                 if index_only

@@ -142,6 +142,7 @@ class StateLayout:
 def run_file_metadata(
     *,
     layout: StateLayout,
+    presets: dict[str, list[int]],
     model: str,
     model_revision: str,
     model_config_hash: str,
@@ -159,6 +160,7 @@ def run_file_metadata(
         "layer_convention": CONVENTION,
         "hf_output_hidden_states_index": json.dumps([k + 1 for k in layer_ids]),
         "pre_final_norm": "true",
+        "presets": json.dumps(presets),
         **layout.file_metadata(),
         "model": model,
         "model_revision": model_revision,

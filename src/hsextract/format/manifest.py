@@ -50,6 +50,7 @@ def build_manifest(
         "format_version": OUTPUT_FORMAT_VERSION,
         "hsextract_version": __version__,
         "layer_ids": list(info.layer_ids),
+        "presets": dict(info.presets),
         "layer_convention": CONVENTION,
         "layer_types": list(info.layer_types),
         "num_layers": info.num_layers,

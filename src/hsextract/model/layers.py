@@ -1,10 +1,38 @@
-"""Layer ids: presets, parsing and validation against the model's depth, what each id captures."""
+"""Layer ids: presets, unions of presets, parsing and validation against the model's depth, what each id captures.
+
+Every id is the OUTPUT of decoder layer k (0-based) = HF ``output_hidden_states[k + 1]``, the convention of DFlash,
+SpecForge, ModelOpt, NeMo Automodel and DeepSpec (vLLM and speculators count the input of layer k: ours + 1).
+
+A preset names what one drafter family reads, computed from the model's depth:
+
+- ``dflash``: DFlash (z-lab ``build_target_layer_ids``, NeMo Automodel ``dflash/draft_qwen3.py``): 5 ids evenly
+  spaced from 1 to N-3, rounded; [1, 16, 31, 46, 61] for 64 layers.
+- ``dflash2``: DFlash 2. No source computes its ids: the published drafters carry them in their config
+  (``dflash_config.target_layer_ids``). Those configs fit one rule, 5 ids ending at N-3, ``round(N / 4.5)`` apart:
+  z-lab/Qwen3.8-27B-DFlash2 and NeMo Automodel's ``examples/speculative/dflash/qwen3_8_27b_dflash2.yaml``,
+  [5, 19, 33, 47, 61] for 64 layers; z-lab/dflash ``tests/fixtures/dflash2-config.json``, [1, 13, 25, 37, 49] for a
+  52-layer target; NeMo Automodel ``qwen3_dflash2.yaml``, [1, 9, 17, 25, 33] for Qwen3-8B's 36. Where that would
+  start below layer 1 (shallow models) it is DFlash's rule, which those last two equal.
+- ``dspark``: DSpark (deepseek-ai/DeepSpec ``config/dspark/dspark_qwen3_8b.py``: [1, 9, 17, 25, 33] for 36 layers,
+  DFlash's rule; its ``scripts/data/prepare_target_cache.py`` hooks those layers' outputs and stores the model's
+  ``last_hidden_state`` beside them; NeMo Automodel ``datasets/llm/dspark_cache.py``, the same two tensors): DFlash's
+  ids plus the final state after the norm, so it implies ``--final-state``.
+- ``eagle3``: EAGLE-3's low, middle and high layers [1, N//2 - 1, N - 4], plus the final state after the norm.
+
+A union (``dflash,dflash2,eagle3``) captures every id any of them needs once, in one forward; the output records
+each preset's ids so that a reader can serve one drafter's layers from it.
+"""
 
 from __future__ import annotations
 
 from hsextract.errors import HsextractError
 
-PRESETS = ("dflash", "eagle3")
+PRESETS = ("dflash", "dflash2", "dspark", "eagle3")
+
+
+FINAL_STATE_PRESETS = ("dspark", "eagle3")
+
+"""Presets whose trainers read the final state after the norm (the output then stores the last layer's output)."""
 
 
 def dflash_layer_ids(num_layers: int, num_targets: int = 5) -> tuple[int, ...]:
@@ -16,33 +44,79 @@ def dflash_layer_ids(num_layers: int, num_targets: int = 5) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
+def dflash2_layer_ids(num_layers: int, num_targets: int = 5) -> tuple[int, ...]:
+    """DFlash 2's published ids: ``num_targets`` ending at N-3, ``round(N / (num_targets - 0.5))`` apart
+    ([5, 19, 33, 47, 61] for 64); DFlash's rule where that would start below layer 1."""
+    end = num_layers - 3
+    step = round(num_layers / (num_targets - 0.5))
+    start = end - (num_targets - 1) * step
+    if num_targets == 1 or step < 1 or start < 1:
+        return dflash_layer_ids(num_layers, num_targets)
+    return tuple(range(start, end + 1, step))
+
+
 def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's default in the output convention: low, middle and high layers."""
     return tuple(sorted({1, num_layers // 2 - 1, num_layers - 4}))
 
 
+def preset_layer_ids(name: str, num_layers: int) -> tuple[int, ...]:
+    """The layer ids (without the final state) of one preset for a model with ``num_layers`` decoder layers."""
+    if name in ("dflash", "dspark"):
+        return dflash_layer_ids(num_layers)
+    if name == "dflash2":
+        return dflash2_layer_ids(num_layers)
+    if name == "eagle3":
+        return eagle3_layer_ids(num_layers)
+    raise HsextractError(f"{name!r} is not a layer preset ({', '.join(PRESETS)})")
+
+
 def parse_layers(spec) -> tuple[int, ...] | str:
-    """``"dflash"``, ``"eagle3"``, ``"1,16,31"`` or a sequence of ints."""
+    """``"dflash"``, a union ``"dflash,dflash2,eagle3"`` (returned normalized: lower case, no repeats, in the
+    order given), ``"1,16,31"`` or a sequence of ints."""
     if isinstance(spec, str):
-        s = spec.strip().lower()
-        if s in PRESETS:
-            return s
+        parts = [p for p in spec.strip().lower().replace(" ", "").split(",") if p]
+        named = [p for p in parts if p in PRESETS]
+        if named and len(named) == len(parts):
+            return ",".join(dict.fromkeys(named))
         try:
-            return tuple(int(x) for x in s.replace(" ", "").split(",") if x)
+            ids = tuple(int(x) for x in parts if x not in PRESETS)
         except ValueError:
             raise HsextractError(
-                f"--layers {spec!r} is neither a preset ({', '.join(PRESETS)}) nor comma-separated integers"
+                f"--layers {spec!r} is neither presets ({', '.join(PRESETS)}, joined by commas for a union) nor "
+                "comma-separated integers"
             ) from None
+        if named:
+            raise HsextractError(
+                f"--layers {spec!r} mixes presets and layer ids: give presets ({', '.join(PRESETS)}, joined by "
+                "commas for a union) or integers, not both"
+            )
+        return ids
     return tuple(int(x) for x in spec)
 
 
-def resolve_layer_ids(spec, num_layers: int) -> tuple[int, ...]:
-    """Concrete, sorted, checked layer ids for a model with ``num_layers`` decoder layers."""
+def preset_names(spec) -> tuple[str, ...]:
+    """The presets ``spec`` names, in the order given; none for explicit ids."""
     spec = parse_layers(spec)
-    if spec == "dflash":
-        ids = dflash_layer_ids(num_layers)
-    elif spec == "eagle3":
-        ids = eagle3_layer_ids(num_layers)
+    return tuple(spec.split(",")) if isinstance(spec, str) else ()
+
+
+def presets_layer_ids(spec, num_layers: int) -> dict[str, list[int]]:
+    """Each preset ``spec`` names -> its layer ids (final state not included), in the order given."""
+    return {name: list(preset_layer_ids(name, num_layers)) for name in preset_names(spec)}
+
+
+def implies_final_state(spec) -> bool:
+    """Whether a preset named in ``spec`` reads the final state (``dspark``, ``eagle3``)."""
+    return any(name in FINAL_STATE_PRESETS for name in preset_names(spec))
+
+
+def resolve_layer_ids(spec, num_layers: int) -> tuple[int, ...]:
+    """Concrete, sorted, checked layer ids for a model with ``num_layers`` decoder layers: for presets, the union
+    of their ids, each once."""
+    spec = parse_layers(spec)
+    if isinstance(spec, str):
+        ids = tuple(sorted({k for name in spec.split(",") for k in preset_layer_ids(name, num_layers)}))
     else:
         ids = spec
     if not ids:

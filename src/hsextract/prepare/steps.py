@@ -41,7 +41,7 @@ from hsextract.format.records import (
 )
 from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
 from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
-from hsextract.model.layers import layer_types, resolve_layer_ids
+from hsextract.model.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
@@ -65,6 +65,8 @@ class ModelFacts:
     num_layers: int
     layer_ids: tuple[int, ...]
     layout: StateLayout
+    presets: dict[str, list[int]]
+    """Each preset the layers name -> its ids (empty for explicit ids): recorded in every file and the manifest."""
 
 
 def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> StateLayout:
@@ -137,7 +139,12 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     )
     check_staging(cfg.staging_dir, one_file)
     return ModelFacts(
-        config=config, text_config=text, num_layers=num_layers, layer_ids=layer_ids, layout=layout
+        config=config,
+        text_config=text,
+        num_layers=num_layers,
+        layer_ids=layer_ids,
+        layout=layout,
+        presets=presets_layer_ids(cfg.layers, num_layers),
     )
 
 
@@ -318,6 +325,8 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         **({"final_state": True} if model.layout.final_state else {}),
         **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
         **({"dedupe": True} if cfg.dedupe else {}),
+        # A lone dflash or eagle3 hashes as before presets were recorded; every other preset set is part of the job.
+        **({"presets": model.presets} if set(model.presets) not in (set(), {"dflash"}, {"eagle3"}) else {}),
     }
 
 
@@ -457,8 +466,10 @@ def write_run_files(
         final_state=model.layout.final_state,
         storage_dtype=model.layout.storage_dtype,
         vocab_size=getattr(model.text_config, "vocab_size", None),
+        presets=model.presets,
         file_metadata=run_file_metadata(
             layout=model.layout,
+            presets=model.presets,
             model=cfg.model,
             model_revision=fp["model_revision"],
             model_config_hash=fp["model_config_hash"],

@@ -36,7 +36,7 @@ import os
 import re
 import socket
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hsextract.errors import HsextractError, free_bytes
@@ -299,6 +299,8 @@ class RunInfo:
     """``float8_e4m3fn``, or None: states stored in the run dtype."""
     vocab_size: int | None = None
     """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
+    presets: dict = field(default_factory=dict)
+    """Each preset the layers name -> its layer ids (model/layers.py); empty for explicit ids."""
 
     @property
     def layout(self):

@@ -69,13 +69,13 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb) -> Where:
+def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers=None) -> Where:
     """Where to read, from a dataset's arguments (each checked by ``Where``)."""
     if not isinstance(output, (str, os.PathLike)):
         raise HsextractError(f"output must be a directory or s3:// URL, got {output!r}")
     if cache_dir is not None and isinstance(cache_dir, os.PathLike):
         cache_dir = os.fspath(cache_dir)
-    return Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb)
+    return Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb, layers)
 
 
 class _Reading:
@@ -104,7 +104,7 @@ class _Reading:
 
 class StatesMapDataset(_Reading, Dataset):
     """Index -> item over an output, for trainers that bring their own sampler. Index ``i`` is the ``i``-th sample
-    the schema serves, in manifest order; ``lengths[i]`` its token count."""
+    the schema serves, in manifest order; ``lengths[i]`` its token count. ``layers`` as ``StatesDataset``'s."""
 
     def __init__(
         self,
@@ -117,8 +117,9 @@ class StatesMapDataset(_Reading, Dataset):
         index: SampleIndex | None = None,
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
+        layers=None,
     ):
-        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb)
+        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers)
         self.index = index or index_where(where, schema)
 
     def __len__(self) -> int:
@@ -146,7 +147,11 @@ class StatesDataset(_Reading, IterableDataset):
     ``follow_timeout_s`` without a new batch raises. Lengths and the sequence are then not known in advance.
 
     ``cache_dir``: what is read lands in a local disk cache of at most ``cache_max_gb`` (shared by the ranks and
-    workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3."""
+    workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3.
+
+    ``layers``: the stored layers each item holds, in this order: ids (``[5, 19, 33, 47, 61]``) or a preset the
+    output records (``"dflash2"``). By default every captured layer, or from an output of several presets the
+    schema's own (``specforge-dflash`` reads ``dflash``'s)."""
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class StatesDataset(_Reading, IterableDataset):
         follow_timeout_s: float = 1800.0,
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
+        layers=None,
     ):
         batch_size, window_files = whole("batch_size", batch_size, 1), whole("window_files", window_files, 1)
         threads, prefetch = whole("threads", threads, 1), whole("prefetch", prefetch, 1)
@@ -181,7 +187,7 @@ class StatesDataset(_Reading, IterableDataset):
         poll_s, follow_timeout_s = seconds("poll_s", poll_s), seconds("follow_timeout_s", follow_timeout_s)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.follow: Follow | None = None
-        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb)
+        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers)
         if follow:
             self.follow = Follow(
                 where,

@@ -38,6 +38,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from torch.utils.data import get_worker_info
@@ -46,7 +47,7 @@ from hsextract.errors import HsextractError
 from hsextract.format.final_norm import read_final_norm_meta
 from hsextract.format.manifest import STORED_FIELDS, has_manifest, read_manifest
 from hsextract.format.records import JOB_FILES, done_in_output, read_done
-from hsextract.reader import Output
+from hsextract.reader import Output, served_layers
 from hsextract.run.finalize import job_manifest, load_job_files
 from hsextract.storage import open_sink
 from hsextract.training.index import Where, open_where
@@ -87,7 +88,9 @@ class Follow:
         self.manifest = _waiting(
             lambda: live_manifest(sink), f"the job files of {sink.url}", poll_s, timeout_s
         )
-        schema.check(self.manifest)
+        layers = schema.layers_for(self.manifest, where.layers)  # a union's: the schema's own preset
+        self.where = replace(where, layers=layers)
+        schema.check(self.manifest, served_layers(self.manifest, layers) or tuple(self.manifest["layer_ids"]))
         self.keys = [b["key"] for b in self.manifest["batches"]]
         self.starts: dict[str, int] = {}  # plan position of each file's first sample
         n = 0

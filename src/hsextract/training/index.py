@@ -17,7 +17,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import get_worker_info
@@ -43,6 +43,8 @@ class Where:
     cache_dir: str | None = None
     """A local disk cache of the batch files read (storage/cache.py), for many epochs from S3."""
     cache_max_gb: float = 100.0
+    layers: tuple[int, ...] | str | None = None
+    """The stored layers served, in order (ids or a preset: reader.served_layers); None: every captured one."""
 
     def __post_init__(self):
         # Every dataset's arguments pass here: a wrong one is refused by name, not met in a worker later.
@@ -57,7 +59,9 @@ class SampleIndex:
     def __init__(self, out, where: Where, schema: Schema, threads: int = 8):
         self.where, self.schema = where, schema
         self.manifest = out.manifest
-        schema.check(self.manifest)
+        self.layer_ids: tuple[int, ...] = out.layer_ids
+        """The layer ids each item serves, in order."""
+        schema.check(self.manifest, out.layer_ids)
         batches = self.manifest["batches"]
         needs_tokens = type(schema).skip_reason is not Schema.skip_reason
 
@@ -122,15 +126,24 @@ def index_output(
     threads: int = 8,
     cache_dir: str | None = None,
     cache_max_gb: float = 100.0,
+    layers=None,
 ) -> SampleIndex:
-    """Open ``output`` (a directory or ``s3://bucket/prefix``) and index the samples ``schema`` serves."""
-    where = Where(str(output), endpoint_url, verify, dtype, retry_deadline_s, cache_dir, cache_max_gb)
+    """Open ``output`` (a directory or ``s3://bucket/prefix``) and index the samples ``schema`` serves
+    (``layers``: the stored layers served, in order; by default the schema's preset of a union output)."""
+    where = Where(str(output), endpoint_url, verify, dtype, retry_deadline_s, cache_dir, cache_max_gb, layers)
     return index_where(where, schema, threads)
 
 
 def index_where(where: Where, schema: str | Schema = "raw", threads: int = 8) -> SampleIndex:
-    """The index of the output ``where`` says how to open."""
-    return SampleIndex(open_where(where), where, get_schema(schema), threads)
+    """The index of the output ``where`` says how to open; from a union of presets, the schema's own layers unless
+    ``where`` names others (schemas.Schema.layers_for)."""
+    schema = get_schema(schema)
+    out = open_where(where)
+    layers = schema.layers_for(out.manifest, where.layers)
+    if layers != where.layers:
+        where = replace(where, layers=layers)
+        out = open_where(where, out.manifest)
+    return SampleIndex(out, where, schema, threads)
 
 
 def open_where(where: Where, manifest: dict | None = None, **options):
@@ -144,6 +157,7 @@ def open_where(where: Where, manifest: dict | None = None, **options):
         manifest=manifest,
         cache_dir=where.cache_dir,
         cache_max_gb=where.cache_max_gb,
+        layers=where.layers,
         **options,
     )
 

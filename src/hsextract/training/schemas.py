@@ -36,14 +36,30 @@ class Schema:
 
     name: str
     needs_final_state = True
+    preset: str | None = None
+    """The layer preset this trainer reads (model/layers.py): what it is served from an output of several."""
 
-    def check(self, manifest: dict) -> None:
-        """Refuse an output this trainer cannot use, before anything is read or written."""
+    def check(self, manifest: dict, layer_ids=None) -> None:
+        """Refuse an output this trainer cannot use, before anything is read or written (``layer_ids``: the ones
+        served, by default every captured one)."""
         if self.needs_final_state and not manifest.get("final_state"):
             raise HsextractError(
                 f"{self.name} needs the final hidden state, which this output does not hold: "
-                "rerun the extraction with --final-state (implied by --layers eagle3)"
+                "rerun the extraction with --final-state (implied by the eagle3 and dspark presets)"
             )
+
+    def layers_for(self, manifest: dict, layers):
+        """The layers to serve: those asked for; from an output of several presets, this trainer's own; else every
+        captured layer (None), as an output of one preset or of explicit ids holds just what was asked for."""
+        presets = manifest.get("presets") or {}
+        if layers is not None or len(presets) <= 1:
+            return layers
+        if self.preset in presets:
+            return self.preset
+        raise HsextractError(
+            f"this output holds the layers of several presets ({', '.join(presets)}): say which ones {self.name} "
+            f"reads with layers= (a preset, e.g. {next(iter(presets))!r}, or ids)"
+        )
 
     def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
         """Why a sample cannot be served, decided from its tokens alone (dataset and export agree on it)."""
@@ -77,6 +93,7 @@ class SpecForgeDFlash(Schema):
 
     name = "specforge-dflash"
     needs_final_state = False
+    preset = "dflash"
 
     def skip_reason(self, input_ids, loss_mask):
         if not has_consecutive_loss_tokens(loss_mask):
@@ -91,19 +108,98 @@ class SpecForgeDFlash(Schema):
         }
 
 
+class SpecForgeDFlash2(SpecForgeDFlash):
+    """SpecForge's DFlash-family ``data_I.ckpt`` (the same record and loader as DFlash) with DFlash 2's layers."""
+
+    name = "specforge-dflash2"
+    preset = "dflash2"
+
+
+class SpecForgeDSpark(SpecForgeDFlash):
+    """``torch.load`` of SpecForge's DSpark ``data_I.ckpt`` (``normalize_dspark_offline_sample`` in its loader):
+    DFlash's keys plus ``target_last_hidden_states`` [T, H], the final state after the norm."""
+
+    name = "specforge-dspark"
+    needs_final_state = True
+    preset = "dspark"
+
+    def record(self, s):
+        return {**super().record(s), "target_last_hidden_states": s["final_hidden_state"]}
+
+
+class DeepSpecDSpark(Schema):
+    """An item of DeepSpec's ``TargetCacheDataset`` (``deepspec/data/target_cache_dataset.py``), what its
+    ``CacheCollator`` pads: ``input_ids`` int32 [T], ``loss_mask`` uint8 [T], ``target_hidden_states`` [T, k*H] (its
+    hooks' layer outputs in id order), ``target_last_hidden_states`` [T, H] (the model's ``last_hidden_state``, after
+    the norm)."""
+
+    name = "deepspec-dspark"
+    preset = "dspark"
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].to(torch.int32),
+            "loss_mask": s["loss_mask"].to(torch.uint8),
+            "target_hidden_states": s["hidden_states"],
+            "target_last_hidden_states": s["final_hidden_state"],
+        }
+
+
+class NemoDSpark(Schema):
+    """One sample of NeMo Automodel's DSpark offline cache (``datasets/llm/dspark_cache.py``, ``CACHE_KEYS``):
+    ``input_ids`` and ``loss_mask`` int64 [T], ``target_hidden_states`` [T, k*H], ``target_last_hidden_states``
+    [T, H] after the norm. Its ``CachedDSparkDataset`` yields them padded to the cache's ``seq_length`` (zeros, no
+    loss): the item pads to ``seq_length`` when one is given (``NemoDSpark(seq_length=4096)``) and refuses longer
+    samples, since the cache cannot hold them."""
+
+    name = "nemo-dspark"
+    preset = "dspark"
+    KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+
+    def __init__(self, seq_length: int | None = None):
+        self.seq_length = seq_length
+
+    def skip_reason(self, input_ids, loss_mask):
+        if self.seq_length is not None and input_ids.numel() > self.seq_length:
+            return f"longer than the cache's seq_length {self.seq_length}"
+        return None
+
+    def record(self, s):
+        return {
+            "input_ids": s["input_ids"].long(),
+            "loss_mask": s["loss_mask"].long(),
+            "target_hidden_states": s["hidden_states"],
+            "target_last_hidden_states": s["final_hidden_state"],
+        }
+
+    def item(self, record, s=None):
+        if self.seq_length is None:
+            return record
+        return {k: pad_rows(record[k], self.seq_length) for k in self.KEYS}
+
+
+def pad_rows(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` [T, ...] with zero rows appended up to ``length``."""
+    out = t.new_zeros((length, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
 class SpecForgeEagle3(Schema):
     """``torch.load`` of SpecForge's EAGLE-3 ``data_I.ckpt``: the final state after the norm (it applies only the
     frozen lm_head), exactly 3 captured layers."""
 
     name = "specforge-eagle3"
+    preset = "eagle3"
 
-    def check(self, manifest):
-        super().check(manifest)
-        if len(manifest["layer_ids"]) != 3:
+    def check(self, manifest, layer_ids=None):
+        super().check(manifest, layer_ids)
+        ids = list(manifest["layer_ids"] if layer_ids is None else layer_ids)
+        if len(ids) != 3:
             raise HsextractError(
                 f"{self.name} needs exactly 3 captured layers (SpecForge's EAGLE-3 reads "
-                f"aux_hidden_state [1, T, 3H]); this output holds {len(manifest['layer_ids'])}: "
-                f"{manifest['layer_ids']}. Extract with --layers eagle3 or three ids."
+                f"aux_hidden_state [1, T, 3H]); this output serves {len(ids)}: {ids}. Extract with --layers "
+                "eagle3 or three ids, or serve three of them (layers=)."
             )
 
     def record(self, s):
@@ -178,12 +274,24 @@ class ModelOpt(Schema):
 
 
 SCHEMAS: dict[str, Schema] = {
-    s.name: s for s in (Raw(), SpecForgeDFlash(), SpecForgeEagle3(), Speculators(), ModelOpt())
+    s.name: s
+    for s in (
+        Raw(),
+        SpecForgeDFlash(),
+        SpecForgeDFlash2(),
+        SpecForgeDSpark(),
+        SpecForgeEagle3(),
+        Speculators(),
+        ModelOpt(),
+        DeepSpecDSpark(),
+        NemoDSpark(),
+    )
 }
 
 
 def get_schema(schema: str | Schema) -> Schema:
-    """A schema by name (``raw``, ``specforge-dflash``, ``specforge-eagle3``, ``speculators``, ``modelopt``)."""
+    """A schema by name (``raw``, ``specforge-dflash``, ``specforge-dflash2``, ``specforge-dspark``,
+    ``specforge-eagle3``, ``speculators``, ``modelopt``, ``deepspec-dspark``, ``nemo-dspark``)."""
     if isinstance(schema, Schema):
         return schema
     if schema not in SCHEMAS:

@@ -1,0 +1,58 @@
+"""Which layers each trainer schema reads from an output: its own preset of a union, what it is told, or all."""
+
+import pytest
+import torch
+
+from hsextract.errors import HsextractError
+from hsextract.training.schemas import SCHEMAS, NemoDSpark
+
+UNION = {
+    "layer_ids": [1, 5, 16, 19, 31, 33, 46, 47, 60, 61],
+    "presets": {"dflash": [1, 16, 31, 46, 61], "dflash2": [5, 19, 33, 47, 61], "eagle3": [1, 31, 60]},
+    "final_state": {"slot": 10, "layer": 63},
+}
+
+
+@pytest.mark.parametrize(
+    "schema, preset",
+    [("specforge-dflash", "dflash"), ("specforge-dflash2", "dflash2"), ("specforge-eagle3", "eagle3")],
+)
+def test_each_schema_reads_its_own_preset_of_a_union(schema, preset):
+    assert SCHEMAS[schema].layers_for(UNION, None) == preset
+    assert SCHEMAS[schema].layers_for(UNION, [5, 1]) == [5, 1]  # what it is told wins
+
+
+def test_a_schema_without_its_preset_in_a_union_asks_which_layers():
+    with pytest.raises(HsextractError, match="say which ones specforge-dspark reads with layers="):
+        SCHEMAS["specforge-dspark"].layers_for(UNION, None)
+    with pytest.raises(HsextractError, match="say which ones speculators reads"):
+        SCHEMAS["speculators"].layers_for(UNION, None)
+
+
+def test_an_output_of_one_preset_or_explicit_ids_serves_every_captured_layer():
+    one = {"layer_ids": [1, 31, 60], "presets": {"eagle3": [1, 31, 60]}}
+    assert SCHEMAS["specforge-dflash"].layers_for(one, None) is None
+    assert SCHEMAS["specforge-eagle3"].layers_for({"layer_ids": [1, 2, 3]}, None) is None
+
+
+def test_eagle3_checks_the_layers_it_is_served_not_the_union():
+    SCHEMAS["specforge-eagle3"].check(UNION, (1, 31, 60))
+    with pytest.raises(HsextractError, match="exactly 3"):
+        SCHEMAS["specforge-eagle3"].check(UNION)
+
+
+def test_nemo_dspark_item_pads_to_the_cache_length_and_leaves_longer_samples_out():
+    s = {
+        "input_ids": torch.tensor([3, 4, 5]),
+        "loss_mask": torch.tensor([False, True, True]),
+        "hidden_states": torch.ones(3, 10),
+        "final_hidden_state": torch.full((3, 2), 2.0),
+    }
+    schema = NemoDSpark(seq_length=5)
+    item = schema.served(s)
+    assert item["input_ids"].tolist() == [3, 4, 5, 0, 0] and item["input_ids"].dtype == torch.long
+    assert item["loss_mask"].tolist() == [0, 1, 1, 0, 0]
+    assert item["target_hidden_states"].shape == (5, 10) and not item["target_hidden_states"][3:].any()
+    assert torch.equal(item["target_last_hidden_states"][:3], s["final_hidden_state"])
+    assert schema.skip_reason(torch.arange(6), torch.ones(6)) == "longer than the cache's seq_length 5"
+    assert schema.skip_reason(torch.arange(5), torch.ones(5)) is None
