@@ -213,6 +213,10 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     from hsextract.status.document import status_document
     from hsextract.status.table import run_table
 
+    if "://" not in run_dir and not Path(run_dir).exists():
+        from hsextract.storage.local import LocalSink
+
+        raise HsextractError(f"{LocalSink(run_dir).missing_place()}: give a run dir or an output")
     if not RunDir(run_dir).is_run_dir() and _is_output(run_dir):
         if serve:
             raise HsextractError(
@@ -237,7 +241,7 @@ def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
     from hsextract.status.table import output_table
     from hsextract.storage import open_sink
 
-    doc = output_status(open_sink(target, endpoint, retry_deadline_s=120))
+    doc = output_status(open_sink(target, endpoint, retry_deadline_s=120, reading=True))
     click.echo(json.dumps(doc, indent=2) if as_json else output_table(doc))
 
 
@@ -250,7 +254,7 @@ def finalize(output, s3_endpoint_url):
     from hsextract.run.finalize import finalize_output
     from hsextract.storage import open_sink
 
-    code, missing = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
+    code, missing = finalize_output(open_sink(output, s3_endpoint_url, reading=True), echo=click.echo)
     sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 

@@ -111,6 +111,8 @@ def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
 
 def output_status(sink) -> dict:
     """Per-shard and per-node progress of a job from its output alone (``hsextract status OUTPUT``)."""
+    if (missing := sink.missing_place()) is not None:
+        raise HsextractError(missing)
     job = read_job(sink)
     if job is None:
         raise HsextractError(f"{sink.url} holds no hsextract job (no {JOB_FILES['plan']} or claim)")
