@@ -109,7 +109,12 @@ def _build_config(**opts) -> RunConfig:
         node_rank = values.get("node_rank", 0) if values.get("nodes", 1) > 1 else None
         values["run_dir"] = str(default_run_dir(values["output"], node_rank))
         click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
-    return RunConfig(**values)
+    cfg = RunConfig(**values)
+    if values.get("device", "auto") == "auto":
+        from hsextract.run.devices import resolve_device
+
+        click.echo(f"device: {cfg.device} ({resolve_device('auto')[1]})")
+    return cfg
 
 
 @click.group()

@@ -34,7 +34,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
 STORAGE_DTYPES = ("float8_e4m3fn",)
 TOO_LONG_POLICIES = ("truncate", "skip")
-DEVICES = ("cuda", "cpu")
+DEVICES = ("auto", "cuda", "cpu")
 KERNEL_MODES = ("fused", "stock")
 DEFAULT_STALL_TIMEOUT_S = 180.0
 
@@ -95,8 +95,9 @@ class RunConfig:
     gpus: tuple[int, ...] | None = _opt(None, "run")
     """GPU indices for the shards (default 0..shards-1)."""
 
-    device: str = _opt("cuda", choices=DEVICES)
-    """``cuda`` or ``cpu`` (tests and the embedded demo)."""
+    device: str = _opt("auto", choices=DEVICES)
+    """``auto``: ``cuda`` where a CUDA build of torch finds an NVIDIA GPU, else ``cpu`` (the run says which);
+    ``cuda``: one GPU per shard, checked before the data is prepared; ``cpu``: small models (tests, the demo)."""
 
     dtype: str = _opt("bfloat16", choices=DTYPES)
     """The dtype the model runs and states are stored in (unless ``storage_dtype`` says otherwise)."""
@@ -200,6 +201,10 @@ class RunConfig:
             raise HsextractError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.device not in DEVICES:
             raise HsextractError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "auto":  # resolved once, here: config.json and the workers see cuda or cpu
+            from hsextract.run.devices import resolve_device
+
+            object.__setattr__(self, "device", resolve_device("auto")[0])
         if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):
             raise HsextractError(f"--staging-max-gb must be a positive number, got {self.staging_max_gb}")
         if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
