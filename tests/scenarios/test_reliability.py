@@ -473,3 +473,24 @@ def assert_s3_output_is(endpoint, bucket: str, reference: Path) -> None:
     assert f"job/{MANIFEST}" in endpoint.object_keys(bucket)
     v = run_cli("verify", f"s3://{bucket}/job", "--s3-endpoint-url", endpoint.url, env=cli_env(), check=False)
     assert v.returncode == 0 and "all good" in v.stdout, v.stdout + v.stderr
+
+
+def test_a_rerun_after_sigint_says_it_resumes_with_the_count_the_interruption_gave(
+    tmp_path, tiny_model, dataset
+):
+    """After a SIGINT the launcher said "1 of 13 batches are finished and kept" and the rerun said nothing about
+    resuming (a shard log said 2 were done)."""
+    import re
+
+    args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
+    with launched(args, tmp_path) as proc:
+        wait_for(lambda: marker_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
+    said = re.search(r"(\d+) of (\d+) batches are in the output and kept", launcher_output(tmp_path))
+    assert said, launcher_output(tmp_path)
+    rerun = run_cli(*args)
+    resumed = re.search(r"resuming: (\d+) of (\d+) batches are in the output already", rerun.stdout)
+    assert resumed, rerun.stdout
+    assert resumed.groups() == said.groups(), (launcher_output(tmp_path), rerun.stdout)
+    assert_verified(tmp_path / "out")
