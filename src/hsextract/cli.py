@@ -305,7 +305,11 @@ def verify(output, s3_endpoint_url, workers, as_json):
 @click.option(
     "--target-vocab-size", type=int, help="Target vocabulary size, for outputs whose manifest lacks it."
 )
-@click.option("--num-proc", default=4, show_default=True, help="Processes writing export files.")
+@click.option(
+    "--num-proc",
+    type=click.IntRange(min=1),
+    help="Processes writing export files. [default: the cores this process may use, at most 8]",
+)
 @click.option(
     "--s3-endpoint-url", help="S3-compatible endpoint for OUTPUT and DEST (AWS_ENDPOINT_URL_S3 works too)."
 )

@@ -370,3 +370,28 @@ def test_reader_final_state_is_hf_last_entry_and_the_last_layers_raw_output(eagl
         torch.testing.assert_close(sample["final_hidden_state"], ref["hs"][-1], **TOL)
         torch.testing.assert_close(sample["final_hidden_state_prenorm"], ref["prenorm"], **TOL)
         assert sample["hidden_states"].shape[1] == 3 * 64  # the captured layers only
+
+
+@pytest.mark.parametrize(
+    ("fmt", "given"),
+    [
+        ("speculators", "--draft-vocab-size 50"),
+        ("specforge-eagle3", "model.vocab_mapping_path={dest}/vocab_mapping.pt"),
+        ("modelopt", "data.draft_vocab_cache={dest}/d2t.pt"),
+    ],
+)
+def test_export_prints_the_trainer_command_with_real_paths_and_the_given_sizes_and_no_bars(
+    eagle3_run, tmp_path, tiny_model, fmt, given
+):
+    """The hints said MODEL and DEST and dropped --draft-vocab; --no-progress still printed datasets' bars."""
+    dest = tmp_path / "exported"
+    r = run_cli("export", eagle3_run, dest, "--format", fmt, "--draft-vocab", DRAFT_VOCAB, "--no-progress")
+    command = next(line for line in r.stdout.splitlines() if line.startswith("train with: "))
+    assert str(tiny_model) in command and str(dest) in command, command
+    assert given.format(dest=dest) in command, command
+    assert "MODEL" not in command and "DEST" not in command and "YOUR" not in command, command
+    assert "%|" not in r.stdout + r.stderr, r.stderr  # no progress bar of any library
+    assert (
+        json.loads((dest / "export.json").read_text())["train_with"]["command"]
+        == command[len("train with: ") :]
+    )

@@ -43,11 +43,14 @@ output and the options; an export into a DEST holding a different export, or fil
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -223,7 +226,7 @@ def export(
     *,
     draft_vocab: int | None = None,
     target_vocab_size: int | None = None,
-    num_proc: int = 4,
+    num_proc: int | None = None,
     endpoint_url: str | None = None,
     index_only: bool = False,
     show_progress: bool = True,
@@ -243,6 +246,7 @@ def export(
     manifest = out.manifest
     fmt.check(manifest)
     vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
+    num_proc = default_num_proc() if num_proc is None else num_proc
     if num_proc < 1:
         raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
     if index_only and fmt.name != "speculators":
@@ -306,7 +310,8 @@ def export(
             yield position, ids, mask
 
     with tempfile.TemporaryDirectory(prefix="hsextract-export-") as workdir:
-        fmt.finish(dest, counted_rows(), workdir)
+        with _datasets_bars(show_progress):
+            fmt.finish(dest, counted_rows(), workdir)
     stats_bar.close()
     dest.put_bytes("token_freq.pt", _torch_bytes(dict(sorted(token_freq.items()))))
     if draft_vocab is not None:
@@ -326,7 +331,7 @@ def export(
         "skipped": skipped,
         "loss_tokens": sum(token_freq.values()),
         "train_with": {
-            **fmt.train_hint(manifest),
+            **fmt.train_hint(manifest, _where(dest_url), draft_vocab),
             **(
                 {"transfer": f"hsextract.training.speculators.OutputTransfer({source!r})"}
                 if index_only
@@ -342,6 +347,31 @@ def export(
     )
     echo(f"train with: {result['train_with']['command']}")
     return result
+
+
+def default_num_proc() -> int:
+    """The export's processes: the cores this process may use, at most 8 (more only adds start-up time)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+@contextlib.contextmanager
+def _datasets_bars(show: bool):
+    """The ``datasets`` library's own progress bars (saving a table) follow ``--no-progress``; restored after."""
+    from datasets.utils import logging as ds_logging
+
+    was_enabled = ds_logging.is_progress_bar_enabled()
+    if not show:
+        ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not show:
+            ds_logging.enable_progress_bar()
+
+
+def _where(url: str) -> str:
+    """DEST as a trainer on this machine is given it: an absolute path, or the URL."""
+    return url.rstrip("/") if "://" in url else str(Path(url).expanduser().resolve())
 
 
 __all__ = ["FORMATS", "export", "vocab_mapping"]
