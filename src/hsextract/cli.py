@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from hsextract.config import RunConfig, load_yaml
+from hsextract.config import REQUIRED, RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError, disk_full
 from hsextract.run.procs import Terminated, stop_on_signals
@@ -68,6 +68,8 @@ def _config_option(f: dataclasses.Field) -> Callable:
     defaults to None, so that a value from --config is overridden only by an option actually given."""
     flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
     help = _help(config_field_docs().get(f.name, ""), f.default)
+    if f.name in REQUIRED:  # not click's required=True: the --config file may give it
+        help += " [required, here or in --config]"
     kind = str(f.type)
     if kind == "bool":
         return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help)

@@ -181,3 +181,22 @@ def test_a_replaced_final_norm_is_refused_by_the_reader_and_named_by_verify(fp8_
     finally:
         path.write_bytes(original)
     assert verify_output(str(fp8_run), show_progress=False).ok
+
+
+def test_text_status_of_a_finished_run_shows_average_rate_elapsed_and_the_data_report(finished_run):
+    """Finished shards showed tok/s 0 and a blank ETA, and the text had no data report (the page and --json did)."""
+    import re
+
+    from click.testing import CliRunner
+
+    from hsextract.cli import main
+
+    root, data, _, _ = finished_run
+    out = CliRunner().invoke(main, ["status", str(root / "run")], terminal_width=200).output
+    done_rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+done\s", line)]
+    assert len(done_rows) == 2, out
+    for line in done_rows:
+        rate = int(line.split()[4].replace(",", ""))
+        assert rate > 0 and re.search(r"took \d+m\d+s", line), line
+    assert re.search(r"^data: \d+ rows: \d+ kept", out, re.M), out
+    assert f"({data}): " in out, out  # the source's own line

@@ -313,12 +313,18 @@ def test_interrupted_export_resumes_to_the_same_files_and_nothing_half_written(
 def test_export_refuses_to_mix_with_another_export_or_foreign_files(eagle3_run, dflash_run, tmp_path):
     dest = exported(eagle3_run, tmp_path, "specforge-dflash")
     before = _files(dest)
-    with pytest.raises(HsextractError, match="holds another export"):
+    with pytest.raises(
+        HsextractError, match="holds another export: format: specforge-dflash there, modelopt now"
+    ):
         export(str(eagle3_run), str(dest), "modelopt", show_progress=False)
-    with pytest.raises(HsextractError, match="holds another export"):
+    with pytest.raises(
+        HsextractError, match=r"holds another export: source output \(its plan\): \w+ there, \w+ now"
+    ):
         export(str(dflash_run), str(dest), "specforge-dflash", show_progress=False)
-    with pytest.raises(HsextractError, match="holds another export"):
-        export(str(eagle3_run), str(dest), "specforge-dflash", draft_vocab=10, show_progress=False)
+    # Through the CLI: the fields that differ in words, no Python dict.
+    r = run_cli("export", eagle3_run, dest, "--format", "specforge-dflash", "--draft-vocab", 10, check=False)
+    assert r.returncode == 2 and "--draft-vocab: none there, 10 now" in r.stderr, r.stderr
+    assert "{" not in r.stderr, r.stderr
     assert _files(dest) == before
     # The same export again: already complete, nothing rewritten.
     lines = []

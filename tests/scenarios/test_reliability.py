@@ -226,20 +226,14 @@ def test_no_command_prints_the_endpoint_password_in_its_retry_lines_or_errors(tm
         )
         for name, args in commands.items()
     }
-    # The run's preflight gives up in seconds; the others retry for minutes: their first retry lines suffice.
-    deadline = time.monotonic() + 25
-    while time.monotonic() < deadline and procs["run"].poll() is None:
-        time.sleep(0.2)
-    time.sleep(max(0.0, deadline - time.monotonic()))
-    seen = {}
-    for name, p in procs.items():
-        if p.poll() is None and name != "run":
-            p.send_signal(signal.SIGTERM)
-        seen[name] = p.communicate(timeout=120)[0]
+    # Every command gives up by itself on an endpoint it never reached (the run's preflight, the readers at their
+    # first refused connection): each is waited for, however slow the machine, never cut off at a fixed time.
+    seen = {name: p.communicate(timeout=300)[0] for name, p in procs.items()}
     leaks = {name: text[-400:] for name, text in seen.items() if secret in text}
     assert not leaks, f"the password leaked: {leaks}"
-    assert all("retry 1 of" in text for name, text in seen.items() if name != "export"), seen
-    assert procs["run"].returncode == 2, seen["run"]
+    assert all(p.returncode == 2 for p in procs.values()), seen
+    readers = {name: text for name, text in seen.items() if name != "run"}
+    assert all("could not connect to the S3 endpoint http://***@127.0.0.1" in t for t in readers.values()), seen
     assert "could not reach http://***@127.0.0.1" in seen["run"], seen["run"]
 
 

@@ -72,3 +72,23 @@ def test_gpus_take_a_comma_list_on_the_command_line(tmp_path):
         main, ["run", "--gpus", "0,x", "--model", "m", "--data", "d", "--output", "o"]
     )
     assert result.exit_code == 2 and "comma-separated list of integers" in result.output
+
+
+def test_run_without_options_names_what_is_missing_and_not_the_defaulted_run_dir():
+    result = CliRunner().invoke(main, ["run"])
+    assert result.exit_code == 2
+    assert "missing --model, --data, --output" in result.output and "--run-dir" not in result.output
+
+
+def test_help_marks_required_options_states_the_run_dir_default_and_cites_no_source_file():
+    import re
+
+    for command in ("run", "dry-run"):
+        out = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+        for option in ("--model", "--data") + (("--output",) if command == "run" else ()):
+            line = next(line for line in out.splitlines() if line.strip().startswith(option))
+            assert "[required" in out[out.index(line) :].split("\n  --")[0], (option, line)
+        cited = re.findall(r"\b[\w/]+\.py\b|\(\w+\.\w+_\w+\)", out)
+        assert not cited, f"{command} --help cites source: {cited}"
+    run_help = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    assert "runs/<output name>-<hash of the output>" in " ".join(run_help.split())

@@ -166,10 +166,9 @@ def _claim_dest(dest, spec: dict, dest_url: str) -> None:
         old = json.loads(dest.get_bytes(SPEC_KEY))
         old.pop("hsextract_version", None)
         if old != spec:
-            changed = [k for k in spec if old.get(k) != spec[k]]
             raise HsextractError(
-                f"{dest_url} holds another export ({', '.join(changed)} differ: {old} vs {spec}); "
-                "choose another DEST or delete that export first"
+                f"{dest_url} holds another export: {'; '.join(_spec_differences(old, spec))}. "
+                "Choose another DEST or delete that export first"
             )
         return
     existing = dest.list_keys("")
@@ -179,6 +178,35 @@ def _claim_dest(dest, spec: dict, dest_url: str) -> None:
             "choose an empty or new DEST"
         )
     dest.put_bytes(SPEC_KEY, json.dumps({**spec, "hsextract_version": __version__}).encode())
+
+
+_SPEC_WORDS = {
+    "format": "format",
+    "draft_vocab": "--draft-vocab",
+    "index_only": "--index-only",
+    "plan_hash": "source output (its plan)",
+    "num_samples": "source output's sample count",
+    "num_tokens": "source output's token count",
+    "layer_ids": "source output's layer ids",
+}
+
+
+def _spec_differences(old: dict, new: dict) -> list[str]:
+    """Each field in which the export in DEST differs from this one, in words: ``format: speculators there,
+    modelopt now``."""
+
+    def flat(spec: dict) -> dict:
+        return {**{k: v for k, v in spec.items() if k != "source"}, **spec.get("source", {})}
+
+    def shown(value) -> str:
+        return "none" if value is None or value is False else str(value)
+
+    before, now = flat(old), flat(new)
+    return [
+        f"{_SPEC_WORDS.get(key, key)}: {shown(before.get(key))} there, {shown(now.get(key))} now"
+        for key in dict.fromkeys([*now, *before])
+        if before.get(key) != now.get(key)
+    ]
 
 
 def _kept_rows(out, index: SampleIndex, units: list[Unit], progress):

@@ -79,6 +79,7 @@ def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list
                 "state": state,
                 **counts,
                 "tokens_per_s": p.tokens_per_s if live else 0.0,
+                **_session(p),
                 "eta_s": p.eta_s if p and state == ShardState.RUNNING else None,
                 "updated_at": p.updated_at if p else None,
                 "last_progress_at": p.last_progress_at if p else None,
@@ -97,6 +98,18 @@ def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list
             }
         )
     return rows, complete
+
+
+def _session(p: ShardProgress | None) -> dict:
+    """The last session's length and average rate (from its first recorded point to its last save): what a
+    finished shard shows instead of a live rate."""
+    if p is None:
+        return {"elapsed_s": None, "average_tokens_per_s": None}
+    points = [pt for pt in p.history if pt[0] >= p.started_at - 1.0]
+    tokens_at_start = points[0][1] if points else 0
+    elapsed = max(p.updated_at - p.started_at, 0.0)
+    rate = (p.tokens_done - tokens_at_start) / elapsed if elapsed > 0 else None
+    return {"elapsed_s": round(elapsed, 1), "average_tokens_per_s": rate}
 
 
 def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:

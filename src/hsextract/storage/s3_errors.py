@@ -84,11 +84,11 @@ def never_connected(exc: BaseException) -> bool:
 
 def unreachable(exc: BaseException, sink) -> str:
     """The message for an endpoint that was never reached: most often the wrong one."""
-    return (
-        f"could not connect to the S3 endpoint {sink.endpoint} for {sink.url} ({exc}): "
-        "for an S3-compatible store pass --s3-endpoint-url URL (or set AWS_ENDPOINT_URL_S3); "
-        "check that the endpoint is up and its host and port are right"
-    )
+    if "amazonaws.com" in sink.endpoint:
+        advice = "for an S3-compatible store pass --s3-endpoint-url URL (or set AWS_ENDPOINT_URL_S3)"
+    else:
+        advice = "check --s3-endpoint-url (or AWS_ENDPOINT_URL_S3): is a server up at that host and port?"
+    return f"could not connect to the S3 endpoint {sink.endpoint} for {sink.url} ({exc}): {advice}"
 
 
 def checksum_refused(exc: BaseException) -> bool:
