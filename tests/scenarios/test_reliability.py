@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -233,7 +232,9 @@ def test_no_command_prints_the_endpoint_password_in_its_retry_lines_or_errors(tm
     assert not leaks, f"the password leaked: {leaks}"
     assert all(p.returncode == 2 for p in procs.values()), seen
     readers = {name: text for name, text in seen.items() if name != "run"}
-    assert all("could not connect to the S3 endpoint http://***@127.0.0.1" in t for t in readers.values()), seen
+    assert all("could not connect to the S3 endpoint http://***@127.0.0.1" in t for t in readers.values()), (
+        seen
+    )
     assert "could not reach http://***@127.0.0.1" in seen["run"], seen["run"]
 
 
