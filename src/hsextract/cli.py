@@ -221,9 +221,9 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     from hsextract.status.table import run_table
 
     if "://" not in run_dir and not Path(run_dir).exists():
-        from hsextract.storage.local import LocalSink
-
-        raise HsextractError(f"{LocalSink(run_dir).missing_place()}: give a run dir or an output")
+        raise HsextractError(
+            f"the directory {run_dir} does not exist: give a run dir (runs/...) or an output"
+        )
     if not RunDir(run_dir).is_run_dir() and _is_output(run_dir):
         if serve:
             raise HsextractError(
@@ -261,7 +261,10 @@ def finalize(output, s3_endpoint_url):
     from hsextract.run.finalize import finalize_output
     from hsextract.storage import open_sink
 
-    code, missing = finalize_output(open_sink(output, s3_endpoint_url, reading=True), echo=click.echo)
+    sink = open_sink(output, s3_endpoint_url, reading=True)
+    if (absent := sink.missing_place()) is not None:
+        raise HsextractError(absent)
+    code, missing = finalize_output(sink, echo=click.echo)
     sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 

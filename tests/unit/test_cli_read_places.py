@@ -65,7 +65,7 @@ def test_a_reading_sink_that_reached_its_endpoint_waits_out_an_outage(s3: S3Endp
         restart.join()
 
 
-@pytest.mark.parametrize("command", ["verify", "status", "export"])
+@pytest.mark.parametrize("command", ["verify", "status", "export", "finalize"])
 def test_a_missing_directory_is_named_as_missing_not_as_an_unfinished_run(command, tmp_path):
     missing = tmp_path / "no-such-output"
     args = [command, str(missing)] + (
