@@ -92,3 +92,14 @@ def test_help_marks_required_options_states_the_run_dir_default_and_cites_no_sou
         assert not cited, f"{command} --help cites source: {cited}"
     run_help = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
     assert "runs/<output name>-<hash of the output>" in " ".join(run_help.split())
+
+
+def test_export_num_proc_defaults_from_the_cores_this_process_may_use():
+    import os
+
+    from hsextract.export.runner import default_num_proc
+
+    assert default_num_proc() == min(8, len(os.sched_getaffinity(0)))
+    out = CliRunner().invoke(main, ["export", "--help"], terminal_width=200).output
+    assert "the cores this process may use" in " ".join(out.split())
+    assert "[default: 4]" not in out
