@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from hsextract.config import RunConfig, load_yaml
+from hsextract.config import REQUIRED, RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError, disk_full, install_redaction
 from hsextract.run.procs import Terminated, stop_on_signals
@@ -68,6 +68,8 @@ def _config_option(f: dataclasses.Field) -> Callable:
     defaults to None, so that a value from --config is overridden only by an option actually given."""
     flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
     help = _help(config_field_docs().get(f.name, ""), f.default)
+    if f.name in REQUIRED:  # not click's required=True: the --config file may give it
+        help += " [required, here or in --config]"
     kind = str(f.type)
     if kind == "bool":
         return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help)
@@ -109,7 +111,12 @@ def _build_config(**opts) -> RunConfig:
         node_rank = values.get("node_rank", 0) if values.get("nodes", 1) > 1 else None
         values["run_dir"] = str(default_run_dir(values["output"], node_rank))
         click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
-    return RunConfig(**values)
+    cfg = RunConfig(**values)
+    if values.get("device", "auto") == "auto":
+        from hsextract.run.devices import resolve_device
+
+        click.echo(f"device: {cfg.device} ({resolve_device('auto')[1]})")
+    return cfg
 
 
 @click.group()
@@ -214,6 +221,10 @@ def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     from hsextract.status.document import status_document
     from hsextract.status.table import run_table
 
+    if "://" not in run_dir and not Path(run_dir).exists():
+        raise HsextractError(
+            f"the directory {run_dir} does not exist: give a run dir (runs/...) or an output"
+        )
     if not RunDir(run_dir).is_run_dir() and _is_output(run_dir):
         if serve:
             raise HsextractError(
@@ -238,7 +249,7 @@ def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
     from hsextract.status.table import output_table
     from hsextract.storage import open_sink
 
-    doc = output_status(open_sink(target, endpoint, retry_deadline_s=120))
+    doc = output_status(open_sink(target, endpoint, retry_deadline_s=120, reading=True))
     click.echo(json.dumps(doc, indent=2) if as_json else output_table(doc))
 
 
@@ -251,7 +262,10 @@ def finalize(output, s3_endpoint_url):
     from hsextract.run.finalize import finalize_output
     from hsextract.storage import open_sink
 
-    code, missing = finalize_output(open_sink(output, s3_endpoint_url), echo=click.echo)
+    sink = open_sink(output, s3_endpoint_url, reading=True)
+    if (absent := sink.missing_place()) is not None:
+        raise HsextractError(absent)
+    code, missing = finalize_output(sink, echo=click.echo)
     sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 
@@ -307,7 +321,11 @@ def verify(output, s3_endpoint_url, workers, as_json):
 @click.option(
     "--target-vocab-size", type=int, help="Target vocabulary size, for outputs whose manifest lacks it."
 )
-@click.option("--num-proc", default=4, show_default=True, help="Processes writing export files.")
+@click.option(
+    "--num-proc",
+    type=click.IntRange(min=1),
+    help="Processes writing export files. [default: the cores this process may use, at most 8]",
+)
 @click.option(
     "--s3-endpoint-url", help="S3-compatible endpoint for OUTPUT and DEST (AWS_ENDPOINT_URL_S3 works too)."
 )

@@ -34,9 +34,11 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
 STORAGE_DTYPES = ("float8_e4m3fn",)
 TOO_LONG_POLICIES = ("truncate", "skip")
-DEVICES = ("cuda", "cpu")
+DEVICES = ("auto", "cuda", "cpu")
 KERNEL_MODES = ("fused", "stock")
 DEFAULT_STALL_TIMEOUT_S = 180.0
+REQUIRED = ("model", "data", "output")
+"""Fields without a default: given on the command line or in the --config file."""
 
 
 def _opt(default, cli: str | None = "job", *, flag: str | None = None, choices: tuple | None = None):
@@ -50,7 +52,7 @@ class RunConfig:
     """Local checkpoint directory or hub id of the target model (any transformers causal LM)."""
 
     data: tuple[str | dict, ...] | str = _opt(None)
-    """Data sources, mixed in order (prepare/sources.py): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
+    """Data sources, mixed in order (docs/DATA.md): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
     globs, directories, ``datasets`` directories (saved or Hub layout), ``hf:org/name``, ``s3://bucket/prefix``;
     options as a query string (``path?limit=500&name=chat``) or, in YAML, a mapping with ``path``. One string is
     one source, as is a one-entry list."""
@@ -65,7 +67,8 @@ class RunConfig:
     """Local directory or ``s3://bucket/prefix`` that receives the batch files."""
 
     run_dir: str = _opt(None, "run")
-    """Local directory for the plan, token cache, logs and progress markers. Reruns resume from it."""
+    """Local directory for the plan, token cache, logs and progress markers; reruns resume from it. Default:
+    ``runs/<output name>-<hash of the output>`` under the current directory."""
 
     layers: tuple[int, ...] | str = _opt("dflash")
     """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or presets
@@ -89,7 +92,8 @@ class RunConfig:
     """Worker processes on this node, one per GPU. The plan has ``nodes x shards`` shards."""
 
     nodes: int = _opt(1, "run")
-    """Nodes running this job (``--nodes``, or the scheduler's environment: run/cluster.py)."""
+    """Nodes running this job; default from the scheduler's environment (SLURM, else ``NNODES``/``NODE_RANK``),
+    else 1."""
 
     node_rank: int = _opt(0, "run")
     """This node: it runs shards ``node_rank * shards`` .. ``node_rank * shards + shards - 1``."""
@@ -97,8 +101,9 @@ class RunConfig:
     gpus: tuple[int, ...] | None = _opt(None, "run")
     """GPU indices for the shards (default 0..shards-1)."""
 
-    device: str = _opt("cuda", choices=DEVICES)
-    """``cuda`` or ``cpu`` (tests and the embedded demo)."""
+    device: str = _opt("auto", choices=DEVICES)
+    """``auto``: ``cuda`` where a CUDA build of torch finds an NVIDIA GPU, else ``cpu`` (the run says which);
+    ``cuda``: one GPU per shard, checked before the data is prepared; ``cpu``: small models (tests, the demo)."""
 
     dtype: str = _opt("bfloat16", choices=DTYPES)
     """The dtype the model runs and states are stored in (unless ``storage_dtype`` says otherwise)."""
@@ -107,9 +112,9 @@ class RunConfig:
     """transformers' attention implementation for the full-attention layers (``sdpa``, ``eager``...)."""
 
     kernels: str | None = _opt(None, choices=KERNEL_MODES)
-    """``fused`` (the default on CUDA: model/qwen3_5.py swaps in fused norms, conv, gates and grouped-head linear
-    attention; closer to a float32 forward than stock, measured) or ``stock`` (transformers' own forward; the
-    default on CPU)."""
+    """``fused`` (the default on CUDA: hsextract's fused norms, convolution, gates and grouped-head linear attention
+    for qwen3_5 models; closer to a float32 forward than stock, measured) or ``stock`` (transformers' own forward;
+    the default on CPU)."""
 
     final_state: bool = _opt(False)
     """Also store the final hidden state: the last decoder layer's output before the final norm for every token
@@ -132,7 +137,7 @@ class RunConfig:
 
     num_proc: int | None = _opt(None)
     """Processes that tokenize the dataset; None chooses from the cores and the data's size: 1 below 16 MB or 4
-    cores (starting a pool costs more than it saves there), else up to 16 (``data.auto_num_proc``)."""
+    cores (starting a pool costs more than it saves there), else one per core, up to 16."""
 
     pinned_buffers: int = _opt(3, "run")
     """Host buffers per worker that device-to-host copies land in; bounds host memory and how far the GPU runs
@@ -151,7 +156,7 @@ class RunConfig:
     prewarm: bool = _opt(True, "run")
     """On GPUs with flash-linear-attention: compile its kernels once into the kernel cache while the shards load
     their weights (the shards wait for it before their first batch), instead of every shard compiling them at
-    once; skipped when the cache's stamp already covers the plan (model/kernel_cache.py)."""
+    once; skipped when the kernel cache already holds every kernel the plan needs."""
 
     kernel_cache: str | None = _opt(None, "run")
     """Root of the kernel cache shared by every job of this user on the machine (Triton's compiled kernels and
@@ -164,9 +169,15 @@ class RunConfig:
     def __post_init__(self):
         from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
 
-        missing = [name for name in ("model", "data", "output", "run_dir") if not getattr(self, name)]
+        missing = [name for name in REQUIRED if not getattr(self, name)]
         if missing:
-            raise HsextractError("missing " + ", ".join("--" + m.replace("_", "-") for m in missing))
+            raise HsextractError(
+                "missing "
+                + ", ".join("--" + m for m in missing)
+                + " (hsextract run --help lists every option)"
+            )
+        if not self.run_dir:  # the CLI defaults it from --output; code that builds a config gives it
+            raise HsextractError("missing --run-dir")
         if isinstance(self.data, Path):
             object.__setattr__(self, "data", str(self.data))
         elif isinstance(self.data, list):
@@ -202,6 +213,10 @@ class RunConfig:
             raise HsextractError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.device not in DEVICES:
             raise HsextractError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "auto":  # resolved once, here: config.json and the workers see cuda or cpu
+            from hsextract.run.devices import resolve_device
+
+            object.__setattr__(self, "device", resolve_device("auto")[0])
         if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):
             raise HsextractError(f"--staging-max-gb must be a positive number, got {self.staging_max_gb}")
         if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):

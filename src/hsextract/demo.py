@@ -208,13 +208,15 @@ def build_demo(root: str | Path, n_conversations: int = 300) -> tuple[Path, Path
 
 
 def demo_config(root: Path, model_dir: Path, data: Path, shards: int) -> RunConfig:
-    """The demo's job: the tiny model on CPU in float32, DFlash layers, small batches, everything under ``root``."""
+    """The demo's job: the tiny model on CPU in float32, DFlash layers and the final state (so every export format
+    and training schema the docs show works on it), small batches, everything under ``root``."""
     return RunConfig(
         model=str(model_dir),
         data=str(data),
         output=str(root / "output"),
         run_dir=str(root / "run"),
         layers="dflash",
+        final_state=True,
         device="cpu",
         dtype="float32",
         shards=shards,

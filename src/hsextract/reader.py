@@ -73,7 +73,7 @@ class Output:
         layers=None,
     ):
         # A trainer should hear about an unreachable bucket within minutes, not after the uploader's 30-minute patience.
-        self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s)
+        self.sink = open_sink(path, endpoint_url, retry_deadline_s=retry_deadline_s, reading=True)
         # ``manifest``: one read already (a training process's index), or the live view of an output still being
         # written (training/follow.py), whose batch entries are filled in as their completion records appear.
         self.manifest = read_manifest(self.sink) if manifest is None else manifest

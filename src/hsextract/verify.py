@@ -171,7 +171,7 @@ def verify_output(
 
     A damaged or unreadable manifest raises ``CorruptOutputError``; an output that cannot be reached raises
     ``HsextractError``. Bad batch files are collected in the report, in manifest order."""
-    sink = open_sink(output, endpoint_url, retry_deadline_s=retry_deadline_s)
+    sink = open_sink(output, endpoint_url, retry_deadline_s=retry_deadline_s, reading=True)
     manifest = read_manifest(sink)
     require_checksums(sink, manifest, "there is nothing to verify its files against")
     check_against_plan(sink, manifest)

@@ -193,3 +193,22 @@ def test_an_output_written_in_process_is_the_clis_byte_for_byte(finished_run, ti
     out = write_output(tmp_path, tiny_model, data)
     assert batch_bytes(out) == batch_bytes(root / "out")
     assert (out / "manifest.json").read_bytes() == (root / "out" / "manifest.json").read_bytes()
+
+
+def test_text_status_of_a_finished_run_shows_average_rate_elapsed_and_the_data_report(finished_run):
+    """Finished shards showed tok/s 0 and a blank ETA, and the text had no data report (the page and --json did)."""
+    import re
+
+    from click.testing import CliRunner
+
+    from hsextract.cli import main
+
+    root, data, _, _ = finished_run
+    out = CliRunner().invoke(main, ["status", str(root / "run")], terminal_width=200).output
+    done_rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+done\s", line)]
+    assert len(done_rows) == 2, out
+    for line in done_rows:
+        rate = int(line.split()[4].replace(",", ""))
+        assert rate > 0 and re.search(r"took \d+m\d+s", line), line
+    assert re.search(r"^data: \d+ rows: \d+ kept", out, re.M), out
+    assert f"({data}): " in out, out  # the source's own line

@@ -313,12 +313,18 @@ def test_interrupted_export_resumes_to_the_same_files_and_nothing_half_written(
 def test_export_refuses_to_mix_with_another_export_or_foreign_files(eagle3_run, dflash_run, tmp_path):
     dest = exported(eagle3_run, tmp_path, "specforge-dflash")
     before = _files(dest)
-    with pytest.raises(HsextractError, match="holds another export"):
+    with pytest.raises(
+        HsextractError, match="holds another export: format: specforge-dflash there, modelopt now"
+    ):
         export(str(eagle3_run), str(dest), "modelopt", show_progress=False)
-    with pytest.raises(HsextractError, match="holds another export"):
+    with pytest.raises(
+        HsextractError, match=r"holds another export: source output \(its plan\): \w+ there, \w+ now"
+    ):
         export(str(dflash_run), str(dest), "specforge-dflash", show_progress=False)
-    with pytest.raises(HsextractError, match="holds another export"):
-        export(str(eagle3_run), str(dest), "specforge-dflash", draft_vocab=10, show_progress=False)
+    # Through the CLI: the fields that differ in words, no Python dict.
+    r = run_cli("export", eagle3_run, dest, "--format", "specforge-dflash", "--draft-vocab", 10, check=False)
+    assert r.returncode == 2 and "--draft-vocab: none there, 10 now" in r.stderr, r.stderr
+    assert "{" not in r.stderr, r.stderr
     assert _files(dest) == before
     # The same export again: already complete, nothing rewritten.
     lines = []
@@ -370,3 +376,28 @@ def test_reader_final_state_is_hf_last_entry_and_the_last_layers_raw_output(eagl
         torch.testing.assert_close(sample["final_hidden_state"], ref["hs"][-1], **TOL)
         torch.testing.assert_close(sample["final_hidden_state_prenorm"], ref["prenorm"], **TOL)
         assert sample["hidden_states"].shape[1] == 3 * 64  # the captured layers only
+
+
+@pytest.mark.parametrize(
+    ("fmt", "given"),
+    [
+        ("speculators", "--draft-vocab-size 50"),
+        ("specforge-eagle3", "model.vocab_mapping_path={dest}/vocab_mapping.pt"),
+        ("modelopt", "data.draft_vocab_cache={dest}/d2t.pt"),
+    ],
+)
+def test_export_prints_the_trainer_command_with_real_paths_and_the_given_sizes_and_no_bars(
+    eagle3_run, tmp_path, tiny_model, fmt, given
+):
+    """The hints said MODEL and DEST and dropped --draft-vocab; --no-progress still printed datasets' bars."""
+    dest = tmp_path / "exported"
+    r = run_cli("export", eagle3_run, dest, "--format", fmt, "--draft-vocab", DRAFT_VOCAB, "--no-progress")
+    command = next(line for line in r.stdout.splitlines() if line.startswith("train with: "))
+    assert str(tiny_model) in command and str(dest) in command, command
+    assert given.format(dest=dest) in command, command
+    assert "MODEL" not in command and "DEST" not in command and "YOUR" not in command, command
+    assert "%|" not in r.stdout + r.stderr, r.stderr  # no progress bar of any library
+    assert (
+        json.loads((dest / "export.json").read_text())["train_with"]["command"]
+        == command[len("train with: ") :]
+    )

@@ -188,3 +188,34 @@ def test_an_unknown_yaml_option_is_named(cli, job, tmp_path):
     cfg = tmp_path / "typo.yaml"
     cfg.write_text("max_token_per_batch: 4096\n")
     _refused(cli, job[1] + ["--config", cfg], "unknown option 'max_token_per_batch'")
+
+
+def test_run_without_options_names_what_is_missing_and_not_the_defaulted_run_dir():
+    result = CliRunner().invoke(main, ["run"])
+    assert result.exit_code == 2
+    assert "missing --model, --data, --output" in result.output and "--run-dir" not in result.output
+
+
+def test_help_marks_required_options_states_the_run_dir_default_and_cites_no_source_file():
+    import re
+
+    for command in ("run", "dry-run"):
+        out = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+        for option in ("--model", "--data") + (("--output",) if command == "run" else ()):
+            line = next(line for line in out.splitlines() if line.strip().startswith(option))
+            assert "[required" in out[out.index(line) :].split("\n  --")[0], (option, line)
+        cited = re.findall(r"\b[\w/]+\.py\b|\(\w+\.\w+_\w+\)", out)
+        assert not cited, f"{command} --help cites source: {cited}"
+    run_help = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    assert "runs/<output name>-<hash of the output>" in " ".join(run_help.split())
+
+
+def test_export_num_proc_defaults_from_the_cores_this_process_may_use():
+    import os
+
+    from hsextract.export.runner import default_num_proc
+
+    assert default_num_proc() == min(8, len(os.sched_getaffinity(0)))
+    out = CliRunner().invoke(main, ["export", "--help"], terminal_width=200).output
+    assert "the cores this process may use" in " ".join(out.split())
+    assert "[default: 4]" not in out

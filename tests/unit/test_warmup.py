@@ -236,7 +236,13 @@ def test_warm_shapes_start_with_the_largest_and_keep_one_of_each_missing_class()
 
 
 def test_warm_missing_reads_the_models_heads(tiny_model, tmp_path):
-    cfg = RunConfig(model=str(tiny_model), data="d", output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"))
+    cfg = RunConfig(
+        model=str(tiny_model),
+        data="d",
+        output=str(tmp_path / "o"),
+        run_dir=str(tmp_path / "r"),
+        device="cuda",
+    )
     plan = _plan([50, 60, 200] * 4)
     text = __import__("transformers").AutoConfig.from_pretrained(str(tiny_model)).get_text_config()
     heads = kc.bucket_heads(text, "fused")
@@ -346,7 +352,9 @@ def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_fa
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))
     (tmp_path / "run").mkdir()
-    cfg = RunConfig(model="m", data="d", output=str(tmp_path / "out"), run_dir=str(tmp_path / "run"))
+    cfg = RunConfig(
+        model="m", data="d", output=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), device="cuda"
+    )
     got = open_kernel_cache(cfg)
     assert got.dir == tmp_path / "run" / "kernel-cache" and got.source == "run dir"
     assert (got.dir / "key.json").exists() and kc.read_pointer(

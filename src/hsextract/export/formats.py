@@ -73,7 +73,8 @@ class ExportFormat:
         for _ in rows:
             pass
 
-    def train_hint(self, manifest: dict) -> dict:
+    def train_hint(self, manifest: dict, dest: str, draft_vocab: int | None) -> dict:
+        """The trainer's command for this export, with the real model, DEST and given sizes filled in."""
         raise NotImplementedError
 
 
@@ -86,12 +87,14 @@ class SpecForgeDFlash(ExportFormat):
     def vocab_mapping_files(self, d2t, t2d):
         return {"vocab_mapping.pt": _torch_bytes({"d2t": d2t, "t2d": t2d})}
 
-    def train_hint(self, manifest):
+    def train_hint(self, manifest, dest, draft_vocab):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
             "where": f'draft model config: "dflash_config": {{"target_layer_ids": {_ids(ids)}}}',
-            "command": "specforge train --config YOUR-dflash-offline.yaml data.hidden_states_path=DEST",
+            "command": "specforge train --config examples/configs/qwen3-8b-dflash-offline.yaml "
+            f"model.target_model_path={_model(manifest)} data.hidden_states_path={dest}"
+            + _vocab_path(dest, draft_vocab),
         }
 
 
@@ -102,25 +105,30 @@ class SpecForgeDFlash2(SpecForgeDFlash):
 class SpecForgeDSpark(SpecForgeDFlash):
     schema = SCHEMAS["specforge-dspark"]
 
-    def train_hint(self, manifest):
+    def train_hint(self, manifest, dest, draft_vocab):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
-            "where": f"the DSpark draft config's target_layer_ids: {_ids(ids)}",
-            "command": "specforge train --config YOUR-dspark-offline.yaml data.hidden_states_path=DEST",
+            "where": f"the DSpark draft config's target_layer_ids: {_ids(ids)} (SpecForge ships no DSpark recipe: "
+            "start from its DFlash offline one)",
+            "command": "specforge train --config examples/configs/qwen3-8b-dflash-offline.yaml "
+            f"model.target_model_path={_model(manifest)} data.hidden_states_path={dest}",
         }
 
 
 class SpecForgeEagle3(SpecForgeDFlash):
     schema = SCHEMAS["specforge-eagle3"]
 
-    def train_hint(self, manifest):
+    def train_hint(self, manifest, dest, draft_vocab):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
-            "where": f"aux_hidden_state_layer_ids: {_ids(ids)} under model: in the recipe YAML (or eagle_config."
-            "eagle_aux_hidden_state_layer_ids in the draft config; a dotted override does not parse a list here)",
-            "command": "specforge train --config YOUR-eagle3-offline.yaml data.hidden_states_path=DEST",
+            "where": f"aux_hidden_state_layer_ids: {_ids(ids)} under model: in a copy of the recipe YAML (or "
+            "eagle_config.eagle_aux_hidden_state_layer_ids in the draft config; a dotted override does not parse a "
+            "list here)",
+            "command": "specforge train --config examples/configs/qwen3.5-35b-a3b-eagle3-offline.yaml "
+            f"model.target_model_path={_model(manifest)} data.hidden_states_path={dest}"
+            + _vocab_path(dest, draft_vocab),
         }
 
 
@@ -172,14 +180,15 @@ class Speculators(ExportFormat):
         for name in sorted(os.listdir(local)):
             dest.put_file(Path(local) / name, name)
 
-    def train_hint(self, manifest):
+    def train_hint(self, manifest, dest, draft_vocab):
         ids = [k + 1 for k in manifest["layer_ids"]]
         return {
             "layer_ids": ids,
             "where": "--target-layer-ids (speculators counts the INPUT of layer k: hsextract's ids + 1; the final "
             "state it appends itself is the last slot of every hs file)",
-            "command": "python scripts/train.py --verifier-name-or-path MODEL --data-path DEST --on-missing raise "
-            f"--target-layer-ids {' '.join(map(str, ids))}",
+            "command": f"python scripts/train.py --verifier-name-or-path {_model(manifest)} --data-path {dest} "
+            f"--on-missing raise --target-layer-ids {' '.join(map(str, ids))}"
+            + (f" --draft-vocab-size {draft_vocab}" if draft_vocab else ""),
         }
 
 
@@ -192,15 +201,17 @@ class ModelOpt(ExportFormat):
     def vocab_mapping_files(self, d2t, t2d):
         return {"d2t.pt": _torch_bytes(d2t)}
 
-    def train_hint(self, manifest):
+    def train_hint(self, manifest, dest, draft_vocab):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
             "where": "eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids (EAGLE-3); ModelOpt's DFlash "
             "derives its ids from the layer counts and must match them",
             "command": "./launch_train.sh --config modelopt_recipes/general/speculative_decoding/eagle3.yaml "
-            "model.model_name_or_path=MODEL data.offline_data_path=DEST/conversations training.answer_only_loss=true "
-            f"eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids={_ids(ids)}",
+            f"model.model_name_or_path={_model(manifest)} data.offline_data_path={dest}/conversations "
+            + (f"data.draft_vocab_cache={dest}/d2t.pt " if draft_vocab else "")
+            + "training.answer_only_loss=true "
+            f"'eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids={_ids(ids)}'",
         }
 
 
@@ -221,14 +232,25 @@ class NemoDSparkCache(ExportFormat):
     def vocab_mapping_files(self, d2t, t2d):
         raise HsextractError("--draft-vocab: NeMo's DSpark drafter predicts over the full target vocabulary")
 
-    def train_hint(self, manifest):
+    def train_hint(self, manifest, dest, draft_vocab):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
-            "where": f"recipe_args.target_layer_ids: {_ids(ids)} and recipe_args.cached_target_path: DEST (and "
+            "where": f"recipe_args.target_layer_ids: {_ids(ids)} and recipe_args.cached_target_path: {dest} (and "
             "seq_length as the cache's; target_weights.safetensors beside the shards: docs/EXPORT.md)",
-            "command": "torchrun -m nemo_automodel.recipes.llm.train_dspark -c YOUR-dspark.yaml",
+            "command": "torchrun -m nemo_automodel.recipes.llm.train_dspark -c examples/speculative/dspark/"
+            f"<a DSpark recipe> --recipe_args.cached_target_path {dest} --model.pretrained_model_name_or_path "
+            f"{_model(manifest)}",
         }
+
+
+def _model(manifest: dict) -> str:
+    """The target model the output was extracted from, as the run was given it."""
+    return str(manifest.get("fingerprint", {}).get("model") or "")
+
+
+def _vocab_path(dest: str, draft_vocab: int | None) -> str:
+    return f" model.vocab_mapping_path={dest}/vocab_mapping.pt" if draft_vocab else ""
 
 
 FORMATS: dict[str, ExportFormat] = {

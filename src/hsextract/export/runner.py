@@ -43,11 +43,14 @@ output and the options; an export into a DEST holding a different export, or fil
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -164,10 +167,9 @@ def _claim_dest(dest, spec: dict, dest_url: str) -> None:
         old = json.loads(dest.get_bytes(SPEC_KEY))
         old.pop("hsextract_version", None)
         if old != spec:
-            changed = [k for k in spec if old.get(k) != spec[k]]
             raise HsextractError(
-                f"{dest_url} holds another export ({', '.join(changed)} differ: {old} vs {spec}); "
-                "choose another DEST or delete that export first"
+                f"{dest_url} holds another export: {'; '.join(_spec_differences(old, spec))}. "
+                "Choose another DEST or delete that export first"
             )
         return
     existing = dest.list_keys("")
@@ -177,6 +179,35 @@ def _claim_dest(dest, spec: dict, dest_url: str) -> None:
             "choose an empty or new DEST"
         )
     dest.put_bytes(SPEC_KEY, json.dumps({**spec, "hsextract_version": __version__}).encode())
+
+
+_SPEC_WORDS = {
+    "format": "format",
+    "draft_vocab": "--draft-vocab",
+    "index_only": "--index-only",
+    "plan_hash": "source output (its plan)",
+    "num_samples": "source output's sample count",
+    "num_tokens": "source output's token count",
+    "layer_ids": "source output's layer ids",
+}
+
+
+def _spec_differences(old: dict, new: dict) -> list[str]:
+    """Each field in which the export in DEST differs from this one, in words: ``format: speculators there,
+    modelopt now``."""
+
+    def flat(spec: dict) -> dict:
+        return {**{k: v for k, v in spec.items() if k != "source"}, **spec.get("source", {})}
+
+    def shown(value) -> str:
+        return "none" if value is None or value is False else str(value)
+
+    before, now = flat(old), flat(new)
+    return [
+        f"{_SPEC_WORDS.get(key, key)}: {shown(before.get(key))} there, {shown(now.get(key))} now"
+        for key in dict.fromkeys([*now, *before])
+        if before.get(key) != now.get(key)
+    ]
 
 
 def _kept_rows(out, index: SampleIndex, units: list[Unit], progress):
@@ -224,7 +255,7 @@ def export(
     *,
     draft_vocab: int | None = None,
     target_vocab_size: int | None = None,
-    num_proc: int = 4,
+    num_proc: int | None = None,
     endpoint_url: str | None = None,
     index_only: bool = False,
     layers=None,
@@ -251,6 +282,7 @@ def export(
     layers = fmt.schema.layers_for(manifest, layers)
     fmt.check(manifest, served_layers(manifest, layers) or out.layer_ids)
     vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
+    num_proc = default_num_proc() if num_proc is None else num_proc
     if num_proc < 1:
         raise HsextractError(f"--num-proc must be at least 1, got {num_proc}")
     if index_only and fmt.name != "speculators":
@@ -333,7 +365,8 @@ def export(
             yield position, ids, mask
 
     with tempfile.TemporaryDirectory(prefix="hsextract-export-") as workdir:
-        fmt.finish(dest, counted_rows(), workdir)
+        with _datasets_bars(show_progress):
+            fmt.finish(dest, counted_rows(), workdir)
     stats_bar.close()
     dest.put_bytes("token_freq.pt", _torch_bytes(dict(sorted(token_freq.items()))))
     if draft_vocab is not None:
@@ -353,7 +386,7 @@ def export(
         "skipped": skipped,
         "loss_tokens": sum(token_freq.values()),
         "train_with": {
-            **fmt.train_hint(served),
+            **fmt.train_hint(served, _where(dest_url), draft_vocab),
             **(
                 {"transfer": f"hsextract.training.speculators.OutputTransfer({source!r})"}
                 if index_only
@@ -369,6 +402,31 @@ def export(
     )
     echo(f"train with: {result['train_with']['command']}")
     return result
+
+
+def default_num_proc() -> int:
+    """The export's processes: the cores this process may use, at most 8 (more only adds start-up time)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+@contextlib.contextmanager
+def _datasets_bars(show: bool):
+    """The ``datasets`` library's own progress bars (saving a table) follow ``--no-progress``; restored after."""
+    from datasets.utils import logging as ds_logging
+
+    was_enabled = ds_logging.is_progress_bar_enabled()
+    if not show:
+        ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not show:
+            ds_logging.enable_progress_bar()
+
+
+def _where(url: str) -> str:
+    """DEST as a trainer on this machine is given it: an absolute path, or the URL."""
+    return url.rstrip("/") if "://" in url else str(Path(url).expanduser().resolve())
 
 
 __all__ = ["FORMATS", "export", "vocab_mapping"]

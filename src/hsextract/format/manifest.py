@@ -95,6 +95,8 @@ def read_manifest(sink) -> dict:
     """The manifest of the output behind ``sink``, its structure checked: ``HsextractError`` if there is none,
     ``CorruptOutputError`` naming it if it is unreadable or lacks what a reader relies on."""
     if not sink.exists(MANIFEST):
+        if (missing := sink.missing_place()) is not None:
+            raise HsextractError(missing)
         raise HsextractError(
             f"{sink.url} has no {MANIFEST}: the run has not finished (see `hsextract status RUN_DIR`) "
             "or this is not an hsextract output"

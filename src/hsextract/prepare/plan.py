@@ -104,10 +104,17 @@ class Plan:
 
     def summary(self) -> str:
         per = self.shard_tokens()
+        idle = [s for s, tokens in enumerate(per) if tokens == 0]
+        batches = f"{len(self.batches)} batch" + ("" if len(self.batches) == 1 else "es")
+        spread = f"tokens per shard {min(per)}..{max(per)}" if len(per) > 1 else f"{per[0]} tokens"
         return (
-            f"{self.num_samples} samples, {self.num_tokens} tokens in {len(self.batches)} batches over "
-            f"{self.shards} shard(s) (tokens per shard {min(per)}..{max(per)}), "
-            f"padding waste {100 * self.padding_waste:.2f}%"
+            f"{self.num_samples} samples, {self.num_tokens} tokens in {batches} over {self.shards} shard(s) "
+            f"({spread}), padding waste {100 * self.padding_waste:.2f}%"
+            + (
+                f"; shard(s) {idle} get no batch (fewer batches than shards: fewer --shards would do)"
+                if idle
+                else ""
+            )
         )
 
     def to_json(self) -> dict:

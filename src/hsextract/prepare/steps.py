@@ -53,6 +53,7 @@ from hsextract.prepare.tokenize import (
     tokenizer_fingerprint,
     unique_sample_ids,
 )
+from hsextract.run.devices import check_device
 from hsextract.run.rundir import RunDir, RunInfo
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
@@ -121,6 +122,7 @@ def check_places(cfg: RunConfig) -> None:
     RunDir(cfg.run_dir).check_space()
     check_same_output(cfg)
     check_no_overlap(cfg)
+    check_device(cfg)  # no CUDA, too few GPUs, a GPU already full: said now, not by a worker after preparing
     if cfg.device == "cuda":
         load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
         # A kernel cache the user chose must be writable (the default one falls back to the run dir).

@@ -32,7 +32,7 @@ from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
 from hsextract.format.manifest import has_manifest
-from hsextract.format.records import verified_done
+from hsextract.format.records import done_in_output, verified_done
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
 from hsextract.run.prewarm import Warmup, open_kernel_cache
@@ -143,8 +143,15 @@ def _run_shards(
     for key, why in sorted(problems.items())[:10]:
         echo(f"output check: {key}: {why}; it will be recomputed")
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
-    if len(todo) < len(shards):
-        echo(f"shards already complete: {sorted(set(shards) - set(todo))}")
+    in_output = keys & set(done)  # done: key -> its record
+    if in_output and todo:
+        echo(
+            f"resuming: {len(in_output)} of {len(keys)} batches are in the output already; "
+            f"{len(keys - in_output)} to do in shard(s) {todo}"
+        )
+    complete = [s for s in shards if s not in todo and plan.for_shard(s)]
+    if complete:
+        echo(f"shards already complete: {complete}")
     if todo:
         run_dir.check_space()  # after the token cache and run files took theirs
         # The workers take their shards' part of this check instead of reading every record once more.
@@ -184,10 +191,10 @@ def _run_shards(
         _stop_workers(procs, e.signum)
         bars.close()
         stopped = sorted(procs)
-        n_done = len(run_dir.done_keys() & {b.key for b in plan.batches})
+        n_done = _in_output_now(cfg, keys, run_dir)
         echo(
-            f"terminated by {e.signal_name}: stopped shard(s) {stopped}; {n_done} of {len(plan.batches)} batches "
-            f"are finished and kept.\nRerun the same command to resume (hsextract status {run_dir.root} shows "
+            f"terminated by {e.signal_name}: stopped shard(s) {stopped}; {n_done} of {len(keys)} batches are in "
+            f"the output and kept.\nRerun the same command to resume (hsextract status {run_dir.root} shows "
             "each shard)."
         )
         return e.exit_code
@@ -201,6 +208,15 @@ def _run_shards(
         echo("Rerun the same command to resume: finished batches are kept.")
         return 1
     return 0
+
+
+def _in_output_now(cfg: RunConfig, keys: set[str], run_dir: RunDir) -> int:
+    """The batches the output records done, counted as the rerun's "resuming:" line counts them (one listing, a
+    short deadline: the user is waiting); the run dir's markers where the output does not answer at once."""
+    try:
+        return len(keys & done_in_output(open_sink(cfg.output, cfg.s3_endpoint_url, retry_deadline_s=10)))
+    except Exception:  # the count is a courtesy; the stop must not wait on an outage
+        return len(keys & run_dir.done_keys())
 
 
 def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTERM) -> None:

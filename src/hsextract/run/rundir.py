@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -255,8 +256,28 @@ class RunDir:
     def launcher_lock(self, *, exclusive: bool):
         """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (shards are
         locked one by one by their workers), exclusive for ``--restart``, which must not clear progress, markers
-        and staging under a run that is still going."""
+        and staging under a run that is still going. A run dir this call made goes again if the run stops before
+        anything but the lock was written in it (a run refused by its checks leaves no empty run dir)."""
         self.check_is_dir()
+        made = None  # the highest directory this call makes (the run dir, or runs/ above it)
+        for path in (self.root.absolute(), *self.root.absolute().parents):
+            if path.exists():
+                break
+            made = path
+        try:
+            with self._locked(exclusive=exclusive):
+                yield
+        except BaseException:
+            if made is not None and self._holds_only_the_lock(made):
+                shutil.rmtree(made, ignore_errors=True)
+            raise
+
+    def _holds_only_the_lock(self, top: Path) -> bool:
+        files = [p for p in top.rglob("*") if not p.is_dir()]
+        return not files or files == [self.locks_dir.absolute() / "launcher.lock"]
+
+    @contextmanager
+    def _locked(self, *, exclusive: bool):
         if self.locks_dir.exists() and not self.locks_dir.is_dir():
             raise HsextractError(
                 f"{self.locks_dir} is a file where the run dir keeps its locks (a directory): remove it, "

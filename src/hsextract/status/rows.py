@@ -79,6 +79,7 @@ def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list
                 "state": state,
                 **counts,
                 "tokens_per_s": p.tokens_per_s if live else 0.0,
+                **_session(p),
                 "eta_s": p.eta_s if p and state == ShardState.RUNNING else None,
                 "updated_at": p.updated_at if p else None,
                 "last_progress_at": p.last_progress_at if p else None,
@@ -99,6 +100,18 @@ def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list
     return rows, complete
 
 
+def _session(p: ShardProgress | None) -> dict:
+    """The last session's length and average rate (from its first recorded point to its last save): what a
+    finished shard shows instead of a live rate."""
+    if p is None:
+        return {"elapsed_s": None, "average_tokens_per_s": None}
+    points = [pt for pt in p.history if pt[0] >= p.started_at - 1.0]
+    tokens_at_start = points[0][1] if points else 0
+    elapsed = max(p.updated_at - p.started_at, 0.0)
+    rate = (p.tokens_done - tokens_at_start) / elapsed if elapsed > 0 else None
+    return {"elapsed_s": round(elapsed, 1), "average_tokens_per_s": rate}
+
+
 def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
     """The shards this run dir's node runs (all of them on a single node)."""
     try:
@@ -111,6 +124,8 @@ def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
 
 def output_status(sink) -> dict:
     """Per-shard and per-node progress of a job from its output alone (``hsextract status OUTPUT``)."""
+    if (missing := sink.missing_place()) is not None:
+        raise HsextractError(missing)
     job = read_job(sink)
     if job is None:
         raise HsextractError(f"{sink.url} holds no hsextract job (no {JOB_FILES['plan']} or claim)")

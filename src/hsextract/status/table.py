@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from hsextract.prepare.report import DataReport
 from hsextract.run.progress import ShardState, format_duration
 
 
@@ -9,10 +12,15 @@ def run_table(doc: dict) -> str:
     """This node's shards: batches, tokens, rate, ETA, the age of the last progress, and a line on each problem."""
     rows = doc["shards"]
     lines = [
-        f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>8}  {'last progress':>13}"
+        f"{'shard':>5}  {'state':<22}{'batches':>13}  {'tokens':>21}  {'tok/s':>9}  {'eta':>12}  "
+        f"{'last progress':>13}"
     ]
     for r in rows:
         eta = "" if r["eta_s"] is None else format_duration(r["eta_s"])
+        rate = r["tokens_per_s"]
+        if r["state"] == ShardState.DONE and r.get("elapsed_s"):  # the session's average and length
+            eta = f"took {format_duration(r['elapsed_s'])}"
+            rate = r.get("average_tokens_per_s") or 0.0
         age = (
             ""
             if r["progress_age_s"] is None or r["state"] == ShardState.DONE
@@ -20,7 +28,7 @@ def run_table(doc: dict) -> str:
         )
         lines.append(
             f"{r['shard']:>5}  {r['state']:<22}{r['batches_done']:>6}/{r['batches_total']:<6}  "
-            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {r['tokens_per_s']:>9,.0f}  {eta:>8}  "
+            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {rate:>9,.0f}  {eta:>12}  "
             f"{age + (' ago' if age else ''):>13}"
         )
         if r["state"] == ShardState.STALLED:
@@ -41,7 +49,19 @@ def run_table(doc: dict) -> str:
     done, total = sum(r["tokens_done"] for r in rows), sum(r["tokens_total"] for r in rows)
     verdict = "complete (manifest written)" if doc["complete"] else "not complete"
     lines.append(f"total {done}/{total} tokens; {verdict}")
-    return "\n".join(lines)
+    return "\n".join(lines + data_lines(doc.get("plan") or {}))
+
+
+def data_lines(plan: dict) -> list[str]:
+    """The data report: what became of the rows, overall and per source (as the run printed it)."""
+    report = plan.get("data_report")
+    if not report:
+        return []
+    fields = {f.name: 0 for f in dataclasses.fields(DataReport) if f.name not in ("examples", "sources")}
+    counts = {**fields, **{k: v for k, v in report.items() if k in fields}}
+    sources = [{**fields, **s} for s in plan.get("data_sources") or []]
+    data = DataReport(**counts, sources=sources)
+    return [f"data: {data.summary()}", *(f"  {line}" for line in data.source_lines())]
 
 
 def output_table(doc: dict) -> str:

@@ -38,15 +38,21 @@ def _parse_output(output: str) -> tuple[str, str] | Path:
 
 
 def open_sink(
-    output: str, endpoint_url: str | None = None, *, retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S
+    output: str,
+    endpoint_url: str | None = None,
+    *,
+    retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+    reading: bool = False,
 ) -> Sink:
-    """The sink for an output string: ``s3://bucket/optional/prefix`` gives an S3Sink, a path a LocalSink."""
+    """The sink for an output string: ``s3://bucket/optional/prefix`` gives an S3Sink, a path a LocalSink.
+
+    ``reading``: a command that reads an output; an S3 endpoint it never reached fails at once (``S3Sink``)."""
     where = _parse_output(output)
     if isinstance(where, Path):
         return LocalSink(where)
     from hsextract.storage.s3 import S3Sink  # boto3 costs ~1 s to import; local runs never pay it
 
-    return S3Sink(*where, endpoint_url, retry_deadline_s=retry_deadline_s)
+    return S3Sink(*where, endpoint_url, retry_deadline_s=retry_deadline_s, unreached_fails_fast=reading)
 
 
 def preflight(output: str, endpoint_url: str | None = None) -> None:

@@ -193,6 +193,11 @@ def fill(
     def delete(self, key: str) -> None:
         """Remove the object; removing a missing one is not an error."""
 
+    def missing_place(self) -> str | None:
+        """Why the place this sink names does not exist (no directory, no bucket, nothing under the prefix), in
+        words for the user; None when it exists. Readers ask it before saying a run has not finished."""
+        return None
+
     @abc.abstractmethod
     def discard_partials(self, prefix: str) -> int:
         """Remove uploads under ``prefix`` that a killed uploader left unfinished; returns how many.

@@ -118,6 +118,13 @@ class LocalSink(Sink):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def missing_place(self) -> str | None:
+        if self.root.is_dir():
+            return None
+        if self.root.exists():
+            return f"{self.root} is not a directory: give the output directory a run wrote"
+        return f"the directory {self.root} does not exist: check the path (an output is the --output a run wrote)"
+
     def list_keys(self, prefix: str = "") -> list[str]:
         # Walk only the directory the prefix names, not the whole tree.
         start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root

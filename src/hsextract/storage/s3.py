@@ -63,6 +63,8 @@ from hsextract.storage.s3_errors import (
     explain_rejection,
     find_cause,
     is_transient,
+    never_connected,
+    unreachable,
 )
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,14 @@ class S3Sink(Sink):
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 120.0,
         botocore_max_attempts: int = 3,
+        unreached_fails_fast: bool = False,
     ) -> None:
         """``max_concurrency`` bounds the requests in flight across all uploads of this sink together.
 
         ``botocore_max_attempts`` is botocore's own quick retrying; ``retry_deadline_s`` is how long this sink keeps
-        retrying a transient failure on top of that.
+        retrying a transient failure on top of that. With ``unreached_fails_fast`` (the commands that read an
+        output), a connection never made (refused, no route, no such host) before the endpoint first answered
+        fails at once, naming the endpoint: that is a wrong endpoint far more often than an outage.
         """
         import boto3
         from boto3.s3.transfer import S3Transfer, TransferConfig
@@ -110,6 +115,8 @@ class S3Sink(Sink):
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.retry_deadline_s = retry_deadline_s
+        self.unreached_fails_fast = unreached_fails_fast
+        self._answered = False  # the endpoint has answered a request of this sink (an error response counts)
         config = Config(
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
@@ -316,6 +323,34 @@ class S3Sink(Sink):
                 return None
             raise
 
+    def missing_place(self) -> str | None:
+        from botocore.exceptions import ClientError
+
+        def bucket_missing() -> bool:
+            try:
+                self._client.head_bucket(Bucket=self.bucket)
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("NoSuchBucket", "404"):
+                    return True
+                raise
+            return False
+
+        if self._retrying(f"lookup of bucket {self.bucket}", bucket_missing):
+            return (
+                f"bucket '{self.bucket}' does not exist at {self.endpoint}: check the URL {self.url} "
+                "(and --s3-endpoint-url for an S3-compatible store)"
+            )
+        if not self.prefix:
+            return None
+
+        def anything_under_prefix() -> bool:
+            page = self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix + "/", MaxKeys=1)
+            return bool(page.get("KeyCount") or page.get("Contents"))
+
+        if self._retrying(f"listing of {self.url}", anything_under_prefix):
+            return None
+        return f"nothing is stored under {self.url}: the prefix '{self.prefix}' does not exist in bucket '{self.bucket}'"
+
     def list_keys(self, prefix: str = "") -> list[str]:
         base = f"{self.prefix}/" if self.prefix else ""
 
@@ -360,9 +395,15 @@ class S3Sink(Sink):
         failures = 0
         while True:
             try:
-                return operation()
+                result = operation()
+                self._answered = True
+                return result
             except Exception as exc:
                 cause = find_cause(exc)
+                if answered(cause):
+                    self._answered = True
+                elif self.unreached_fails_fast and not self._answered and never_connected(cause):
+                    raise HsextractError(unreachable(cause, self)) from exc
                 refusal = explain_refusal(cause, self)
                 if refusal is not None:
                     raise HsextractError(refusal) from exc
@@ -388,6 +429,13 @@ class S3Sink(Sink):
                     describe_transient(cause, self),
                 )
                 time.sleep(pause)
+
+
+def answered(exc: BaseException) -> bool:
+    """The server sent a response (an error response is one): the endpoint is the right place to wait for."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError)
 
 
 class _Empty:

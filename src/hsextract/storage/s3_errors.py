@@ -75,6 +75,22 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def never_connected(exc: BaseException) -> bool:
+    """No connection was made at all: refused, no route, no such host, or no answer to the connect."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+
+    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
+
+
+def unreachable(exc: BaseException, sink) -> str:
+    """The message for an endpoint that was never reached: most often the wrong one."""
+    if "amazonaws.com" in sink.endpoint:
+        advice = "for an S3-compatible store pass --s3-endpoint-url URL (or set AWS_ENDPOINT_URL_S3)"
+    else:
+        advice = "check --s3-endpoint-url (or AWS_ENDPOINT_URL_S3): is a server up at that host and port?"
+    return f"could not connect to the S3 endpoint {sink.endpoint} for {sink.url} ({exc}): {advice}"
+
+
 def checksum_refused(exc: BaseException) -> bool:
     """The store refused the bytes it received, or holds other bytes, for their checksum."""
     from botocore.exceptions import ClientError

@@ -84,7 +84,9 @@ class Follow:
         self.where, self.schema = where, schema
         self.rank, self.world_size = rank, world_size
         self.poll_s, self.timeout_s = poll_s, timeout_s
-        sink = open_sink(where.path, where.endpoint_url, retry_deadline_s=where.retry_deadline_s)
+        sink = open_sink(
+            where.path, where.endpoint_url, retry_deadline_s=where.retry_deadline_s, reading=True
+        )
         self.manifest = _waiting(
             lambda: live_manifest(sink), f"the job files of {sink.url}", poll_s, timeout_s
         )
@@ -270,7 +272,10 @@ class _LiveOutput:
         self.follow = follow
         self.where = follow.where
         self.sink = open_sink(
-            self.where.path, self.where.endpoint_url, retry_deadline_s=self.where.retry_deadline_s
+            self.where.path,
+            self.where.endpoint_url,
+            retry_deadline_s=self.where.retry_deadline_s,
+            reading=True,
         )
         # Entries are filled in place as records arrive (the same values every time a process sees them), and the
         # reader's Output holds these very dicts: a file is opened only after its entry is filled.
