@@ -135,7 +135,7 @@ def read_manifest(sink) -> dict:
             isinstance(batch, dict)
             and isinstance(batch.get("key"), str)
             and isinstance(batch.get("sample_ids"), list)
-            and set(map(type, batch["sample_ids"])) <= {str}
+            and _all_strings(batch["sample_ids"])
         ):
             raise damaged(f"batch entry {i} has no key or no sample ids")
         try:
@@ -156,6 +156,15 @@ def read_manifest(sink) -> dict:
         raise damaged(f"has a sample_index entry without its key, size or checksum ({index!r})")
     check_consistent(manifest, damaged)
     return manifest
+
+
+def _all_strings(values: list) -> bool:
+    """Whether every value is a string, in one C-level pass (``join`` refuses anything else): ~1M sample ids."""
+    try:
+        "".join(values)
+    except TypeError:
+        return False
+    return True
 
 
 def require_checksums(sink, manifest: dict, hint: str) -> None:
