@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 from support.synthetic import make_output
 
 from hsextract.errors import CorruptOutputError
@@ -63,6 +64,8 @@ def test_an_output_without_the_index_is_indexed_from_its_files_to_the_same_sampl
     assert f"has no {SAMPLE_INDEX}" in caplog.text
     after = StatesMapDataset(root, schema)
     assert after.index.path is not None and before.index.path is None
+    standard = load_file(root / SAMPLE_INDEX)  # a standard safetensors file, readable by the library
+    assert standard["length"].tolist() == [made["lengths"][i] for i in range(len(made["lengths"]))]
     assert described(after) == described(before)
     # Against the plan the output was written from, independently of either index.
     served = [

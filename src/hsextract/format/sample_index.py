@@ -2,7 +2,7 @@
 with one read instead of two per batch file.
 
 Written at finalize, beside the manifest and before it (the manifest records its ``size`` and ``xxh3``). A standard
-safetensors file of flat numpy arrays, each 8-byte aligned in the file, so a reader maps it into memory and every
+safetensors file of flat numpy arrays, each aligned to its item size in the file, so a reader maps it and every
 DataLoader worker of a node shares the same pages instead of a copy each. Sample ``i`` is the ``i``-th of the
 manifest (files in manifest order, rows in file order):
 
@@ -123,7 +123,8 @@ def table_from_files(
 
 
 def _arrays(table: SampleTable) -> dict[str, np.ndarray]:
-    """The file's tensors in file order: widest first, so each starts 8-byte aligned."""
+    """The file's tensors in file order: widest first, so that each starts aligned to its item size with no gap
+    between them (safetensors allows none)."""
     arrays = {
         "file_first": table.file_first,
         "id_offsets": table.id_offsets,
@@ -156,8 +157,8 @@ def encode(table: SampleTable) -> bytes:
             "shape": list(a.shape),
             "data_offsets": [offset, offset + len(data)],
         }
-        parts.append(data + b"\0" * (-len(data) % 8))
-        offset += len(parts[-1])
+        parts.append(data)
+        offset += len(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return b"".join([struct.pack("<Q", len(raw)), raw, *parts])
