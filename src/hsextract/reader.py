@@ -40,6 +40,7 @@ saves the trainer's memory and copies, not the bytes read (docs/FORMAT.md says w
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import cached_property
 
 import torch
 
@@ -97,14 +98,22 @@ class Output:
         if self.layout.final_state:
             norm = read_final_norm(self.sink, self.manifest["final_state"]["norm"], verify=verify)
         self._view = SampleView(self.layout, norm, dequantize, dtype, served)
-        self._where: dict[str, tuple[str, int]] = {}
-        self._order: list[str] = []
-        for batch in self.manifest["batches"]:
-            for row, sid in enumerate(batch["sample_ids"]):
-                self._where[sid] = (batch["key"], row)
-                self._order.append(sid)
         self._files: OrderedDict[str, BatchFile] = OrderedDict()
         self._cache_files = cache_files
+
+    # Made on first use, not when the output is opened: at ~1M samples they take seconds and hundreds of MB, which
+    # a training process (it reads by index: training/index.py) never needs.
+    @cached_property
+    def _order(self) -> list[str]:
+        return [sid for batch in self.manifest["batches"] for sid in batch["sample_ids"]]
+
+    @cached_property
+    def _where(self) -> dict[str, tuple[str, int]]:
+        return {
+            sid: (batch["key"], row)
+            for batch in self.manifest["batches"]
+            for row, sid in enumerate(batch["sample_ids"])
+        }
 
     def __len__(self) -> int:
         return len(self._order)
@@ -138,9 +147,11 @@ class Output:
             self._files.popitem(last=False)
         return f
 
-    def open_batch_file(self, key: str) -> BatchFile:
-        """A new ``BatchFile`` for ``key``, outside the cache (the training loader keeps its own, one per thread)."""
-        return BatchFile(self.sink, key, self._entries[key], verify=self.verify)
+    def open_batch_file(self, key: str, sample_ids: list[str] | None = None) -> BatchFile:
+        """A new ``BatchFile`` for ``key``, outside the cache (the training loader keeps its own, one per thread).
+        ``sample_ids``: what its header must list, where the manifest given holds none (the sample index's)."""
+        entry = self._entries[key] if sample_ids is None else {**self._entries[key], "sample_ids": sample_ids}
+        return BatchFile(self.sink, key, entry, verify=self.verify)
 
     def read_sample(self, f: BatchFile, row: int) -> dict:
         """Sample ``row`` of the open batch file ``f`` as this output's reader dict (checked, fp8 dequantized)."""

@@ -27,6 +27,7 @@ from hsextract.format.batch import new_checksum, update_checksum
 from hsextract.format.final_norm import read_checked_final_norm
 from hsextract.format.manifest import MANIFEST, header_expectations, read_manifest, require_checksums
 from hsextract.format.records import JOB_FILES
+from hsextract.format.sample_index import check_sample_index
 from hsextract.prepare.plan import Plan
 from hsextract.storage import open_sink
 from hsextract.storage.base import Sink
@@ -198,6 +199,12 @@ def verify_output(
 
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
             report.bad = [e for e in pool.map(check, batches) if e is not None]
+    if manifest.get("sample_index"):
+        report.files += 1
+        try:
+            report.bytes += check_sample_index(sink, manifest)
+        except CorruptOutputError as e:
+            report.bad.append(e)
     final = manifest.get("final_state")
     if final and final.get("norm"):
         report.files += 1

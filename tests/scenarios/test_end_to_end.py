@@ -87,10 +87,10 @@ def test_output_has_several_batches_over_two_shards_and_clean_staging(finished_r
 
 def test_rerun_of_a_finished_run_recomputes_nothing(finished_run):
     root, _, _, args = finished_run
-    before = {p: p.stat().st_mtime_ns for p in (root / "out").rglob("*.safetensors")}
+    before = {p: p.stat().st_mtime_ns for p in (root / "out").rglob("batch-*.safetensors")}
     r = run_cli(*args)
     assert "shards already complete: [0, 1]" in r.stdout
-    after = {p: p.stat().st_mtime_ns for p in (root / "out").rglob("*.safetensors")}
+    after = {p: p.stat().st_mtime_ns for p in (root / "out").rglob("batch-*.safetensors")}
     assert before == after
 
 

@@ -37,6 +37,7 @@ from support.cli import (
 from support.procs import alive, descendants, wait_dead
 
 from hsextract.config import run_staging_dir
+from hsextract.format.manifest import SAMPLE_INDEX
 from hsextract.format.records import JOB, JOB_FILES, done_key
 from hsextract.prepare.plan import Plan
 from hsextract.reader import open_output
@@ -96,7 +97,7 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     keys = [b["key"] for b in manifest["batches"]]
     assert len(keys) == len(set(keys)), "a batch is listed twice in the manifest"
     bookkeeping = sorted([JOB, *JOB_FILES.values(), *(done_key(k) for k in keys)])
-    assert files == sorted([*keys, "manifest.json", *bookkeeping]), (
+    assert files == sorted([*keys, "manifest.json", SAMPLE_INDEX, *bookkeeping]), (
         "the output holds files the manifest does not list, or lacks some"
     )
     listed = Counter(sid for b in manifest["batches"] for sid in b["sample_ids"])
@@ -354,7 +355,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     keys = [b["key"] for b in manifest["batches"]]
     assert len(keys) < len(Plan.load(reference / "run" / "plan.json").batches)
     bookkeeping = [JOB, *JOB_FILES.values(), *(done_key(k) for k in keys)]
-    assert output_files(out) == sorted([*keys, "manifest.json", *bookkeeping]), (
+    assert output_files(out) == sorted([*keys, "manifest.json", SAMPLE_INDEX, *bookkeeping]), (
         "files of the previous plan are left over"
     )
     assert RunDir(run_dir).done_keys() == set(keys)

@@ -31,6 +31,7 @@ from support.cli import (
 from support.procs import descendants, wait_dead
 
 from hsextract.config import run_staging_dir
+from hsextract.format.manifest import SAMPLE_INDEX
 from hsextract.prepare.plan import Plan
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
@@ -76,7 +77,9 @@ def assert_complete(root: Path, sample_ids: list[str]) -> None:
     assert Counter(s for b in manifest["batches"] for s in b["sample_ids"]) == Counter(sample_ids)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     # The job's bookkeeping (claim, completion records) lives under hsextract/; test_resume checks it byte for byte.
-    assert [f for f in files if not f.startswith("hsextract/")] == sorted([*keys, "manifest.json"])
+    assert [f for f in files if not f.startswith("hsextract/")] == sorted(
+        [*keys, "manifest.json", SAMPLE_INDEX]
+    )
     assert RunDir(run_dir).done_keys() == set(keys)
     staging = run_staging_dir(str(root / "staging"), run_dir)
     assert not staging.exists(), f"staging left behind: {list(staging.rglob('*'))}"

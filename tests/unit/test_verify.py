@@ -31,11 +31,12 @@ def test_intact_output_verifies_clean(output):
     r = run_cli("verify", output, "--workers", "3")
     assert r.returncode == 0
     batches = manifest_batches(output)
-    assert f"verified {len(batches)} files" in r.stdout and "all good" in r.stdout
+    index = json.loads((output / "manifest.json").read_text())["sample_index"]  # checked as one more file
+    assert f"verified {len(batches) + 1} files" in r.stdout and "all good" in r.stdout
     assert "BAD" not in r.stdout
     report = json.loads(run_cli("verify", output, "--json").stdout)
-    assert report["ok"] is True and report["bad"] == [] and report["files"] == len(batches)
-    assert report["bytes"] == sum(b["size"] for b in batches)
+    assert report["ok"] is True and report["bad"] == [] and report["files"] == len(batches) + 1
+    assert report["bytes"] == sum(b["size"] for b in batches) + index["size"]
 
 
 def test_verify_lists_exactly_the_damaged_files_with_their_problems(output):

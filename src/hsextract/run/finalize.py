@@ -7,8 +7,11 @@ last, and a lost run dir loses nothing:
 2. the completion records: a batch without one is still to do (another node's, or a crashed one's);
 3. every batch checked against its record (exists, same size, same CRC32 where the store keeps it): a batch
    deleted or damaged behind the run's back loses its record and is reported, never listed in a manifest;
-4. the manifest, built only from the plan and the sample ids, so every node builds the same bytes: two nodes
-   finishing at once write the same object, which makes the race harmless.
+4. the sample index (format/sample_index.py: every sample's file, row, tokens and id, and which samples each
+   trainer's schema leaves out), from each batch file's header and index tensors, so that a trainer indexes the
+   output with one read instead of two per batch file;
+5. the manifest, built only from the plan and the sample ids, so every node builds the same bytes (the index
+   too): two nodes finishing at once write the same objects, which makes the race harmless.
 
 ``status.rows.output_status`` reads the same files for ``hsextract status OUTPUT``.
 """
@@ -26,6 +29,18 @@ from hsextract.run.rundir import RunInfo
 
 
 def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
+    plan, info = load_plan(sink)
+    return plan, info, _job_file(sink, "samples"), _job_file(sink, "data_report")
+
+
+def load_plan(sink) -> tuple[Plan, RunInfo]:
+    """The job's plan and run info alone (status needs no sample ids: ~20 MB of JSON at 1M samples)."""
+    plan = Plan.from_json(_job_file(sink, "plan"), where=f"{sink.url}/{JOB_FILES['plan']}")
+    info = RunInfo.from_json(_job_file(sink, "info"), where=f"{sink.url}/{JOB_FILES['info']}")
+    return plan, info
+
+
+def _job_file(sink, name: str):
     def get(name: str):
         try:
             return json.loads(sink.get_bytes(JOB_FILES[name]))
@@ -37,9 +52,7 @@ def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HsextractError(f"{sink.url}/{JOB_FILES[name]} is damaged ({e})") from None
 
-    plan = Plan.from_json(get("plan"), where=f"{sink.url}/{JOB_FILES['plan']}")
-    info = RunInfo.from_json(get("info"), where=f"{sink.url}/{JOB_FILES['info']}")
-    return plan, info, get("samples"), get("data_report")
+    return get(name)
 
 
 def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -> dict:
@@ -64,6 +77,17 @@ def _withdraw_manifest(sink, echo) -> None:
         echo("the manifest no longer holds; removed until the batches above are recomputed")
 
 
+def _damaged(sink, problems: dict[str, str], planned: int, echo) -> tuple[int, set[str]]:
+    """Batch files found missing or damaged: reported, their records removed so that their shards recompute them."""
+    for key, why in sorted(problems.items())[:10]:
+        echo(f"output check: {key}: {why}")
+    echo(f"{len(problems)} of {planned} batch files are missing or damaged in {sink.url}")
+    _withdraw_manifest(sink, echo)  # first: an output with a manifest says it is complete
+    for key in problems:
+        sink.delete(done_key(key))
+    return 1, set(problems)
+
+
 def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
     are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
@@ -72,26 +96,29 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     plan, info, sample_ids, data_report = load_job_files(sink)
     keys = [b.key for b in plan.batches]
     done = done_in_output(sink)
-    todo = [k for k in keys if k not in done]
+    todo = {k for k in keys if k not in done}
     if todo:
         _withdraw_manifest(sink, echo)
-        shards = sorted({b.shard for b in plan.batches if b.key in set(todo)})
+        shards = sorted({b.shard for b in plan.batches if b.key in todo})
         echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
-        return 0, set(todo)
+        return 0, todo
     # The full check: on a store that keeps no CRC32 (a local output) each file is read once to compute it.
     problems, records = check_batches(sink, keys, plan.plan_hash, full=True)
     if problems:
-        for key, why in sorted(problems.items())[:10]:
-            echo(f"output check: {key}: {why}")
-        echo(f"{len(problems)} of {len(keys)} batch files are missing or damaged in {sink.url}")
-        _withdraw_manifest(sink, echo)  # first: an output with a manifest says it is complete
-        for key in problems:
-            sink.delete(done_key(key))
-        return 1, set(problems)
+        return _damaged(sink, problems, len(keys), echo)
     # Written even over a manifest already there: built from the plan and the records just checked, it is the
     # same bytes on every node, and one edited or left by an earlier attempt is replaced by one that holds.
     final_norm = read_final_norm_meta(sink) if info.final_state else None
-    write_manifest(sink, job_manifest((plan, info, sample_ids, data_report), records, final_norm))
+    manifest = job_manifest((plan, info, sample_ids, data_report), records, final_norm)
+    # The training loader's sample index (two small reads per batch file, once per job), written before the manifest
+    # that records its checksum. Imported here: status imports this module and never needs torch.
+    from hsextract.training.index import write_sample_index
+
+    entry, unreadable = write_sample_index(sink, manifest)
+    if unreadable:
+        return _damaged(sink, {k: e.problem for k, e in unreadable.items()}, len(keys), echo)
+    manifest["sample_index"] = entry
+    write_manifest(sink, manifest)
     echo(
         f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(keys)} batch files at {sink.url}"
     )

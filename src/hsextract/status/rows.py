@@ -17,15 +17,14 @@ from hsextract.errors import HsextractError
 from hsextract.format.manifest import has_manifest
 from hsextract.format.records import JOB_FILES, done_in_output, read_job
 from hsextract.prepare.plan import Plan
-from hsextract.run.finalize import load_job_files
+from hsextract.run.finalize import load_plan
 from hsextract.run.procs import pid_alive
 from hsextract.run.progress import FINAL_STATES, DamagedProgress, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import find_stall, stall_note
 
 
-def _counts(plan: Plan, shard: int, done: set[str]) -> dict:
-    batches = plan.for_shard(shard)
+def _counts(batches: list, done: set[str]) -> dict:
     return {
         "batches_done": sum(b.key in done for b in batches),
         "batches_total": len(batches),
@@ -54,8 +53,9 @@ def shard_status(run_dir: RunDir | Path, plan: Plan | None = None) -> tuple[list
     host = socket.gethostname()
     now = time.time()
     rows = []
+    by_shard = _by_shard(plan)
     for s in _local_shards(run_dir, plan):
-        counts = _counts(plan, s, done)
+        counts = _counts(by_shard[s], done)
         try:
             p, damaged = ShardProgress.read(run_dir, s), ""
         except DamagedProgress as e:
@@ -112,6 +112,14 @@ def _session(p: ShardProgress | None) -> dict:
     return {"elapsed_s": round(elapsed, 1), "average_tokens_per_s": rate}
 
 
+def _by_shard(plan: Plan) -> dict[int, list]:
+    """Each shard's batches, in one pass over the plan (a pass per shard is shards x batches)."""
+    by_shard: dict[int, list] = {s: [] for s in range(plan.shards)}
+    for b in plan.batches:
+        by_shard.setdefault(b.shard, []).append(b)
+    return by_shard
+
+
 def _local_shards(run_dir: RunDir, plan: Plan) -> list[int]:
     """The shards this run dir's node runs (all of them on a single node)."""
     try:
@@ -129,19 +137,22 @@ def output_status(sink) -> dict:
     job = read_job(sink)
     if job is None:
         raise HsextractError(f"{sink.url} holds no hsextract job (no {JOB_FILES['plan']} or claim)")
-    plan, _info, _ids, _report = load_job_files(sink)
+    plan, _info = load_plan(sink)
     done = done_in_output(sink)
     nodes = max(1, int(job.get("nodes", 1)))
+    by_shard = _by_shard(plan)
     rows = []
     for node in range(nodes):
         for s in node_shards(plan.shards, nodes, node):
-            counts = _counts(plan, s, done)
+            counts = _counts(by_shard[s], done)
             done_all = counts["batches_done"] == counts["batches_total"]
             state = ShardState.DONE if done_all else "in progress or not started"
             rows.append({"shard": s, "node": node, "state": state, **counts})
     return {
         "output": sink.url,
-        "plan_hash": plan.plan_hash,
+        "plan_hash": job.get(
+            "plan_hash"
+        ),  # the claim's: the plan's own is a hash of all of it, seconds at 1M samples
         "nodes": nodes,
         "complete": has_manifest(sink),
         "checked_at": time.time(),

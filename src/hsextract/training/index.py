@@ -1,10 +1,16 @@
 """Which samples an output serves to a schema, and reading them from any thread.
 
-``SampleIndex`` is built once, in the process that makes the dataset: the manifest, plus each batch file's header
-and index tensors (two small reads per file, in a pool of threads) for the samples' lengths, plus, for a schema that
-leaves samples out (SpecForge's DFlash), each file's token ids and loss masks (5 bytes per token). No state is read.
-It holds no open connection, so it pickles into DataLoader workers, which open the output again themselves
-(``SampleReader``): a boto3 client must not cross a fork.
+``SampleIndex`` comes from the output's sample index (format/sample_index.py), written once when the output was
+finished: one read, verified against the checksum the manifest records, then memory-mapped (a local output's file
+itself; an S3 output's copied once to a temporary file, in /dev/shm where there is one), so every DataLoader worker
+of the node shares its pages instead of a copy each. The index pickles into a worker as a path and a few small
+arrays: the worker maps the same file. An output written before the index existed is indexed as it always was
+(``scan_files``: each batch file's header and index tensors, two small reads per file, in a pool of threads), with
+a log line; so is one whose index lacks a schema's verdicts (a schema added since).
+
+It holds no open connection, so it crosses into DataLoader workers, which open the output again themselves
+(``SampleReader``): a boto3 client must not cross a fork. Nor does it hold the manifest's sample ids: workers get
+the manifest without them and take each file's ids from the index when they open the file.
 
 ``SampleReader`` keeps a bounded cache of open batch files (their parsed headers and index, a few KB each) shared by
 its threads; a sample is one checked ranged read of its rows (reader.BatchFile), dequantized if fp8.
@@ -15,17 +21,33 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import cached_property
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
 from hsextract.batchfile import plain_memory
+from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.format.sample_index import (
+    SAMPLE_INDEX,
+    SampleTable,
+    checksum,
+    decode,
+    encode,
+    map_file,
+    read_sample_index,
+    remove_copy,
+    table_from_files,
+)
 from hsextract.reader import open_output
 from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
-from hsextract.training.schemas import Schema, get_schema
+from hsextract.training.schemas import SCHEMAS, Schema, get_schema
 from hsextract.training.state import check_where
 
 log = logging.getLogger(__name__)
@@ -51,68 +73,249 @@ class Where:
         check_where(self)
 
 
+def skips_samples(schema: Schema) -> bool:
+    return type(schema).skip_reason is not Schema.skip_reason
+
+
+# -- building the table ---------------------------------------------------------------------------------------------
+def scan_files(open_file, entries: list[dict], schemas: list[Schema], threads: int = 8):
+    """The sample table of the batch files ``entries`` (manifest order), each opened by ``open_file(entry)``, with
+    the verdicts of ``schemas`` (those that leave samples out) from each file's token ids and loss masks. Returns
+    the table and ``{key: CorruptOutputError}`` for files that could not be read (the table is then None)."""
+
+    def scan(entry: dict):
+        try:
+            f = open_file(entry)
+        except CorruptOutputError as e:
+            return e
+        cu = f.cu_seqlens
+        codes = {}
+        if schemas:
+            ids, mask = f.read_all("input_ids"), f.read_all("loss_mask")
+            for s in schemas:
+                codes[s.name] = [
+                    s.skip_reason(ids[a:b], mask[a:b]) for a, b in zip(cu[:-1], cu[1:], strict=True)
+                ]
+        return list(f.sample_ids), cu, codes, f.tensors["hidden_states"].row_bytes
+
+    with ThreadPoolExecutor(max(1, min(threads, len(entries)))) as pool:
+        scanned = list(pool.map(scan, entries))
+    problems = {e["key"]: got for e, got in zip(entries, scanned, strict=True) if isinstance(got, Exception)}
+    if problems:
+        return None, problems
+    skips = {}
+    for s in schemas:
+        reasons: list[str] = []
+        codes: list[int] = []
+        for _, _, verdicts, _ in scanned:
+            for why in verdicts[s.name]:
+                if why and why not in reasons:
+                    reasons.append(why)
+                codes.append(reasons.index(why) + 1 if why else 0)
+        skips[s.name] = (reasons, codes)
+    table = table_from_files(
+        [e["key"] for e in entries],
+        [(ids, cu) for ids, cu, _, _ in scanned],
+        max((s[3] for s in scanned), default=0),
+        skips,
+    )
+    return table, {}
+
+
+def write_sample_index(sink, manifest: dict, threads: int = 16) -> tuple[dict | None, dict]:
+    """Index every batch file the (not yet written) ``manifest`` lists, with the verdicts of every schema that
+    leaves samples out, and write the index beside it. Returns the manifest's ``sample_index`` entry, or None and
+    ``{key: CorruptOutputError}`` for batch files that could not be read."""
+    from hsextract.batchfile import BatchFile
+    from hsextract.format.manifest import header_expectations
+
+    schemas = [s for s in SCHEMAS.values() if skips_samples(s)]
+    table, problems = scan_files(
+        lambda e: BatchFile(sink, e["key"], e, expect=header_expectations(manifest, e)),
+        manifest["batches"],
+        schemas,
+        threads,
+    )
+    if problems:
+        return None, problems
+    data = encode(table)
+    sink.put_bytes(SAMPLE_INDEX, data)
+    return {"key": SAMPLE_INDEX, "size": len(data), "xxh3": checksum(data)}, {}
+
+
+def _slim(manifest: dict) -> dict:
+    """The manifest without its per-batch sample ids (the index holds them): what crosses into workers."""
+    return {
+        **manifest,
+        "batches": [{k: v for k, v in b.items() if k != "sample_ids"} for b in manifest["batches"]],
+    }
+
+
+class _Column(Sequence):
+    """A read-only sequence over the served samples, computed from the table on access."""
+
+    def __init__(self, get, n: int):
+        self._get, self._n = get, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._get(j) for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(f"sample {i} is not in this index of {self._n} samples")
+        return self._get(i % self._n)
+
+
 class SampleIndex:
     """The samples of an output a schema serves, in manifest order: ``keys[i]``, ``rows[i]``, ``lengths[i]``,
-    ``sample_ids[i]`` for sample ``i``, ``starts[i]`` its first token in its file; ``skipped`` maps the left-out
-    sample ids to the reason; ``token_bytes`` is the states' bytes per token (every file's)."""
+    ``sample_ids[i]`` for sample ``i``, ``starts[i]`` its first token in its file; ``file_samples[key]`` the
+    range of samples of a file; ``skipped`` maps the left-out sample ids to the reason; ``token_bytes`` is the
+    states' bytes per token (every file's)."""
 
     def __init__(self, out, where: Where, schema: Schema, threads: int = 8):
         self.where, self.schema = where, schema
-        self.manifest = out.manifest
+        manifest = out.manifest
         self.layer_ids: tuple[int, ...] = out.layer_ids
         """The layer ids each item serves, in order."""
-        schema.check(self.manifest, out.layer_ids)
-        batches = self.manifest["batches"]
-        needs_tokens = type(schema).skip_reason is not Schema.skip_reason
-
-        def scan(batch: dict):
-            f = out.open_batch_file(batch["key"])
-            cu = f.cu_seqlens
-            kept, skipped = [], {}
-            if needs_tokens:
-                ids, mask = f.read_all("input_ids"), f.read_all("loss_mask")
-            for row, sid in enumerate(f.sample_ids):
-                a, b = cu[row], cu[row + 1]
-                reason = schema.skip_reason(ids[a:b], mask[a:b]) if needs_tokens else None
-                if reason:
-                    skipped[sid] = reason
-                else:
-                    kept.append((row, sid, a, b - a))
-            return batch["key"], kept, skipped, f.tensors["hidden_states"].row_bytes
-
-        with ThreadPoolExecutor(max(1, min(threads, len(batches)))) as pool:
-            scanned = list(pool.map(scan, batches))
-        self.keys: list[str] = []
-        self.rows: list[int] = []
-        self.sample_ids: list[str] = []
-        self.lengths: list[int] = []
-        self.starts: list[int] = []
-        self.skipped: dict[str, str] = {}
-        self.file_samples: dict[str, list[int]] = {}
-        self.token_bytes = max((s[3] for s in scanned), default=0)
-        for key, kept, skipped, _ in scanned:
-            self.file_samples[key] = []
-            for row, sid, start, n in kept:
-                self.file_samples[key].append(len(self.keys))
-                self.keys.append(key)
-                self.rows.append(row)
-                self.sample_ids.append(sid)
-                self.starts.append(start)
-                self.lengths.append(n)
-            self.skipped.update(skipped)
-        self.file_keys = [b["key"] for b in batches]
-        if self.skipped:
+        schema.check(manifest, out.layer_ids)
+        self.manifest = _slim(manifest)
+        self.path: str | None = None
+        self.extra_skips: dict[str, tuple[np.ndarray, list[str]]] = {}
+        """Verdicts of a schema the index file lacks, scanned here."""
+        wanted = [schema] if skips_samples(schema) else []
+        entry = manifest.get("sample_index")
+        if entry is None:
+            log.info(
+                "%s has no %s (written by an hsextract before it): indexing its %d batch files, 2 reads each",
+                where.path,
+                SAMPLE_INDEX,
+                len(manifest["batches"]),
+            )
+            self.table = self._scan(out, manifest, wanted, threads)
+        else:
+            self.table, self.path, copied = read_sample_index(out.sink, entry, where.verify)
+            if copied:
+                weakref.finalize(self, remove_copy, self.path, os.getpid())
+            if self.table.keys != [b["key"] for b in manifest["batches"]]:
+                raise CorruptOutputError(
+                    out.sink.url,
+                    entry["key"],
+                    "lists other batch files than the manifest; the output is damaged",
+                )
+            if wanted and schema.name not in self.table.skips:
+                log.info("%s has no verdicts for %s: indexing its batch files", SAMPLE_INDEX, schema.name)
+                scanned = self._scan(out, manifest, wanted, threads)
+                self.extra_skips = {
+                    schema.name: (scanned.skips[schema.name], scanned.skip_reasons[schema.name])
+                }
+                self._add_skips()
+        self._select()
+        if self.kept is not None:
             log.info(
                 "%s: %d of %d samples left out for %s (%s)",
                 where.path,
-                len(self.skipped),
-                len(self.skipped) + len(self.keys),
+                len(self.table) - len(self.kept),
+                len(self.table),
                 schema.name,
-                next(iter(set(self.skipped.values()))),
+                "; ".join(self.table.skip_reasons[schema.name]),
             )
 
+    @staticmethod
+    def _scan(out, manifest: dict, schemas: list[Schema], threads: int) -> SampleTable:
+        table, problems = scan_files(
+            lambda e: out.open_batch_file(e["key"]), manifest["batches"], schemas, threads
+        )
+        if problems:
+            raise next(iter(problems.values()))
+        return table
+
+    def _select(self) -> None:
+        """The served samples (``kept``: positions in the table, None for all) and each file's range of them."""
+        t = self.table
+        codes = t.skips.get(self.schema.name) if skips_samples(self.schema) else None
+        self.kept = None if codes is None or not codes.any() else np.flatnonzero(codes == 0)
+        bounds = t.file_first if self.kept is None else np.searchsorted(self.kept, t.file_first)
+        self.file_keys = list(t.keys)
+        self.file_samples = {
+            k: range(a, b) for k, a, b in zip(t.keys, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+        }
+        self._n = len(t) if self.kept is None else len(self.kept)
+        self._rows, self._starts, self._lengths = (
+            (a if self.kept is None else a[self.kept]) for a in (t.row, t.start, t.length)
+        )
+        self._files = t.file if self.kept is None else t.file[self.kept]
+
     def __len__(self) -> int:
-        return len(self.keys)
+        return self._n
+
+    # What crosses into a DataLoader worker: a mapped index as its path (the worker maps the same file), the rest
+    # as they are (small arrays; a scanned index's table).
+    def __getstate__(self):
+        state = {k: self.__dict__[k] for k in ("where", "schema", "manifest", "path", "extra_skips", "table")}
+        if self.path is not None:
+            state["table"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.table is None:
+            self.table = decode(map_file(self.path), lambda problem: HsextractError(f"{self.path} {problem}"))
+            self._add_skips()
+        self._select()
+
+    def _add_skips(self) -> None:
+        for name, (codes, reasons) in self.extra_skips.items():
+            self.table.skips[name], self.table.skip_reasons[name] = codes, reasons
+
+    def where_in_file(self, i: int) -> tuple[str, int, int, int]:
+        """Sample ``i``'s batch file, row, and first and last-plus-one token in the file."""
+        start = int(self._starts[i])
+        return self.file_keys[self._files[i]], int(self._rows[i]), start, start + int(self._lengths[i])
+
+    @property
+    def keys(self) -> Sequence[str]:
+        return _Column(lambda i: self.file_keys[self._files[i]], self._n)
+
+    @property
+    def rows(self) -> Sequence[int]:
+        return _Column(lambda i: int(self._rows[i]), self._n)
+
+    @property
+    def starts(self) -> Sequence[int]:
+        return _Column(lambda i: int(self._starts[i]), self._n)
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        return self._lengths.tolist()
+
+    @property
+    def sample_ids(self) -> Sequence[str]:
+        t = self.table
+        return _Column(lambda i: t.sample_id(i if self.kept is None else int(self.kept[i])), self._n)
+
+    @cached_property
+    def skipped(self) -> dict[str, str]:
+        if not skips_samples(self.schema) or self.kept is None:
+            return {}
+        codes, reasons = self.table.skips[self.schema.name], self.table.skip_reasons[self.schema.name]
+        left_out = np.flatnonzero(codes)
+        return dict(
+            zip(self.table.sample_ids_at(left_out), (reasons[c - 1] for c in codes[left_out]), strict=True)
+        )
+
+    @property
+    def token_bytes(self) -> int:
+        return self.table.token_bytes
+
+    def file_sample_ids(self, key: str) -> list[str]:
+        """Every sample id of batch file ``key`` in row order, served or not (what its header lists)."""
+        return self.table.file_sample_ids(self._file_number[key])
+
+    @cached_property
+    def _file_number(self) -> dict[str, int]:
+        return {k: f for f, k in enumerate(self.file_keys)}
 
 
 def index_output(
@@ -182,7 +385,7 @@ class SampleReader:
                 self._files.move_to_end(key)
                 return f
         # Two small reads (header; index, token ids, masks); a rare duplicate open in another thread is harmless.
-        f = self.out.open_batch_file(key)
+        f = self.out.open_batch_file(key, self.index.file_sample_ids(key))
         with self._lock:
             self._files[key] = f
             while len(self._files) > self._cache_files:
@@ -196,7 +399,8 @@ class SampleReader:
 
     def sample(self, i: int) -> dict:
         """The reader dict of sample ``i``."""
-        got = self.samples(self.index.keys[i], [self.index.rows[i]])[self.index.rows[i]]
+        key, row, _, _ = self.index.where_in_file(i)
+        got = self.samples(key, [row])[row]
         if isinstance(got, Exception):
             raise got
         return got
@@ -213,10 +417,6 @@ class SampleReader:
         """``make(i, reader dict)`` for every sample ``i`` of ``sequence``, in order, read ahead by ``threads``
         threads with at most ``prefetch`` samples held (reads.read_ahead), adjacent rows of a file in one read."""
         index = self.index
-        max_tokens = MAX_READ_BYTES // max(1, index.token_bytes)
-
-        def where(i: int):
-            return index.keys[i], index.rows[i], index.starts[i], index.starts[i] + index.lengths[i]
-
-        reads = plan_reads(sequence, where, horizon=prefetch, max_tokens=max_tokens)
+        max_tokens = MAX_READ_BYTES // max(1, index.table.token_bytes)
+        reads = plan_reads(sequence, index.where_in_file, horizon=prefetch, max_tokens=max_tokens)
         return read_ahead(sequence, reads, self.samples, make, threads=threads, prefetch=prefetch)
