@@ -44,12 +44,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hsextract.format.batch import StateLayout  # noqa: E402
+from hsextract.layers import resolve_layer_ids  # noqa: E402
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import LayerCapture, _StopForward
-from hsextract.model.layers import resolve_layer_ids  # noqa: E402
 from hsextract.model.load import decoder_layers, load_model
 from hsextract.prepare.plan import make_plan  # noqa: E402
-from hsextract.prepare.tokenize import TokenizedSamples  # noqa: E402
+from hsextract.prepare.tokenfile import TokenizedSamples  # noqa: E402
 from hsextract.run.pipeline import Extractor, build_batch  # noqa: E402
 from hsextract.run.writer import write_batch_file  # noqa: E402
 

@@ -114,10 +114,10 @@ def main() -> int:
 
     from hsextract.config import RunConfig
     from hsextract.format.batch import StateLayout
-    from hsextract.model.layers import resolve_layer_ids
+    from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model_config, load_model_for
     from hsextract.prepare.plan import make_plan
-    from hsextract.prepare.tokenize import TokenizedSamples
+    from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.pipeline import Extractor
 
     cfg = RunConfig(

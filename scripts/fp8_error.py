@@ -94,7 +94,7 @@ def gpu_errors(config: str, layers: str = "dflash", tokens: int = 16_384) -> lis
     from bench import realistic_samples
 
     from hsextract.format.batch import StateLayout
-    from hsextract.model.layers import resolve_layer_ids
+    from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model
     from hsextract.prepare.plan import make_plan
     from hsextract.run.pipeline import Extractor

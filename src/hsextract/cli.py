@@ -113,7 +113,7 @@ def _build_config(**opts) -> RunConfig:
         click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
     cfg = RunConfig(**values)
     if values.get("device", "auto") == "auto":
-        from hsextract.run.devices import resolve_device
+        from hsextract.devices import resolve_device
 
         click.echo(f"device: {cfg.device} ({resolve_device('auto')[1]})")
     return cfg

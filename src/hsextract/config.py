@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from hsextract.errors import HsextractError, redact
-from hsextract.model.layers import implies_final_state
+from hsextract.layers import implies_final_state
 from hsextract.storage.fileio import load_json, write_json
 
 DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
@@ -71,8 +71,8 @@ class RunConfig:
     ``runs/<output name>-<hash of the output>`` under the current directory."""
 
     layers: tuple[int, ...] | str = _opt("dflash")
-    """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or presets
-    (model/layers.py): ``dflash`` (5 evenly spaced, 1..N-3), ``dflash2`` ([5, 19, 33, 47, 61] for 64 layers),
+    """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or presets:
+    ``dflash`` (5 evenly spaced, 1..N-3), ``dflash2`` ([5, 19, 33, 47, 61] for 64 layers),
     ``dspark`` (dflash's and the final state) or ``eagle3`` (1, N//2-1, N-4 and the final state); a union such as
     ``dflash,dflash2,eagle3`` captures every id they need once, in one forward."""
 
@@ -167,7 +167,7 @@ class RunConfig:
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
     def __post_init__(self):
-        from hsextract.prepare.sources import parse_sources  # a leaf: parsing only, nothing is read
+        from hsextract.prepare.source_spec import parse_sources  # a leaf: parsing only, nothing is read
 
         missing = [name for name in REQUIRED if not getattr(self, name)]
         if missing:
@@ -214,7 +214,7 @@ class RunConfig:
         if self.device not in DEVICES:
             raise HsextractError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.device == "auto":  # resolved once, here: config.json and the workers see cuda or cpu
-            from hsextract.run.devices import resolve_device
+            from hsextract.devices import resolve_device
 
             object.__setattr__(self, "device", resolve_device("auto")[0])
         if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):

@@ -33,15 +33,15 @@ import torch
 from hsextract.config import DTYPE_BYTES, STORAGE_DTYPES, RunConfig
 from hsextract.format.batch import StateLayout, estimate_file_bytes
 from hsextract.format.fp8 import dequantize_fp8
-from hsextract.model import qwen3_5 as kernels
-from hsextract.model.capture import model_final_norm
-from hsextract.model.layers import (
+from hsextract.layers import (
     FINAL_STATE_PRESETS,
     describe_layer,
     layer_types,
     presets_layer_ids,
     resolve_layer_ids,
 )
+from hsextract.model import qwen3_5 as kernels
+from hsextract.model.capture import model_final_norm
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, make_plan
 from hsextract.prepare.report import DataReport

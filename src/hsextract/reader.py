@@ -49,7 +49,7 @@ from hsextract.errors import HsextractError
 from hsextract.format.batch import StateLayout
 from hsextract.format.final_norm import read_final_norm
 from hsextract.format.manifest import header_expectations, read_manifest, require_checksums
-from hsextract.model.layers import PRESETS, preset_layer_ids
+from hsextract.layers import PRESETS, preset_layer_ids
 from hsextract.storage import open_sink
 
 __all__ = ["BatchFile", "Output", "SampleView", "open_output", "plain_memory"]

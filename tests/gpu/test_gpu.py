@@ -123,7 +123,7 @@ def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers
     from hsextract.format.batch import StateLayout
     from hsextract.format.fp8 import quantize_fp8
     from hsextract.prepare.plan import make_plan
-    from hsextract.prepare.tokenize import TokenizedSamples
+    from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.pipeline import Extractor
 
     lm = real_shape_lm

@@ -19,7 +19,7 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     from hsextract.model.capture import model_final_norm
     from hsextract.model.load import load_model_for, torch_device
     from hsextract.prepare.steps import prepare_run
-    from hsextract.prepare.tokenize import TokenizedSamples
+    from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.finalize import finalize_output
     from hsextract.run.pipeline import Extractor
     from hsextract.run.rundir import RunDir, RunInfo

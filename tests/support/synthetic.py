@@ -73,6 +73,7 @@ def make_output(
     publish_job_files(sink, {"plan": plan.to_json(), "info": asdict(info), "samples": ids, "data_report": {}})
     run_meta = run_file_metadata(
         layout=LAYOUT,
+        presets={},
         model="synthetic",
         model_revision="",
         model_config_hash="",

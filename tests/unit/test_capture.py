@@ -3,8 +3,7 @@ import torch
 from support.faults import ShiftedCapture
 
 from hsextract.errors import HsextractError
-from hsextract.model.capture import GatherTarget, LayerCapture
-from hsextract.model.layers import (
+from hsextract.layers import (
     dflash2_layer_ids,
     dflash_layer_ids,
     eagle3_layer_ids,
@@ -12,6 +11,7 @@ from hsextract.model.layers import (
     presets_layer_ids,
     resolve_layer_ids,
 )
+from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.model.load import load_model, load_model_config
 
 

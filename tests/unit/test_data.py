@@ -13,9 +13,11 @@ import pytest
 from hsextract import demo
 from hsextract.demo import TOOLS, build_tokenizer, make_conversations, write_jsonl
 from hsextract.errors import HsextractError
+from hsextract.prepare import tokenfile
 from hsextract.prepare import tokenize as data
 from hsextract.prepare.rows import data_fingerprint, read_rows
-from hsextract.prepare.tokenize import DataReport, TokenizedSamples, load_samples, tokenizer_fingerprint
+from hsextract.prepare.tokenfile import TokenizedSamples
+from hsextract.prepare.tokenize import DataReport, load_samples, tokenizer_fingerprint
 
 WEATHER_CALL = {"function": {"name": "get_weather", "arguments": {"city": "paris"}}}
 WEATHER_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
@@ -764,7 +766,7 @@ def test_streamed_pool_gives_each_row_its_own_encoding_and_the_plan_of_those_len
 
 
 def test_token_file_header_longer_than_its_reserve_moves_the_data_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "HEADER_RESERVE", 64)
+    monkeypatch.setattr(tokenfile, "HEADER_RESERVE", 64)
     samples = TokenizedSamples(
         sample_ids=["a", "b"], input_ids=[1, 2, 3], loss_mask=[0, 1, 1], offsets=[0, 1, 3]
     )

@@ -1,4 +1,4 @@
-"""The device a run uses: ``auto`` resolved and said, ``cuda`` checked before any preparation (run/devices.py)."""
+"""The device a run uses: ``auto`` resolved and said, ``cuda`` checked before any preparation (devices.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from hsextract.cli import main
+from hsextract.devices import Cuda, Gpu, check_gpus, detect_cuda
 from hsextract.errors import HsextractError
-from hsextract.run.devices import Cuda, Gpu, check_gpus, detect_cuda
 
 GiB = 2**30
 H200 = 140 * GiB

@@ -17,7 +17,8 @@ from hsextract.config import RunConfig, load_yaml
 from hsextract.demo import build_tokenizer, make_conversations, write_jsonl
 from hsextract.errors import HsextractError
 from hsextract.prepare.plan import fingerprint_changes
-from hsextract.prepare.sources import SourceSpec, changed_files, parse_source, resolve_sources
+from hsextract.prepare.source_spec import SourceSpec, parse_source
+from hsextract.prepare.sources import changed_files, resolve_sources
 from hsextract.prepare.tokenize import load_samples
 
 

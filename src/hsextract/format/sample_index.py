@@ -33,7 +33,6 @@ import xxhash
 
 from hsextract.errors import CorruptOutputError
 from hsextract.format.manifest import SAMPLE_INDEX  # noqa: F401  (named there: the manifest records it)
-from hsextract.storage.local import LocalSink
 
 INDEX_FORMAT = "hsextract-sample-index"
 
@@ -250,8 +249,8 @@ def read_sample_index(sink, entry: dict, verify: bool) -> tuple[SampleTable, str
     def damaged(problem: str) -> CorruptOutputError:
         return CorruptOutputError(sink.url, entry["key"], problem)
 
-    if isinstance(sink, LocalSink):
-        path, copied = str(sink.root / entry["key"]), False
+    if (path := sink.local_file(entry["key"])) is not None:
+        copied = False
         try:
             data = map_file(path)
         except FileNotFoundError:

@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hsextract.config import RunConfig
+    from hsextract.layers import layer_types
     from hsextract.model import kernel_cache, tuned
     from hsextract.model import qwen3_5 as kernels
     from hsextract.model.autotune import pin_token_count_autotune
-    from hsextract.model.layers import layer_types
     from hsextract.model.load import base_model
     from hsextract.prepare.plan import Plan
     from hsextract.run.rundir import RunDir

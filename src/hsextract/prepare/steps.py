@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hsextract.config import DTYPE_BYTES, RunConfig
+from hsextract.devices import check_device
 from hsextract.errors import HsextractError
 from hsextract.format.batch import StateLayout, estimate_file_bytes, run_file_metadata
 from hsextract.format.manifest import delete_manifest, has_manifest, read_manifest
@@ -39,9 +40,9 @@ from hsextract.format.records import (
     publish_job_files,
     read_job,
 )
+from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
 from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
-from hsextract.model.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
@@ -53,7 +54,6 @@ from hsextract.prepare.tokenize import (
     tokenizer_fingerprint,
     unique_sample_ids,
 )
-from hsextract.run.devices import check_device
 from hsextract.run.rundir import RunDir, RunInfo
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
@@ -122,12 +122,12 @@ def check_places(cfg: RunConfig) -> None:
     RunDir(cfg.run_dir).check_space()
     check_same_output(cfg)
     check_no_overlap(cfg)
-    check_device(cfg)  # no CUDA, too few GPUs, a GPU already full: said now, not by a worker after preparing
     if cfg.device == "cuda":
         load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
         # A kernel cache the user chose must be writable (the default one falls back to the run dir).
         if cfg.kernel_cache or os.environ.get(KERNEL_CACHE_ENV):
             check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
+    check_device(cfg)  # no CUDA, too few GPUs, a GPU already full: said now, not by a worker after preparing
 
 
 def check_model_and_output(cfg: RunConfig) -> ModelFacts:

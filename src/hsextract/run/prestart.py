@@ -139,7 +139,7 @@ def slot_bytes(spec: dict, model: str) -> int:
     sizes them for the plan's largest, which is at most this)."""
     from hsextract.config import DTYPE_BYTES
     from hsextract.format.batch import StateLayout
-    from hsextract.model.layers import resolve_layer_ids
+    from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model_config
 
     _, text, num_layers = load_model_config(model)

@@ -321,7 +321,7 @@ class RunInfo:
     vocab_size: int | None = None
     """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
     presets: dict = field(default_factory=dict)
-    """Each preset the layers name -> its layer ids (model/layers.py); empty for explicit ids."""
+    """Each preset the layers name -> its layer ids (layers.py); empty for explicit ids."""
 
     @property
     def layout(self):

@@ -149,6 +149,39 @@ class Sink(abc.ABC):
             on_part(0, len(data))
         return len(data)
 
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size of the object in bytes; ``FileNotFoundError`` if there is none."""
+
+    def local_file(self, key: str) -> str | None:
+        """The object's path on this machine when the store is a local directory (it can be mapped in place),
+        else None."""
+        return None
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+
+    @abc.abstractmethod
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix``, relative to the sink root, sorted; incomplete uploads are not listed."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; removing a missing one is not an error."""
+
+    def missing_place(self) -> str | None:
+        """Why the place this sink names does not exist (no directory, no bucket, nothing under the prefix), in
+        words for the user; None when it exists. Readers ask it before saying a run has not finished."""
+        return None
+
+    @abc.abstractmethod
+    def discard_partials(self, prefix: str) -> int:
+        """Remove uploads under ``prefix`` that a killed uploader left unfinished; returns how many.
+
+        Only safe while no uploader writes under ``prefix``: a worker calls it on resume, before starting its
+        uploader, for its own shard's prefix."""
+
 
 def read_range_via_into(sink: Sink, key: str, offset: int, length: int) -> bytearray:
     """``read_range`` of a sink whose own primitive is ``read_range_into``: the bytes in a buffer of their own
@@ -176,31 +209,3 @@ def fill(
             on_part(done, done + n)
         done += n
     return done
-
-    @abc.abstractmethod
-    def size(self, key: str) -> int:
-        """Size of the object in bytes; ``FileNotFoundError`` if there is none."""
-
-    @abc.abstractmethod
-    def exists(self, key: str) -> bool:
-        """Whether an object is stored under ``key``."""
-
-    @abc.abstractmethod
-    def list_keys(self, prefix: str = "") -> list[str]:
-        """Keys starting with ``prefix``, relative to the sink root, sorted; incomplete uploads are not listed."""
-
-    @abc.abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove the object; removing a missing one is not an error."""
-
-    def missing_place(self) -> str | None:
-        """Why the place this sink names does not exist (no directory, no bucket, nothing under the prefix), in
-        words for the user; None when it exists. Readers ask it before saying a run has not finished."""
-        return None
-
-    @abc.abstractmethod
-    def discard_partials(self, prefix: str) -> int:
-        """Remove uploads under ``prefix`` that a killed uploader left unfinished; returns how many.
-
-        Only safe while no uploader writes under ``prefix``: a worker calls it on resume, before starting its
-        uploader, for its own shard's prefix."""

@@ -115,6 +115,9 @@ class LocalSink(Sink):
     def size(self, key: str) -> int:
         return self._path(key).stat().st_size
 
+    def local_file(self, key: str) -> str | None:
+        return str(self.root / key)
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 

@@ -37,7 +37,7 @@ class Schema:
     name: str
     needs_final_state = True
     preset: str | None = None
-    """The layer preset this trainer reads (model/layers.py): what it is served from an output of several."""
+    """The layer preset this trainer reads (layers.py): what it is served from an output of several."""
 
     def check(self, manifest: dict, layer_ids=None) -> None:
         """Refuse an output this trainer cannot use, before anything is read or written (``layer_ids``: the ones

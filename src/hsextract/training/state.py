@@ -25,8 +25,11 @@ class StateError(HsextractError):
     """A resume state that does not fit this dataset; ``field`` names the part that does not."""
 
     def __init__(self, field: str, problem: str):
-        self.field = field
+        self.field, self.problem = field, problem
         super().__init__(f"resume state, field {field!r}: {problem}")
+
+    def __reduce__(self):  # raised in DataLoader workers: rebuilt from its fields in the main process
+        return type(self), (self.field, self.problem)
 
 
 # -- arguments ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,262 @@
+"""The token file: every kept sample's ids and loss mask, written once as the tokenizer's chunks arrive, read back
+memory-mapped.
+
+One safetensors file (``input_ids`` int32, ``loss_mask`` uint8, ``offsets``; the sample ids and the data report in
+its header). The writer appends each chunk's arrays as they come, so the process preparing a run never holds the
+tokens; the header's room is reserved up front and the data moved once only when it outgrows it. Renamed into place
+only after fsync: a token file under its final name is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hsextract.errors import HsextractError
+
+
+@dataclass(frozen=True, eq=False)
+class TokenizedSamples:
+    """All kept samples concatenated: sample ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``."""
+
+    sample_ids: list[str]
+    """The row's ``id`` field as a string when present, else the row index."""
+    input_ids: np.ndarray
+    """int32 token ids of all samples, concatenated."""
+    loss_mask: np.ndarray
+    """uint8, 1 on tokens the drafter learns to predict (assistant turns), same length as ``input_ids``."""
+    offsets: np.ndarray
+    """int64, ``len(sample_ids) + 1`` entries, starting at 0 and ending at ``len(input_ids)``."""
+    file: Path | None = None
+    """The token file these arrays are mapped from, when they are exactly its contents (``save`` links it)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sample_ids", [str(s) for s in self.sample_ids])
+        object.__setattr__(self, "input_ids", np.ascontiguousarray(self.input_ids, dtype=np.int32))
+        object.__setattr__(self, "loss_mask", np.ascontiguousarray(self.loss_mask, dtype=np.uint8))
+        object.__setattr__(self, "offsets", np.ascontiguousarray(self.offsets, dtype=np.int64))
+        n, ids, offsets = len(self.sample_ids), self.input_ids, self.offsets
+        if ids.ndim != 1 or self.loss_mask.shape != ids.shape:
+            raise ValueError(f"input_ids {ids.shape} and loss_mask {self.loss_mask.shape} must be equal 1-D")
+        if (
+            offsets.shape != (n + 1,)
+            or offsets[0] != 0
+            or offsets[-1] != len(ids)
+            or np.any(np.diff(offsets) < 0)
+        ):
+            raise ValueError(
+                f"offsets must rise from 0 to {len(ids)} with {n + 1} entries, got {offsets[:8]}..."
+            )
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample (int64)."""
+        return np.diff(self.offsets)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, loss_mask)`` of sample ``i``, as views into the concatenated arrays."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[start:end], self.loss_mask[start:end]
+
+    def save(self, path: str | Path) -> Path:
+        """Write one safetensors file (tmp + rename: a file under its final name is complete); a hard link when
+        these samples are a token file's contents already."""
+        path = Path(path)
+        if self.file is not None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(self.file, tmp)
+            except OSError:
+                pass  # another file system: written below
+            else:
+                os.replace(tmp, path)
+                return path
+        return self._save(path, {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenizedSamples:
+        return cls._load(Path(path))[0]
+
+    def _save(self, path: Path, metadata: dict[str, str]) -> Path:
+        writer = TokenFileWriter(path)
+        step = 1 << 16
+        with writer:
+            for start in range(0, len(self), step):
+                end = min(len(self), start + step)
+                a, b = int(self.offsets[start]), int(self.offsets[end])
+                writer.add_block(
+                    self.sample_ids[start:end],
+                    self.lengths[start:end],
+                    self.input_ids[a:b],
+                    self.loss_mask[a:b],
+                )
+            writer.finish(metadata)
+        return path
+
+    @classmethod
+    def _load(cls, path: Path) -> tuple[TokenizedSamples, dict[str, str]]:
+        """The arrays memory-mapped (a process reads only the pages it uses; processes share them), ids parsed."""
+        tensors, metadata = _map_safetensors(path)
+        if metadata.get("format") != "hsextract.tokenized_samples":
+            raise HsextractError(f"{path} is not a tokenized-samples file written by hsextract")
+        samples = cls(
+            sample_ids=json.loads(np.asarray(tensors["sample_ids_json"]).tobytes()),
+            input_ids=tensors["input_ids"],
+            loss_mask=tensors["loss_mask"],
+            offsets=np.array(tensors["offsets"]),
+            file=path,
+        )
+        return samples, metadata
+
+
+_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
+
+
+def _map_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A safetensors file's tensors as read-only memory maps, and its metadata."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 100_000_000:
+            raise HsextractError(f"{path} is not a safetensors file (header size {size})")
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HsextractError(f"{path} is not a safetensors file ({e})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, info in header.items():
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        if count == 0:
+            tensors[name] = np.zeros(0, dtype=dtype)
+        else:
+            tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + size + start, shape=(count,))
+    return tensors, metadata
+
+
+HEADER_RESERVE = 1 << 18
+
+"""Bytes kept for the header ahead of the token ids, which are written before the header is known."""
+
+
+class TokenFileWriter:
+    """Streams samples into a tokenized-samples safetensors file, each byte written once.
+
+    The ids go straight into the file after a reserved header, the mask into a file beside it that is appended at
+    the end (the mask is a fifth of the bytes), then the sample ids and offsets, and last the header (padded with
+    spaces to the reserve; a longer one moves the data once). The file appears under its name only when
+    complete. Layout: ``input_ids`` (I32), ``loss_mask`` (U8), ``sample_ids_json`` (U8, padded so that) ``offsets``
+    (I64) start 8-byte aligned.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.mask_tmp = self.path.with_name(self.path.name + ".mask.tmp")
+        self.ids_file = open(self.tmp, "wb")
+        self.ids_file.seek(8 + HEADER_RESERVE)
+        self.mask_file = open(self.mask_tmp, "wb")
+        self.sample_ids: list[str] = []
+        self.lengths = array("q")
+        self.tokens = 0
+
+    def add_block(self, sample_ids: list[str], lengths, ids: np.ndarray, mask: np.ndarray) -> None:
+        """Samples whose ids and masks are concatenated in ``ids`` and ``mask``."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)
+        if len(ids) != len(mask) or len(ids) != int(np.sum(lengths, dtype=np.int64)):
+            raise ValueError(
+                f"{len(ids)} ids, {len(mask)} mask values, {int(np.sum(lengths))} in the lengths"
+            )
+        self.ids_file.write(memoryview(ids).cast("B"))
+        self.mask_file.write(memoryview(mask).cast("B"))
+        self.sample_ids.extend(str(s) for s in sample_ids)
+        self.lengths.extend(int(n) for n in lengths)
+        self.tokens += len(ids)
+
+    def finish(self, metadata: dict[str, str]) -> TokenizedSamples:
+        """Complete the file, rename it into place and return its samples, mapped."""
+        self.mask_file.close()
+        with open(self.mask_tmp, "rb") as mask:
+            shutil.copyfileobj(mask, self.ids_file, 1 << 22)
+        self.mask_tmp.unlink()
+        ids_json = json.dumps(self.sample_ids).encode()
+        at = 5 * self.tokens
+        ids_json += b" " * (
+            -(at + len(ids_json)) % 8
+        )  # JSON allows trailing spaces; the offsets follow aligned
+        self.ids_file.write(ids_json)
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(self.lengths, dtype=np.int64), out=offsets[1:])
+        self.ids_file.write(offsets.tobytes())
+        sizes = [
+            ("input_ids", "I32", 4 * self.tokens),
+            ("loss_mask", "U8", self.tokens),
+            ("sample_ids_json", "U8", len(ids_json)),
+            ("offsets", "I64", 8 * len(offsets)),
+        ]
+        header: dict = {"__metadata__": {"format": "hsextract.tokenized_samples", **metadata}}
+        start = 0
+        for name, dtype, nbytes in sizes:
+            item = {"I32": 4, "U8": 1, "I64": 8}[dtype]
+            header[name] = {
+                "dtype": dtype,
+                "shape": [nbytes // item],
+                "data_offsets": [start, start + nbytes],
+            }
+            start += nbytes
+        text = json.dumps(header).encode()
+        if len(text) <= HEADER_RESERVE:
+            self.ids_file.seek(0)
+            self.ids_file.write(
+                HEADER_RESERVE.to_bytes(8, "little") + text + b" " * (HEADER_RESERVE - len(text))
+            )
+            self._close_into_place()
+        else:
+            self._move_data_after(text)
+        self.ids_file = None
+        return TokenizedSamples.load(self.path)
+
+    def _close_into_place(self) -> None:
+        self.ids_file.flush()
+        os.fsync(self.ids_file.fileno())
+        self.ids_file.close()
+        os.replace(self.tmp, self.path)
+
+    def _move_data_after(self, text: bytes) -> None:
+        self.ids_file.close()
+        padded = text + b" " * (-len(text) % 8)
+        moved = self.path.with_name(self.path.name + ".moved.tmp")
+        with open(self.tmp, "rb") as src, open(moved, "wb") as dst:
+            dst.write(len(padded).to_bytes(8, "little") + padded)
+            src.seek(8 + HEADER_RESERVE)
+            shutil.copyfileobj(src, dst, 1 << 22)
+            dst.flush()
+            os.fsync(dst.fileno())
+        self.tmp.unlink()
+        os.replace(moved, self.path)
+
+    def __enter__(self) -> TokenFileWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """An unfinished file is removed: only a complete one ever has the final name."""
+        if self.ids_file is not None:
+            self.ids_file.close()
+            self.mask_file.close()
+            self.tmp.unlink(missing_ok=True)
+            self.mask_tmp.unlink(missing_ok=True)
