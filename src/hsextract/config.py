@@ -65,7 +65,7 @@ class RunConfig:
     """Local directory or ``s3://bucket/prefix`` that receives the batch files."""
 
     run_dir: str = _opt(None, "run")
-    """Local directory for the plan, token cache, logs and progress markers. Reruns resume from it."""
+    """Local directory for the plan, token cache, logs and progress files. Reruns resume from it."""
 
     layers: tuple[int, ...] | str = _opt("dflash")
     """0-based ids of decoder layers whose OUTPUT is captured (= HF ``output_hidden_states[k + 1]``), or a

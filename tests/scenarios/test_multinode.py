@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.cli import TINY_LIMITS, cli_run_args, launched, marker_count, wait_for, write_mixed_dataset
+from support.cli import TINY_LIMITS, cli_run_args, done_count, launched, wait_for, write_mixed_dataset
 from support.s3server import cli_env
 
 from hsextract.errors import HsextractError
@@ -85,7 +85,7 @@ def test_two_nodes_one_killed_and_rerun_alone_give_the_one_node_output(
         launched(n0, tmp_path / "node0", env=cli_env()) as p0,
     ):
         wait_for(
-            lambda: marker_count(tmp_path / "node1" / "run") >= 1,
+            lambda: done_count(tmp_path / "node1" / "run") >= 1,
             "node 1's first batch",
             proc=p1,
             root=tmp_path / "node1",

@@ -4,7 +4,7 @@ One process per shard (``main`` with RUN_DIR SHARD), started by the launcher wit
 already set. ``ShardRun`` locks the shard, works out what is left (resume.py: done is what the output records and
 bears out; complete staged files are uploaded, not recomputed), loads the model and drives the pipeline
 (pipeline.py) over the remaining batches. Its writer callback writes each batch file into the staging directory
-and hands it to the uploader process (uploader.py), which marks it done once it is durable.
+and hands it to the uploader process (uploader.py), which records it done in the output once it is durable.
 
 Backpressure: the writer waits while the shard's staged bytes exceed ``staging_max_gb``; the pipeline's slots then
 stop coming back and the GPU waits too, without failing, until the uploader drains the staging directory.
@@ -16,7 +16,7 @@ worker's own heartbeat (progress.py). A stall (the uploader silent for ``stall_t
 uploaded for that long) is logged once when it starts and once when it ends, and recorded in the progress file
 for the launcher and ``status``. Nothing is stopped: a stall may end (a slow endpoint, a process continued).
 
-SIGTERM or SIGINT stop the shard: the uploader is killed (what it has not marked stays staged), the progress file
+SIGTERM or SIGINT stop the shard: the uploader is killed (what it has not recorded stays staged), the progress file
 says ``stopped`` by that signal, and the process exits with 128 + the signal number. A rerun resumes.
 """
 
@@ -49,7 +49,7 @@ from hsextract.run.pipeline import Extractor
 from hsextract.run.prewarm import wait_for_warmup, warmup_pending
 from hsextract.run.procs import Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress
-from hsextract.run.resume import recover_staging, sync_with_output
+from hsextract.run.resume import done_in_output, recover_staging
 from hsextract.run.rundir import RunDir, RunInfo, scan_staging
 from hsextract.run.stalls import Stall, same_stall, stall_note, worker_stall
 from hsextract.run.uploader import Uploader
@@ -102,7 +102,7 @@ class ShardRun:
         self._stall: Stall | None = None
 
     # -- progress -------------------------------------------------------------------------------------------
-    def _mark_done(self, keys) -> None:
+    def _count_done(self, keys) -> None:
         for key in keys:
             if key in self.by_key and key not in self.done:
                 self.done.add(key)
@@ -133,7 +133,7 @@ class ShardRun:
 
     def _poll_uploader(self) -> None:
         self.uploader.check_alive()
-        self._mark_done(self.uploader.poll_done())
+        self._count_done(self.uploader.poll_done())
         self.progress.uploader_heartbeat_at = self.uploader.heartbeat_at
 
     def _tick(self, *_) -> None:
@@ -293,7 +293,7 @@ class ShardRun:
             self.staging,
         )  # noqa: E501
         sink = open_sink(self.cfg.output, self.cfg.s3_endpoint_url)
-        self._mark_done(sync_with_output(sink, self.run_dir, self.shard, self.by_key, self.plan.plan_hash))
+        self._count_done(done_in_output(sink, self.shard, self.by_key, self.plan.plan_hash))
         self.session_tokens = 0
         staged = recover_staging(self.staging, self.shard, self.done, self.by_key, self.plan.plan_hash)
         if len(self.done) < len(self.batches):
@@ -315,7 +315,6 @@ class ShardRun:
         self.uploader = Uploader(
             output=self.cfg.output,
             endpoint_url=self.cfg.s3_endpoint_url,
-            marker_dir=self.run_dir.markers_dir,
             log_file=self.run_dir.log_file(self.shard, "uploader"),
             plan_hash=self.plan.plan_hash,
         )
@@ -333,7 +332,7 @@ class ShardRun:
             self._tick()
             time.sleep(0.1)
         self._check_stall(time.time())  # a stall that ended within the last refresh is logged as recovered
-        self._mark_done(self.uploader.close())
+        self._count_done(self.uploader.close())
         self.uploader = None
         self.progress.uploader_pid, self.progress.uploader_heartbeat_at = 0, None
         self._save_progress("done", last=True)
