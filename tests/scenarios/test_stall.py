@@ -265,30 +265,32 @@ def test_worker_names_uploader_or_itself_when_no_batch_finishes_for_the_timeout(
 
     from hsextract.run.worker import ShardRun
 
-    caplog.set_level(logging.INFO, logger="hsextract.run.worker")
+    caplog.set_level(logging.INFO, logger="hsextract.run.monitor")
     root, _ = uploader_stopped
     shutil.copytree(root / "run", tmp_path / "run")
     run = ShardRun(tmp_path / "run", 0)
     now = time.time()
-    run.uploader = SimpleNamespace(pid=4242, heartbeat_at=now)
-    run._idle_from = now - STALL_TIMEOUT_S - 1
-    p = run.progress
+    monitor = run.monitor
+    monitor.uploader = SimpleNamespace(pid=4242, heartbeat_at=now)
+    writer = monitor.writer = SimpleNamespace(submitted={run.batches[0].key}, written_at=None, waiting=False)
+    monitor.idle_from = now - STALL_TIMEOUT_S - 1
+    p = monitor.progress
 
-    p.state, run.submitted = "draining", {run.batches[0].key}
-    run._check_stall(now)
+    p.state = "draining"
+    monitor._check_stall(now)
     assert (p.stalled_process, p.stalled_pid, p.stall_reason) == (
         "uploader",
         4242,
         "no batch uploaded (1 waiting)",
     )
-    assert p.stalled_since == run._idle_from
+    assert p.stalled_since == monitor.idle_from
 
-    p.state, run.submitted = "running", set()
-    run._check_stall(now)
+    p.state, writer.submitted = "running", set()
+    monitor._check_stall(now)
     assert (p.stalled_process, p.stalled_pid, p.stall_reason) == ("worker", os.getpid(), "no batch computed")
 
     p.progress_at = now
-    run._check_stall(now)
+    monitor._check_stall(now)
     assert (p.stalled_process, p.stalled_pid, p.stalled_since) == ("", 0, None)
     messages = [r.getMessage() for r in caplog.records]
     assert "shard 0: uploader pid 4242 stalled: no batch uploaded (1 waiting) for 5 s" in messages[0]
