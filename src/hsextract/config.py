@@ -67,7 +67,7 @@ class RunConfig:
     """Local directory or ``s3://bucket/prefix`` that receives the batch files."""
 
     run_dir: str = _opt(None, "run")
-    """Local directory for the plan, token cache, logs and progress markers; reruns resume from it. Default:
+    """Local directory for the plan, token cache, logs and progress files; reruns resume from it. Default:
     ``runs/<output name>-<hash of the output>`` under the current directory."""
 
     layers: tuple[int, ...] | str = _opt("dflash")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from support.cli import (
     batch_bytes,
+    done_count,
     launched,
     launcher_output,
-    marker_count,
     rehomed_args,
     run_cli,
     status,
@@ -81,7 +81,7 @@ def test_a_run_dir_filling_mid_run_is_named_with_the_bytes_free_and_status_shows
     run_dir = run_dir_fs / "run"
     args = rehomed_args(finished_run[3], tmp_path, run_dir=run_dir, num_proc=1)
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: marker_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
         progress = [ShardProgress.load(run_dir, s) for s in (0, 1)]
         pids = [pid for p in progress if p for pid in (p.pid, p.uploader_pid) if pid]
         for pid in pids:

@@ -16,9 +16,9 @@ import pytest
 from support.cli import (
     TINY_LIMITS,
     cli_run_args,
+    done_count,
     launched,
     launcher_output,
-    marker_count,
     run_cli,
     wait_for,
     write_mixed_dataset,
@@ -159,7 +159,7 @@ def test_uploader_stops_when_the_output_is_claimed_by_another_job_mid_run(tmp_pa
     args = args_for(tmp_path, tiny_model, dataset)
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: marker_count(run_dir) >= 1, "a first durable batch", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(run_dir) >= 1, "a first durable batch", proc=proc, root=tmp_path)
         pids = [ShardProgress.load(run_dir, s).pid for s in (0, 1)]
         for pid in pids:  # frozen with batches still to compute, so uploads follow the change
             freeze(pid)
@@ -197,9 +197,7 @@ def test_output_files_deleted_mid_run_are_recomputed_before_the_manifest(
     args = args_for(tmp_path, tiny_model, dataset)
     run_dir, out = tmp_path / "run", tmp_path / "out"
     with launched(args, tmp_path) as proc:
-        wait_for(
-            lambda: marker_count(run_dir, 0) >= 1, "a durable batch of shard 0", proc=proc, root=tmp_path
-        )
+        wait_for(lambda: done_count(run_dir, 0) >= 1, "a durable batch of shard 0", proc=proc, root=tmp_path)
         freeze(ShardProgress.load(run_dir, 0).pid)
         victims = sorted(out.glob("shard-00000/*.safetensors"))
         for v in victims:
@@ -335,7 +333,7 @@ def test_full_staging_filesystem_names_the_path_and_a_rerun_completes(
     args = args_for(tmp_path, tiny_model, dataset, staging=tiny_filesystem)
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: marker_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
         pids = [ShardProgress.load(run_dir, s).pid for s in (0, 1)]
         for pid in pids:
             freeze(pid)

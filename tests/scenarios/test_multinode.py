@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.cli import TINY_LIMITS, cli_run_args, launched, marker_count, wait_for, write_mixed_dataset
+from support.cli import TINY_LIMITS, cli_run_args, launched, wait_for, write_mixed_dataset
 from support.s3server import cli_env
 
 from hsextract.errors import HsextractError
@@ -20,6 +20,11 @@ from hsextract.run.cluster import node_place
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env"), pytest.mark.timeout(900)]
 
 SHARDS_PER_NODE = 2
+
+
+def uploaded_count(run_dir: Path) -> int:
+    """Batches a node's uploaders logged as uploaded and recorded (its output is on S3)."""
+    return sum(p.read_text().count("uploaded shard-") for p in (run_dir / "logs").glob("*.uploader.log"))
 
 
 def node_args(root: Path, model, data, output: str, endpoint: str, **options) -> list[str]:
@@ -85,7 +90,7 @@ def test_two_nodes_one_killed_and_rerun_alone_give_the_one_node_output(
         launched(n0, tmp_path / "node0", env=cli_env()) as p0,
     ):
         wait_for(
-            lambda: marker_count(tmp_path / "node1" / "run") >= 1,
+            lambda: uploaded_count(tmp_path / "node1" / "run") >= 1,
             "node 1's first batch",
             proc=p1,
             root=tmp_path / "node1",

@@ -19,9 +19,9 @@ from support.cli import (
     TINY_LIMITS,
     cli_run_args,
     copy_finished_run,
+    done_count,
     launched,
     launcher_output,
-    marker_count,
     run_cli,
     status_json,
     wait_for,
@@ -100,7 +100,7 @@ def test_a_run_dir_is_bound_to_its_output_another_output_is_refused_naming_both(
 def test_a_batch_whose_record_and_file_are_deleted_from_the_output_is_recomputed(
     tmp_path, tiny_model, dataset, reference
 ):
-    """The run dir's markers said done; the output lacked the batch: every rerun exited 0 "1 of N still to do"."""
+    """The output lacked a batch, record and file, that an earlier run had finished: it is computed again."""
     copy_finished_run(reference, tmp_path)
     out = tmp_path / "out"
     (out / MANIFEST).unlink()
@@ -110,9 +110,6 @@ def test_a_batch_whose_record_and_file_are_deleted_from_the_output_is_recomputed
     r = run_cli(*args_for(tmp_path, tiny_model, dataset))
     assert "done:" in r.stdout and (out / MANIFEST).is_file(), r.stdout
     log = (tmp_path / "run" / "logs" / "shard-00001.log").read_text()
-    assert (
-        f"1 batch(es) with a marker are not done in the output (e.g. {victim}: no completion record)" in log
-    )
     assert "resume: " in log and "1 to compute" in log
     assert batch_bytes(out) == batch_bytes(reference / "out")
     assert_verified(out)
@@ -178,7 +175,6 @@ def test_staged_files_truncated_or_altered_after_a_crash_are_recomputed_not_uplo
     for key in (truncated, altered):
         (out / key).unlink()
         (out / done_key(key)).unlink()
-        (run_dir / "markers" / f"{key}.done").unlink()
         shutil.copyfile(reference / "out" / key, staging / Path(key).name)
     with open(staging / Path(truncated).name, "r+b") as f:
         f.truncate(f.seek(0, 2) - 64)
@@ -422,7 +418,7 @@ def test_sigint_to_the_launcher_is_the_signal_status_names(tmp_path, tiny_model,
     """The launcher passed every stop on as SIGTERM: after a SIGINT `status` said "stopped by SIGTERM"."""
     args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: marker_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
     assert "terminated by SIGINT" in launcher_output(tmp_path)
@@ -476,7 +472,7 @@ def test_a_rerun_after_sigint_says_it_resumes_with_the_count_the_interruption_ga
 
     args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: marker_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
     said = re.search(r"(\d+) of (\d+) batches are in the output and kept", launcher_output(tmp_path))

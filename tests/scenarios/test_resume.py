@@ -5,7 +5,7 @@ a rerun with a changed plan is refused (``--restart`` starts over), ``--only-sha
 live, crashed, finished and non-run directories.
 
 Kill points are pinned, not raced: the victim (or the whole shard) is frozen with SIGSTOP once some but not all
-batches have markers, the test checks that state, then sends SIGKILL. A frozen worker's uploader is first left to
+batches are recorded done in the output, the test checks that state, then sends SIGKILL. A frozen worker's uploader is first left to
 finish what it was handed, so that it dies idle, between two files: an uploader killed in the middle of copying a
 file leaves a partial object in a local output (see ``test_rerun_removes_partial_upload_left_in_output``).
 """
@@ -25,9 +25,10 @@ from support.cli import (
     RUN_TIMEOUT_S,
     copy_finished_run,
     crash_run_args,
+    done_count,
+    done_keys,
     launched,
     launcher_output,
-    marker_count,
     run_cli,
     status,
     status_json,
@@ -57,11 +58,11 @@ def partial_uploads(out: Path) -> list[Path]:
 
 
 def wait_until_uploads_settle(run_dir: Path, out: Path, quiet_s: float = 0.5) -> None:
-    """Wait until no marker has appeared and no upload has been in progress for ``quiet_s``: the uploader is idle."""
+    """Wait until no completion record has appeared and no upload has been in progress for ``quiet_s``: the uploader is idle."""
     last, since = None, time.monotonic()
     deadline = since + 60
     while time.monotonic() - since < quiet_s:
-        state = (marker_count(run_dir), bool(partial_uploads(out)))
+        state = (done_count(run_dir), bool(partial_uploads(out)))
         if state != last or state[1]:
             last, since = state, time.monotonic()
         assert time.monotonic() < deadline, "the uploads never settled"
@@ -89,7 +90,7 @@ def output_files(out: Path) -> list[str]:
 
 def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: list[str]) -> None:
     """Every planned sample exactly once, each batch file once and byte-identical to the uninterrupted run's, no
-    extra or partial files in the output, a marker for every batch, nothing left in staging."""
+    extra or partial files in the output, a completion record for every batch, nothing left in staging."""
     out, ref = root / "out", reference / "out"
     files = output_files(out)
     assert not partial_uploads(out), f"partial files left in the output: {partial_uploads(out)}"
@@ -110,7 +111,7 @@ def assert_same_output_as_reference(root: Path, reference: Path, sample_ids: lis
     assert not differing, f"batch files differ from the uninterrupted run's: {differing}"
     assert manifest == json.loads((ref / "manifest.json").read_text())
 
-    assert RunDir(root / "run").done_keys() == set(keys)
+    assert done_keys(root / "run") == set(keys)
     staged = [p for p in (root / "staging").rglob("*") if p.is_file()]
     assert not staged, f"files left in staging: {staged}"
 
@@ -155,11 +156,11 @@ def worker_killed(tmp_path_factory, tiny_model, dataset):
             lambda: worker_pid(run_dir, 0) and worker_pid(run_dir, 1), "both workers", proc=proc, root=root
         )
         seen["status_starting"] = status_json(run_dir)
-        wait_for(lambda: marker_count(run_dir, 0), "a first batch of shard 0", proc=proc, root=root)
+        wait_for(lambda: done_count(run_dir, 0), "a first batch of shard 0", proc=proc, root=root)
         pid, uploader = worker_pid(run_dir, 0), uploader_pid(run_dir, 0)
         os.kill(pid, signal.SIGSTOP)
         wait_until_uploads_settle(run_dir, root / "out")
-        seen["markers_at_kill"] = marker_count(run_dir, 0)
+        seen["done_at_kill"] = done_count(run_dir, 0)
         seen["status_live"] = status_json(run_dir)
         os.kill(pid, signal.SIGKILL)
         seen["rc"] = proc.wait(timeout=RUN_TIMEOUT_S)
@@ -177,13 +178,13 @@ def test_status_shows_live_shards_while_the_run_is_going(worker_killed):
     assert {row["state"] for row in seen["status_starting"]["shards"]} & LIVE_STATES, seen["status_starting"]
     shard0 = seen["status_live"]["shards"][0]
     assert shard0["state"] in LIVE_STATES - {"starting", "loading"}, shard0
-    assert shard0["batches_done"] == seen["markers_at_kill"]
+    assert shard0["batches_done"] == seen["done_at_kill"]
 
 
 def test_worker_killed_mid_run_fails_the_launcher_naming_shard_and_log(worker_killed):
     root, seen = worker_killed
     total = seen["status_live"]["shards"][0]["batches_total"]
-    assert 0 < seen["markers_at_kill"] < total, "the kill did not fall mid-run"
+    assert 0 < seen["done_at_kill"] < total, "the kill did not fall mid-run"
     assert seen["rc"] == 1, seen["output"]
     assert "shard 0 failed (killed by SIGKILL" in seen["output"]
     assert str(root / "run" / "logs" / "shard-00000.log") in seen["output"]
@@ -196,7 +197,7 @@ def test_status_shows_the_killed_shard_as_crashed_with_its_log(worker_killed):
     log = str(root / "run" / "logs" / "shard-00000.log")
     shard0, shard1 = seen["status_crashed"]["shards"]
     assert shard0["state"] == "crashed" and shard0["log"] == log
-    assert shard0["batches_done"] == seen["markers_at_kill"] < shard0["batches_total"]
+    assert shard0["batches_done"] == seen["done_at_kill"] < shard0["batches_total"]
     assert shard1["state"] == "done" and shard1["batches_done"] == shard1["batches_total"]
     assert not seen["status_crashed"]["complete"]
     text = seen["status_crashed_text"]
@@ -215,12 +216,12 @@ def test_uploader_killed_stops_its_worker_and_the_rerun_completes(tmp_path, tiny
     run_dir = tmp_path / "run"
     args = crash_run_args(tmp_path, tiny_model, dataset[0])
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: marker_count(run_dir, 0), "a first batch of shard 0", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(run_dir, 0), "a first batch of shard 0", proc=proc, root=tmp_path)
         worker, uploader = worker_pid(run_dir, 0), uploader_pid(run_dir, 0)
         # Freeze the worker so that it hands over no more files; kill its uploader once that is idle.
         os.kill(worker, signal.SIGSTOP)
         wait_until_uploads_settle(run_dir, tmp_path / "out")
-        marked = marker_count(run_dir, 0)
+        marked = done_count(run_dir, 0)
         assert 0 < marked < len(Plan.load(run_dir / "plan.json").for_shard(0)), (
             "the kill did not fall mid-run"
         )
@@ -234,7 +235,7 @@ def test_uploader_killed_stops_its_worker_and_the_rerun_completes(tmp_path, tiny
     assert str(run_dir / "logs" / "shard-00000.log") in output
     assert died in (run_dir / "logs" / "shard-00000.log").read_text()
     assert not alive(worker)
-    assert marker_count(run_dir, 0) == marked, "batches were marked after the uploader died"
+    assert done_count(run_dir, 0) == marked, "batches were marked after the uploader died"
 
     shard0 = status_json(run_dir)["shards"][0]
     assert shard0["state"] == "failed" and died in shard0["error"]
@@ -255,12 +256,12 @@ def test_launcher_killed_takes_its_workers_and_the_rerun_completes(tmp_path, tin
 
     with launched(args, tmp_path) as proc:
         uploaders = wait_for(started_uploaders, "both uploaders", proc=proc, root=tmp_path)
-        wait_for(lambda: marker_count(run_dir), "a first batch", proc=proc, root=tmp_path)
+        wait_for(lambda: done_count(run_dir), "a first batch", proc=proc, root=tmp_path)
         workers = [worker_pid(run_dir, s) for s in range(SHARDS)]
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         wait_until_uploads_settle(run_dir, tmp_path / "out")
-        assert 0 < marker_count(run_dir) < len(Plan.load(run_dir / "plan.json").batches), "not mid-run"
+        assert 0 < done_count(run_dir) < len(Plan.load(run_dir / "plan.json").batches), "not mid-run"
         family = descendants(proc.pid)
         assert set(workers) | set(uploaders) <= set(family)
         proc.kill()
@@ -279,15 +280,15 @@ def test_rerun_uploads_complete_staged_file_and_discards_partial_one(
 ):
     copy_finished_run(reference, tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    # Undo what a finished run adds, to leave the state a crash leaves: no manifest, two batches of shard 0 without
-    # markers: one complete in staging (written, not yet uploaded), one cut short while being written.
+    # Undo what a finished run adds, to leave the state a crash leaves: no manifest, two batches of shard 0 neither
+    # uploaded nor recorded: one complete in staging (written, not yet uploaded), one cut short while being written.
     (run_dir / "COMPLETE").unlink()
     (out / "manifest.json").unlink()
     staged, partial = Plan.load(run_dir / "plan.json").for_shard(0)[3:5]
     staging = run_staging_dir(tmp_path / "staging", tmp_path / "run") / "shard-00000"
     staging.mkdir(parents=True)
     for batch in (staged, partial):
-        (run_dir / "markers" / f"{batch.key}.done").unlink()
+        (out / done_key(batch.key)).unlink()
         (out / batch.key).unlink()
     shutil.copyfile(reference / "out" / staged.key, staging / Path(staged.key).name)
     full = (reference / "out" / partial.key).read_bytes()
@@ -314,7 +315,7 @@ def test_rerun_removes_partial_upload_left_in_output(tmp_path, tiny_model, datas
     (run_dir / "COMPLETE").unlink()
     (out / "manifest.json").unlink()
     batch = Plan.load(run_dir / "plan.json").for_shard(1)[0]
-    (run_dir / "markers" / f"{batch.key}.done").unlink()
+    (out / done_key(batch.key)).unlink()  # killed while copying: no record yet
     full = (out / batch.key).read_bytes()
     (out / batch.key).unlink()
     (out / f"{batch.key}.tmp-4242-4243").write_bytes(full[: len(full) // 2])  # as LocalSink names it
@@ -329,7 +330,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     copy_finished_run(reference, tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "out"
     kept = {name: (run_dir / name).read_bytes() for name in ("plan.json", "config.json", "data_report.json")}
-    markers_before = RunDir(run_dir).done_keys()
+    done_before = done_keys(run_dir)
 
     r = run_cli(
         *crash_run_args(tmp_path, tiny_model, dataset[0], layers="0,3"), check=False, timeout=RUN_TIMEOUT_S
@@ -346,7 +347,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     assert {name: (run_dir / name).read_bytes() for name in kept} == kept, (
         "a refused rerun changed the run dir"
     )
-    assert RunDir(run_dir).done_keys() == markers_before and (out / "manifest.json").exists()
+    assert done_keys(run_dir) == done_before and (out / "manifest.json").exists()
 
     r = run_cli(*changed, "--restart", timeout=RUN_TIMEOUT_S)
     assert "--restart: cleared" in r.stdout and "done:" in r.stdout
@@ -358,7 +359,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     assert output_files(out) == sorted([*keys, "manifest.json", SAMPLE_INDEX, *bookkeeping]), (
         "files of the previous plan are left over"
     )
-    assert RunDir(run_dir).done_keys() == set(keys)
+    assert done_keys(run_dir) == set(keys)
     assert Counter(s for b in manifest["batches"] for s in b["sample_ids"]) == Counter(dataset[1])
     assert max(len(b["sample_ids"]) for b in manifest["batches"]) > 8
     assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]
@@ -373,7 +374,7 @@ def test_only_shards_runs_the_chosen_shards_and_the_last_writes_the_manifest(
     r = run_cli(*args, "--only-shards", "1", timeout=RUN_TIMEOUT_S)
     assert "batches still to do" in r.stdout and "no manifest written yet" in r.stdout
     plan = Plan.load(run_dir / "plan.json")
-    assert RunDir(run_dir).done_keys() == {b.key for b in plan.for_shard(1)}
+    assert done_keys(run_dir) == {b.key for b in plan.for_shard(1)}
     assert not (out / "manifest.json").exists()
     assert {f.split("/")[0] for f in output_files(out) if not f.startswith("hsextract/")} == {"shard-00001"}
     assert not (run_dir / "logs" / "shard-00000.log").exists()

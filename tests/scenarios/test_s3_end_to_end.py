@@ -30,7 +30,6 @@ from support.cli import (
     TINY_LIMITS,
     cli_run_args,
     launched,
-    marker_count,
     wait_for,
     write_mixed_dataset,
 )
@@ -44,7 +43,6 @@ from hsextract.format.records import DONE_PREFIX, JOB
 from hsextract.prepare.plan import Plan
 from hsextract.reader import open_output
 from hsextract.run.progress import ShardProgress
-from hsextract.run.rundir import RunDir
 
 # aws_test_env: fake credentials for the boto3 clients of this process (the reader); the CLI gets its own (cli_env).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env")]
@@ -127,7 +125,7 @@ def local_files(out: Path) -> dict[str, bytes]:
 
 def assert_s3_output_equals_reference(s3: S3Endpoint, bucket: str, root: Path, reference: Path) -> None:
     """Exactly the reference's objects under the prefix (each batch once, no extras, no probe), every batch
-    byte-identical, the manifest equal, a marker for every batch, nothing left in staging."""
+    byte-identical, the manifest equal, a completion record for every batch, nothing left in staging."""
     expected = local_files(reference)
     client = s3.client()  # one client: making one costs more than a small get_object
     keys = s3.object_keys(bucket)
@@ -152,8 +150,20 @@ def assert_s3_output_equals_reference(s3: S3Endpoint, bucket: str, root: Path, r
         == manifest["plan_hash"]
     )
     assert sorted(b["key"] for b in manifest["batches"]) == sorted(batches)
-    assert RunDir(root / "run").done_keys() == set(batches)
+    assert recorded_done(s3, bucket) == set(batches)
     assert not staged_files(root), f"files left in staging: {staged_files(root)}"
+
+
+def recorded_done(s3: S3Endpoint, bucket: str, shard: int | None = None) -> set[str]:
+    """The batch keys the S3 output records done: its completion records."""
+    prefix = f"{PREFIX}/{DONE_PREFIX}"
+    shard_prefix = prefix + ("" if shard is None else f"shard-{shard:05d}/")
+    return {k[len(prefix) : -len(".json")] for k in s3.object_keys(bucket) if k.startswith(shard_prefix)}
+
+
+def uploaded_count(run_dir: Path) -> int:
+    """Batches the uploaders logged as uploaded and recorded, read while the endpoint may be down."""
+    return sum(p.read_text().count("uploaded shard-") for p in (run_dir / "logs").glob("*.uploader.log"))
 
 
 # -- fixtures -----------------------------------------------------------------------------------------------------
@@ -241,17 +251,17 @@ def test_endpoint_outage_mid_run_is_ridden_out_and_each_batch_uploaded_once(
     run_dir = tmp_path / "run"
     total = len(local_files(reference)) - 1
     with launched(s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket), tmp_path, env=cli_env()) as proc:
-        wait_for(lambda: marker_count(run_dir), "a first uploaded batch", proc=proc, root=tmp_path)
+        wait_for(lambda: uploaded_count(run_dir), "a first uploaded batch", proc=proc, root=tmp_path)
         s3.stop()
         down_since = time.monotonic()
         time.sleep(1.0)  # requests that were in flight when the server stopped have ended
-        marked = marker_count(run_dir)
+        marked = uploaded_count(run_dir)
         assert marked < total, "every batch was uploaded before the outage: it did not fall mid-run"
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_since)))
         assert proc.poll() is None, (
             "the run ended during the outage:\n" + (tmp_path / "launcher.out").read_text()
         )
-        assert marker_count(run_dir) == marked, "a batch was marked while the endpoint was down"
+        assert uploaded_count(run_dir) == marked, "a batch was recorded while the endpoint was down"
         s3.start()
         rc = proc.wait(timeout=RUN_TIMEOUT_S)
     output = (tmp_path / "launcher.out").read_text()
@@ -334,18 +344,21 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
     shard0_total = sum(key.startswith("shard-00000/") for key in local_files(reference))
 
     def unmarked_staged() -> list[str]:
-        done = RunDir(run_dir).done_keys()
+        done = recorded_done(s3, s3_bucket, 0)
         return [p.name for p in staging.glob("*.safetensors") if f"shard-00000/{p.name}" not in done]
 
     with launched(args, tmp_path, env=cli_env()) as proc:
         wait_for(
-            lambda: marker_count(run_dir, 0), "a first uploaded batch of shard 0", proc=proc, root=tmp_path
+            lambda: len(recorded_done(s3, s3_bucket, 0)),
+            "a first uploaded batch of shard 0",
+            proc=proc,
+            root=tmp_path,
         )
         uploader = uploader_pid(ShardProgress.load(run_dir, 0).pid)
-        # Frozen, the uploader marks nothing more while its worker goes on staging batches: the kill then leaves
-        # complete batch files in staging that no marker covers.
+        # Frozen, the uploader records nothing more while its worker goes on staging batches: the kill then leaves
+        # complete batch files in staging that no completion record covers.
         freeze(uploader)
-        marked = marker_count(run_dir, 0)
+        marked = len(recorded_done(s3, s3_bucket, 0))
         assert 0 < marked < shard0_total, "the kill did not fall mid-run"
         wait_for(unmarked_staged, "a staged batch not yet uploaded", proc=proc, root=tmp_path)
         os.kill(uploader, signal.SIGKILL)
@@ -355,7 +368,7 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
     assert "shard 0 failed (exit 2): the uploader process was killed by SIGKILL" in output
     assert f"log: {shard_log(run_dir, 0)}" in output
     assert "shard 1 failed" not in output and "Rerun the same command" in output
-    assert marker_count(run_dir, 0) == marked, "batches were marked after the uploader died"
+    assert len(recorded_done(s3, s3_bucket, 0)) == marked, "batches were recorded after the uploader died"
     left = unmarked_staged()
     assert left, "the batches the uploader had not finished were not kept in staging"
     assert not [p for p in staging.iterdir() if not p.name.endswith(".safetensors")], (
@@ -363,22 +376,16 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
     )
     assert f"{PREFIX}/manifest.json" not in s3.object_keys(s3_bucket), "a manifest for an incomplete output"
 
-    recorded_before_rerun = s3.object_keys(s3_bucket)
-    marked_before_rerun = {k for k in RunDir(run_dir).done_keys() if k.startswith("shard-00000/")}
+    recorded = recorded_done(s3, s3_bucket, 0)
     log_start = shard_log(run_dir, 0).stat().st_size
     rerun = succeeded(hsextract(args))
     assert "shards already complete: [1]" in rerun.stdout
     with open(shard_log(run_dir, 0)) as f:
         f.seek(log_start)
         session = f.read()
-    # A batch whose upload and completion record were made before the kill, but not its local marker, is adopted
-    # from the output as done, not uploaded again.
-    recorded = {
-        key.removeprefix(f"{PREFIX}/{DONE_PREFIX}").removesuffix(".json")
-        for key in recorded_before_rerun
-        if key.startswith(f"{PREFIX}/{DONE_PREFIX}shard-00000/")
-    }
-    done = marked_before_rerun | recorded
+    # Every batch recorded before the kill is done, even one whose staged copy was not yet deleted; the staged
+    # files without a record are uploaded, not recomputed.
+    done = recorded
     staged_left = [name for name in left if f"shard-00000/{name}" not in recorded]
     resume_line = next(ln for ln in session.splitlines() if "resume: " in ln and " batches done, " in ln)
     assert f"resume: {len(done)} batches done, {len(staged_left)} staged to upload" in resume_line, (
@@ -393,9 +400,9 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
 def test_start_up_reads_each_completion_record_once(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
 ):
-    """The launcher checks the output's records before it starts the workers, and each worker takes its shard's
-    part of that check (was: every worker read its shard's records again). A rerun with one batch of each shard
-    undone reads each record twice in all: once at start-up, once in the check before the manifest."""
+    """The launcher picks the shards to start from one listing of the records, each worker checks its shard's, and
+    finalize checks them all: a rerun with one batch of each shard undone reads each record twice in all, once at
+    start-up, once in the check before the manifest."""
     args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket)
     succeeded(hsextract(args))
     client = s3.client()
@@ -420,6 +427,4 @@ def test_start_up_reads_each_completion_record_once(
         if method == "GET" and path.startswith(done_path)
     )
     assert reads == {**{k: 2 for k in recorded}, **{k: 1 for k in undone}}, reads
-    for shard in (0, 1):
-        assert "as the launcher checked them" in shard_log(tmp_path / "run", shard).read_text()
     assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)

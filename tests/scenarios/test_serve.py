@@ -25,9 +25,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.cli import (
     cli_run_args,
+    done_count,
     launched,
     launcher_output,
-    marker_count,
     run_cli,
     wait_for,
     write_mixed_dataset,
@@ -149,19 +149,19 @@ def seen(tmp_path_factory, tiny_model, tiny_tokenizer):
                 p = ShardProgress.load(run_dir, shard)
                 return p.pid if p is not None and p.state == state else None
 
-            def settled(shard):  # no marker for a second: the frozen worker's uploader has finished its queue
-                before = marker_count(run_dir, shard)
+            def settled(shard):  # no record for a second: the frozen worker's uploader has finished its queue
+                before = done_count(run_dir, shard)
                 time.sleep(1.0)
-                return marker_count(run_dir, shard) == before
+                return done_count(run_dir, shard) == before
 
             # Frozen, as the crash tests do it, once two of its batches are durable: the worker lives, idle.
-            wait_for(lambda: marker_count(run_dir, 1) >= 2, "shard 1's second batch", proc=run, root=root)
+            wait_for(lambda: done_count(run_dir, 1) >= 2, "shard 1's second batch", proc=run, root=root)
             pid = ShardProgress.load(run_dir, 1).pid
             os.kill(pid, signal.SIGSTOP)
             try:
                 wait_for(lambda: progress_of(0, "done"), "shard 0 to finish", proc=run, root=root)
                 wait_for(lambda: settled(1), "shard 1's uploads to settle", proc=run, root=root)
-                assert marker_count(run_dir, 1) < len(plan.for_shard(1))
+                assert done_count(run_dir, 1) < len(plan.for_shard(1))
                 seen["live_api"] = json.loads(get(url + "api/status")[1])
                 seen["live_cli"] = json.loads(run_cli("status", run_dir, "--json", timeout=60).stdout)
                 seen["live_metrics"] = metrics(url)
@@ -266,7 +266,7 @@ def test_damaged_progress_file_shows_on_the_page_without_breaking_it(seen):
     status, page = seen["damaged_page"]
     assert status == 200 and "progress file damaged: " in page and "shard-00001.json: not JSON" in page
     assert by_shard(seen["damaged_metrics"]["hsextract_progress_file_damaged"]) == {0: 0, 1: 1}
-    assert seen["damaged_cli"].returncode == 0  # the plain table still answers, from the markers
+    assert seen["damaged_cli"].returncode == 0  # the plain table still answers, from the output
     need_browser()
     dom = seen["damaged_dom"]
     assert 'data-shard="0"' in dom and 'data-shard="1"' in dom

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from support.cli import (
     RUN_TIMEOUT_S,
+    copy_finished_run,
     crash_run_args,
+    done_count,
+    done_keys,
     launched,
     launcher_output,
-    marker_count,
     run_cli,
     status,
     status_json,
@@ -32,6 +34,7 @@ from support.procs import descendants, wait_dead
 
 from hsextract.config import run_staging_dir
 from hsextract.format.manifest import SAMPLE_INDEX
+from hsextract.format.records import done_key
 from hsextract.prepare.plan import Plan
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
@@ -64,12 +67,13 @@ def progress(run_dir: Path, shard: int) -> ShardProgress | None:
 def running(run_dir: Path, shard: int) -> ShardProgress | None:
     """The shard's progress once its worker computes and its uploader has marked a batch."""
     p = progress(run_dir, shard)
-    return p if p and p.uploader_pid and marker_count(run_dir, shard) else None
+    return p if p and p.uploader_pid and done_count(run_dir, shard) else None
 
 
 def assert_complete(root: Path, sample_ids: list[str]) -> None:
     """The manifest lists every planned batch once and every sample once; the output holds exactly those files, a
-    marker exists for each, and the run's staging directory is gone (the --staging root given is the user's: kept)."""
+    completion record for each, and the run's staging directory is gone (the --staging root given is the user's:
+    kept)."""
     out, run_dir = root / "out", root / "run"
     manifest = json.loads((out / "manifest.json").read_text())
     keys = [b["key"] for b in manifest["batches"]]
@@ -80,7 +84,7 @@ def assert_complete(root: Path, sample_ids: list[str]) -> None:
     assert [f for f in files if not f.startswith("hsextract/")] == sorted(
         [*keys, "manifest.json", SAMPLE_INDEX]
     )
-    assert RunDir(run_dir).done_keys() == set(keys)
+    assert done_keys(run_dir) == set(keys)
     staging = run_staging_dir(str(root / "staging"), run_dir)
     assert not staging.exists(), f"staging left behind: {list(staging.rglob('*'))}"
 
@@ -103,12 +107,12 @@ def uploader_stopped(tmp_path_factory, tiny_model, dataset):
         seen["worker"], seen["uploader"] = p.pid, p.uploader_pid
         os.kill(seen["uploader"], signal.SIGSTOP)
         seen["stopped_at"] = time.monotonic()
-        seen["markers_at_stop"] = marker_count(run_dir, 0)
+        seen["done_at_stop"] = done_count(run_dir, 0)
         seen["report_s"] = wait_for_line(f"shard 0: uploader pid {seen['uploader']} stalled", proc, root)
         time.sleep(0.5)
         seen["status"] = status_json(run_dir)
         seen["status_text"] = status(run_dir).stdout
-        seen["markers_while_stopped"] = marker_count(run_dir, 0)
+        seen["done_while_stopped"] = done_count(run_dir, 0)
         os.kill(seen["uploader"], signal.SIGCONT)
         seen["rc"] = proc.wait(timeout=RUN_TIMEOUT_S)
     seen["output"] = launcher_output(root)
@@ -142,7 +146,7 @@ def test_status_shows_the_stalled_uploader_and_the_age_of_the_last_progress(uplo
     assert shard0["stalled_for_s"] >= STALL_TIMEOUT_S
     assert shard0["pid"] == seen["worker"] and shard0["uploader_pid"] == seen["uploader"]
     assert shard0["progress_age_s"] is not None and shard0["progress_age_s"] >= 0
-    assert seen["markers_while_stopped"] == seen["markers_at_stop"], "a stopped uploader marked batches"
+    assert seen["done_while_stopped"] == seen["done_at_stop"], "a stopped uploader recorded batches"
     assert seen["status"]["shards"][1]["state"] != "stalled"
     row = next(ln for ln in seen["status_text"].splitlines() if ln.split()[:2] == ["0", "stalled"])
     assert row.endswith(" ago"), row
@@ -189,7 +193,7 @@ def test_sigterm_to_launcher_stops_workers_says_how_to_resume_and_the_rerun_comp
     with launched(args, tmp_path) as proc:
         for shard in (0, 1):
             wait_for(lambda s=shard: running(run_dir, s), f"shard {shard} running", proc=proc, root=tmp_path)
-        assert marker_count(run_dir) < len(Plan.load(run_dir / "plan.json").batches), "not mid-run"
+        assert done_count(run_dir) < len(Plan.load(run_dir / "plan.json").batches), "not mid-run"
         # A frozen worker must be stopped too: it is continued so that it can handle the SIGTERM.
         os.kill(progress(run_dir, 1).pid, signal.SIGSTOP)
         family = descendants(proc.pid)
@@ -232,10 +236,10 @@ def test_sigterm_to_launcher_stops_workers_says_how_to_resume_and_the_rerun_comp
 )
 def test_status_shows_a_damaged_progress_file_as_damaged(tmp_path, uploader_stopped, content, problem):
     root, _ = uploader_stopped
+    copy_finished_run(root, tmp_path)
     run_dir = tmp_path / "run"
-    shutil.copytree(root / "run", run_dir)
-    # Shard 0 unfinished (one marker gone), so that its state comes from the damaged file; shard 1 done.
-    (run_dir / "markers" / f"{Plan.load(run_dir / 'plan.json').for_shard(0)[0].key}.done").unlink()
+    # Shard 0 unfinished (one record gone), so that its state comes from the damaged file; shard 1 done.
+    (tmp_path / "out" / done_key(Plan.load(run_dir / "plan.json").for_shard(0)[0].key)).unlink()
     (run_dir / "COMPLETE").unlink()
     for shard in (0, 1):
         RunDir(run_dir).progress_file(shard).write_text(content)
@@ -264,30 +268,32 @@ def test_worker_names_uploader_or_itself_when_no_batch_finishes_for_the_timeout(
 
     from hsextract.run.worker import ShardRun
 
-    caplog.set_level(logging.INFO, logger="hsextract.run.worker")
+    caplog.set_level(logging.INFO, logger="hsextract.run.monitor")
     root, _ = uploader_stopped
     shutil.copytree(root / "run", tmp_path / "run")
     run = ShardRun(tmp_path / "run", 0)
     now = time.time()
-    run.uploader = SimpleNamespace(pid=4242, heartbeat_at=now)
-    run._idle_from = now - STALL_TIMEOUT_S - 1
-    p = run.progress
+    monitor = run.monitor
+    monitor.uploader = SimpleNamespace(pid=4242, heartbeat_at=now)
+    writer = monitor.writer = SimpleNamespace(submitted={run.batches[0].key}, written_at=None, waiting=False)
+    monitor.idle_from = now - STALL_TIMEOUT_S - 1
+    p = monitor.progress
 
-    p.state, run.submitted = "draining", {run.batches[0].key}
-    run._check_stall(now)
+    p.state = "draining"
+    monitor._check_stall(now)
     assert (p.stalled_process, p.stalled_pid, p.stall_reason) == (
         "uploader",
         4242,
         "no batch uploaded (1 waiting)",
     )
-    assert p.stalled_since == run._idle_from
+    assert p.stalled_since == monitor.idle_from
 
-    p.state, run.submitted = "running", set()
-    run._check_stall(now)
+    p.state, writer.submitted = "running", set()
+    monitor._check_stall(now)
     assert (p.stalled_process, p.stalled_pid, p.stall_reason) == ("worker", os.getpid(), "no batch computed")
 
     p.progress_at = now
-    run._check_stall(now)
+    monitor._check_stall(now)
     assert (p.stalled_process, p.stalled_pid, p.stalled_since) == ("", 0, None)
     messages = [r.getMessage() for r in caplog.records]
     assert "shard 0: uploader pid 4242 stalled: no batch uploaded (1 waiting) for 5 s" in messages[0]

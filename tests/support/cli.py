@@ -170,11 +170,25 @@ def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN
     return value
 
 
-def marker_count(run_dir: Path, shard: int | None = None) -> int:
-    from hsextract.format.keys import shard_name
-    from hsextract.run.rundir import RunDir
+def done_keys(run_dir: Path) -> set[str]:
+    """The batches the run's output records done (its completion records); none before the run dir names an
+    output. The output is local: the test process has no S3 credentials of its own."""
+    from hsextract.config import RunConfig
+    from hsextract.errors import HsextractError
+    from hsextract.format.records import done_in_output
+    from hsextract.storage.local import LocalSink
 
-    keys = RunDir(run_dir).done_keys()
+    try:
+        output = RunConfig.load(Path(run_dir) / "config.json").output
+    except (OSError, HsextractError):
+        return set()
+    return done_in_output(LocalSink(Path(output)))
+
+
+def done_count(run_dir: Path, shard: int | None = None) -> int:
+    from hsextract.format.keys import shard_name
+
+    keys = done_keys(run_dir)
     return len(keys) if shard is None else sum(k.startswith(f"{shard_name(shard)}/") for k in keys)
 
 

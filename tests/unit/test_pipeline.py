@@ -78,3 +78,22 @@ def test_the_early_workers_host_buffers_hold_the_pipelines_largest_batch(tiny_mo
     )
     buf = ext.slots[0].device_buf
     assert slot_bytes(pin_spec(cfg), cfg.model) == buf.numel() * buf.element_size()
+
+
+def test_a_stopped_pipeline_starts_no_further_batch(tiny_model):
+    """The shard's stop (a signal, its uploader dead) ends the loop before the next forward, without a call back
+    into the worker: nothing more reaches the writer."""
+    import threading
+
+    from hsextract.model.load import load_model
+    from hsextract.run.pipeline import Extractor
+    from hsextract.run.procs import Stopped
+
+    lm = load_model(str(tiny_model), dtype="float32", device="cpu")
+    ext = Extractor(lm, (1, 2), device=torch.device("cpu"), max_tokens=64, num_slots=1, pad_token_id=0)
+    batch = BatchSpec(batch_id=0, shard=0, sample_indices=(0,), num_tokens=4, padded_length=4)
+    stop, written = threading.Event(), []
+    stop.set()
+    with pytest.raises(Stopped):
+        ext.run([batch], None, lambda b, t: written.append(b), stop=stop)
+    assert written == []

@@ -1,8 +1,7 @@
-"""The uploader process against a local directory and a real S3 server (SeaweedFS): outages, kills, markers."""
+"""The uploader process against a local directory and a real S3 server (SeaweedFS): outages, kills, records."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 from support.s3server import S3Endpoint, free_port
 
 from hsextract.errors import UploaderDied
-from hsextract.run.rundir import marker_path
+from hsextract.format.records import claim_output, done_in_output, read_done
 from hsextract.run.uploader import Uploader
 from hsextract.storage import open_sink
 
@@ -37,12 +36,18 @@ def _stage(staging: Path, indices: range, size: int = 200_000) -> dict[str, tupl
     return staged
 
 
-def _uploader(tmp_path: Path, output: str, endpoint_url: str | None, **kwargs) -> Uploader:
+PLAN_HASH = "0123456789abcdef"
+
+
+def _uploader(tmp_path: Path, output: str, endpoint_url: str | None, *, claim=True, **kwargs) -> Uploader:
+    """An uploader of the job ``PLAN_HASH``, which claims the output first; ``claim=False``: the transfer alone."""
+    if claim:
+        claim_output(open_sink(output, endpoint_url), {"plan_hash": PLAN_HASH})
     return Uploader(
         output=output,
         endpoint_url=endpoint_url,
-        marker_dir=tmp_path / "markers",
         log_file=tmp_path / "logs" / "uploader-00000.log",
+        plan_hash=PLAN_HASH if claim else "",
         **kwargs,
     )
 
@@ -55,13 +60,15 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _assert_uploaded(output: str, endpoint_url: str | None, marker_dir: Path, staged: dict) -> None:
+def _assert_uploaded(output: str, endpoint_url: str | None, staged: dict) -> None:
+    """Every staged file is in the output with its completion record, and gone from staging."""
     sink = open_sink(output, endpoint_url)
-    assert sink.list_keys() == sorted(staged)
+    assert sink.list_keys("shard-") == sorted(staged)
+    assert done_in_output(sink) == set(staged)
     for key, (path, data) in staged.items():
         assert sink.get_bytes(key) == data, key
-        marker = json.loads(marker_path(marker_dir, key).read_text())
-        assert marker["size"] == len(data)
+        record = read_done(sink, key)
+        assert (record["size"], record["plan_hash"]) == (len(data), PLAN_HASH)
         assert not path.exists(), f"staged {path.name} not removed"
 
 
@@ -83,7 +90,7 @@ def test_uploader_uploads_every_staged_file_once(
         done += uploader.poll_done()
     done += uploader.close(timeout=60)
     assert sorted(done) == sorted(staged), "each key reported exactly once"
-    _assert_uploaded(output, endpoint_url, tmp_path / "markers", staged)
+    _assert_uploaded(output, endpoint_url, staged)
     assert list((tmp_path / "staging").iterdir()) == []
     log = (tmp_path / "logs" / "uploader-00000.log").read_text()
     assert log.count("uploaded shard-00000/batch-") == 12
@@ -111,7 +118,7 @@ def test_uploader_survives_an_endpoint_outage(s3: S3Endpoint, s3_bucket: str, tm
 
     done += uploader.close(timeout=60)
     assert sorted(done) == sorted(before | during), "each key reported exactly once"
-    _assert_uploaded(output, s3.url, tmp_path / "markers", before | during)
+    _assert_uploaded(output, s3.url, before | during)
     assert "retry" in (tmp_path / "logs" / "uploader-00000.log").read_text()
 
 
@@ -122,7 +129,7 @@ def test_killed_uploader_is_reported_and_a_new_one_finishes_its_files(
     staged = _stage(tmp_path / "staging", range(3))
     log_file = tmp_path / "logs" / "uploader-00000.log"
     # An endpoint that refuses connections keeps the uploads in their retry loop.
-    stuck = _uploader(tmp_path, output, f"http://127.0.0.1:{free_port()}")
+    stuck = _uploader(tmp_path, output, f"http://127.0.0.1:{free_port()}", claim=False)
     stuck.start()
     for key, (path, _data) in staged.items():
         stuck.submit(path, key)
@@ -135,33 +142,38 @@ def test_killed_uploader_is_reported_and_a_new_one_finishes_its_files(
     with pytest.raises(UploaderDied):
         stuck.close()
     assert all(path.exists() for path, _data in staged.values()), "staged files survive the kill"
-    assert not (tmp_path / "markers").exists()
 
     uploader = _uploader(tmp_path, output, s3.url)
     uploader.start()
     for key, (path, _data) in staged.items():
         uploader.submit(path, key)
     assert sorted(uploader.close(timeout=60)) == sorted(staged)
-    _assert_uploaded(output, s3.url, tmp_path / "markers", staged)
+    _assert_uploaded(output, s3.url, staged)
 
 
-def test_key_with_a_marker_is_not_uploaded_again(s3: S3Endpoint, s3_bucket: str, tmp_path: Path) -> None:
+def test_a_file_is_recorded_only_while_the_output_is_claimed_by_its_job(
+    s3: S3Endpoint, s3_bucket: str, tmp_path: Path
+) -> None:
+    output = f"s3://{s3_bucket}/run"
     staged = _stage(tmp_path / "staging", range(1, 2))
     (key, (path, _data)) = next(iter(staged.items()))
-    marker = marker_path(tmp_path / "markers", key)
-    marker.parent.mkdir(parents=True)
-    marker.write_text("{}")  # as left by a run that crashed after the marker, before deleting the staged file
-    uploader = _uploader(tmp_path, f"s3://{s3_bucket}/run", s3.url)
+    uploader = _uploader(tmp_path, output, s3.url)
+    open_sink(output, s3.url).put_bytes(
+        "hsextract/job.json", b'{"plan_hash": "another"}'
+    )  # claimed by another
     uploader.start()
     uploader.submit(path, key)
-    assert uploader.close(timeout=60) == [key]
-    assert not path.exists()
-    assert s3.object_keys(s3_bucket) == [], "not uploaded again"
+    with pytest.raises(UploaderDied, match="now held by another job"):
+        uploader.close(timeout=60)
+    assert path.exists(), "the staged file stays for its own job"
+    assert done_in_output(open_sink(output, s3.url)) == set() and f"run/{key}" not in s3.object_keys(
+        s3_bucket
+    )
 
 
 def test_permanent_failure_stops_the_uploader_and_keeps_staged_files(s3: S3Endpoint, tmp_path: Path) -> None:
     staged = _stage(tmp_path / "staging", range(1, 3))
-    uploader = _uploader(tmp_path, "s3://no-such-bucket/run", s3.url)
+    uploader = _uploader(tmp_path, "s3://no-such-bucket/run", s3.url, claim=False)
     uploader.start()
     for key, (path, _data) in staged.items():
         uploader.submit(path, key)
@@ -178,7 +190,7 @@ from pathlib import Path
 from hsextract.run.uploader import Uploader
 
 if __name__ == "__main__":
-    uploader = Uploader(output=sys.argv[1], endpoint_url=None, marker_dir=Path(sys.argv[2]), log_file=Path(sys.argv[3]))
+    uploader = Uploader(output=sys.argv[1], endpoint_url=None, log_file=Path(sys.argv[2]))
     uploader.start()
     print(uploader.pid, flush=True)
     time.sleep(120)
@@ -200,7 +212,7 @@ def test_uploader_dies_with_its_parent(tmp_path: Path) -> None:
     script.write_text(_PARENT_SCRIPT)
     log_file = tmp_path / "uploader.log"
     parent = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "out"), str(tmp_path / "markers"), str(log_file)],
+        [sys.executable, str(script), str(tmp_path / "out"), str(log_file)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -17,13 +17,13 @@ Each batch file carries run-wide metadata (layer ids and their convention, model
 hashes) and its own identity (batch id, shard, sample ids), so a file read alone still says what it holds. The
 manifest lists every batch with its sample ids in plan order; the reader maps sample ids to files through it.
 
-Integrity (format 2): every batch file's metadata holds one checksum per sample, over that sample's rows of every
-per-token tensor, and one over the index tensors (``checksums``, built by run/writer.py in the writer thread from the
-tensors it is about to write). The uploader records each file's size, CRC32 and header checksum in its marker, and
-the manifest copies them per batch. So a reader checks a file's header against the manifest when it opens the
-file and a sample against its own checksum when it reads it (one ranged read still fetches one sample), and
-``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11 GB/s on one core, 3-4 times zlib's
-CRC32; docs/PERFORMANCE.md has the measured costs.
+Integrity (format 2): every batch file's metadata holds one checksum per sample, over that sample's rows of
+every per-token tensor, and one over the index tensors (``checksums``, built by run/writer.py in the writer
+thread from the tensors it is about to write). The uploader records each file's size, CRC32 and header
+checksum in its completion record, and the manifest copies them per batch. So a reader checks a file's header
+against the manifest when it opens the file and a sample against its own checksum when it reads it (one ranged
+read still fetches one sample), and ``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11
+GB/s on one core, 3-4 times zlib's CRC32; docs/PERFORMANCE.md has the measured costs.
 
 A file's ``hidden_states`` tensor is ``[tokens, slots, hidden]`` (``StateLayout``): one slot per captured layer in
 id order, then, with the final state, one for the last decoder layer's output unless that layer is captured

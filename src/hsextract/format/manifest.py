@@ -30,7 +30,7 @@ OUTPUT_FORMAT_VERSION = 3
 
 STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
 
-"""What the manifest records of each batch file, copied from the uploader's marker."""
+"""What the manifest records of each batch file, copied from its completion record."""
 
 
 def build_manifest(
@@ -45,9 +45,9 @@ def build_manifest(
 ) -> dict:
     """The manifest of a finished run: run-wide facts and every batch with its sample ids, in plan order.
 
-    ``stored`` maps each batch key to what the uploader recorded of the file in its marker: ``size``, ``crc32``
-    (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes). ``final_norm`` is
-    what ``read_final_norm_meta`` found in the output (with the final state only)."""
+    ``stored`` maps each batch key to what the uploader recorded of the file in its completion record: ``size``,
+    ``crc32`` (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes).
+    ``final_norm`` is what ``read_final_norm_meta`` found in the output (with the final state only)."""
     layout = info.layout
     final = None
     if layout.final_state:

@@ -90,9 +90,9 @@ def done_key(key: str) -> str:
 
 
 def stored_record(stored, output_url: str, head: bytes | None) -> dict:
-    """What the uploader records of a batch file it made durable (its marker; its completion record adds the plan
-    hash): size and CRC32 of the file, size and checksum of its header (``STORED_FIELDS``, copied into the
-    manifest). ``head`` is None for a staged file without a readable header: the manifest is then refused."""
+    """What the uploader records of a batch file it made durable (``write_done`` adds the plan hash): size and
+    CRC32 of the file, size and checksum of its header (``STORED_FIELDS``, copied into the manifest). ``head``
+    is None for a staged file without a readable header: the manifest is then refused."""
     record = {"key": stored.key, "size": stored.size, "crc32": f"{stored.crc32:08x}", "output": output_url}
     if head is not None:
         record.update(header_size=len(head), header_xxh3=header_checksum(head))

@@ -155,7 +155,7 @@ def output_identity(output: str) -> str:
 
 
 def check_same_output(cfg: RunConfig) -> None:
-    """A run dir serves one output: its markers, progress and staged files are that output's. Another output is
+    """A run dir serves one output: its progress and staged files are that output's. Another output is
     another job, which gets its own run dir (the default one is per output)."""
     config_file = RunDir(cfg.run_dir).config_file
     if not config_file.is_file():
@@ -364,7 +364,7 @@ def accept_plan(
                 )
             reset_run(cfg, run_dir, sink, old, plan)
             echo(
-                f"--restart: cleared markers, progress and staging of the previous plan in {run_dir.root}, and its "
+                f"--restart: cleared progress and staging of the previous plan in {run_dir.root}, and its "
                 f"manifest and batch files in {cfg.output}"
             )
     claim(cfg, sink, plan, new_run_dir=new_run_dir)
@@ -439,7 +439,6 @@ def reset_run(cfg: RunConfig, run_dir: RunDir, sink, old: Plan | None, new: Plan
         for key in JOB_FILES.values():
             sink.delete(key)
         sink.delete(JOB)
-    shutil.rmtree(run_dir.markers_dir, ignore_errors=True)
     shutil.rmtree(run_dir.progress_dir, ignore_errors=True)
     shutil.rmtree(cfg.staging_dir, ignore_errors=True)
     run_dir.complete_file.unlink(missing_ok=True)

@@ -1,21 +1,11 @@
 """Run the shards of a prepared run (prepare/steps.py) to completion, then finish the output.
 
-``launch`` starts one worker process per shard (``hsextract.run.worker.main`` with RUN_DIR SHARD) with
-``CUDA_VISIBLE_DEVICES`` set before torch is imported there, and a parent-death signal so a killed launcher takes
-its workers with it. Every process of the run uses the per-user kernel cache (model/kernel_cache.py) as its
-Triton cache; on GPUs the kernel warm-up (prewarm.py) runs beside the workers' weight load, unless the cache
-already covers the plan. It draws a progress bar per shard from the progress files, waits for every worker, and
-exits non-zero naming each failed shard and its log. When every planned batch has a marker, ``finalize`` writes the
-manifest to the output, last: an output with a manifest is complete, and removes the run's emptied staging
-directories.
-
-While the workers run, ``_StallWatch`` prints one line when a shard stalls, naming the process (the worker, when
-its progress file is not refreshed for the stall timeout while it is alive; the uploader, when the worker reports
-it silent or not uploading) with its pid and for how long, and one line when it recovers.
-
-SIGTERM or SIGINT to the launcher stop the run cleanly: each worker gets SIGTERM (and SIGCONT, so that a stopped
-one handles it), stops its uploader and records that it was stopped; the launcher says so and how to resume, and
-exits with 128 + the signal number. Workers that do not exit within ``STOP_GRACE_S`` are killed.
+One worker process per shard, ``CUDA_VISIBLE_DEVICES`` set before torch is imported there and a parent-death
+signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (prewarm.py) runs beside
+their weight load. The output's completion records decide which shards start and, once every worker has exited 0,
+``finalize`` checks each batch against its record and writes the manifest, last: a batch found missing or damaged
+there sends its shard round once more. Meanwhile a progress bar per shard and ``StallWatch`` read the progress
+files. SIGTERM or SIGINT stop every worker (SIGKILL after ``STOP_GRACE_S``) and exit with 128 + the signal.
 """
 
 from __future__ import annotations
@@ -32,13 +22,13 @@ from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
 from hsextract.format.manifest import has_manifest
-from hsextract.format.records import done_in_output, verified_done
+from hsextract.format.records import done_in_output
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
 from hsextract.run.prewarm import Warmup, open_kernel_cache
 from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress
-from hsextract.run.rundir import OUTPUT_CHECK_ENV, RunDir
+from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import StallWatch
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
@@ -103,10 +93,10 @@ def launch(
     of this node's shards is checked in the output and, if the whole job is done, the manifest is written (on one
     node: 0 means the manifest is written and holds).
 
-    The output, not the run dir, decides what is done: a shard is started unless the output records all its
+    The output's completion records decide what is done: a shard is started unless the output records all its
     batches, and its worker recomputes every batch whose record or object is missing or does not match. A batch
-    found missing or damaged by ``finalize`` (deleted or damaged behind the run's back) loses its record and its
-    marker, and its shard is run once more, which recomputes exactly those batches.
+    found missing or damaged by ``finalize`` (deleted or damaged behind the run's back) loses its record, and its
+    shard is run once more, which recomputes exactly those batches.
 
     ``prestarted`` (run/prestart.py) holds workers started before the plan was ready; the first round takes
     them, and those of shards with nothing to do are told to exit."""
@@ -137,11 +127,10 @@ def _run_shards(
     cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo, prestarted=None
 ) -> int:
     run_dir = RunDir(cfg.run_dir)
-    # What the output records and bears out (each record and object, as a worker checks them), not the markers.
+    # One listing of the completion records picks the shards to start; each worker checks its own records against
+    # the objects (resume.py), and finalize checks every batch of a shard not started before the manifest.
     keys = {b.key for s in shards for b in plan.for_shard(s)}
-    done, problems = verified_done(open_sink(cfg.output, cfg.s3_endpoint_url), "", keys, plan.plan_hash)
-    for key, why in sorted(problems.items())[:10]:
-        echo(f"output check: {key}: {why}; it will be recomputed")
+    done = done_in_output(open_sink(cfg.output, cfg.s3_endpoint_url))
     todo = [s for s in shards if any(b.key not in done for b in plan.for_shard(s))]
     in_output = keys & set(done)  # done: key -> its record
     if in_output and todo:
@@ -154,13 +143,11 @@ def _run_shards(
         echo(f"shards already complete: {complete}")
     if todo:
         run_dir.check_space()  # after the token cache and run files took theirs
-        # The workers take their shards' part of this check instead of reading every record once more.
-        run_dir.save_output_check(plan.plan_hash, shards, done, problems)
     kc = open_kernel_cache(cfg)
     warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:
         warm = Warmup.start(cfg, plan, kc, echo=echo)
-    extra = {**(warm.worker_env() if warm else {}), OUTPUT_CHECK_ENV: "1"}
+    extra = warm.worker_env() if warm else {}
     early = {s: prestarted.take(s, extra) for s in todo} if prestarted is not None else {}
     if prestarted is not None:
         prestarted.release()  # shards with nothing to do
@@ -191,9 +178,10 @@ def _run_shards(
         _stop_workers(procs, e.signum)
         bars.close()
         stopped = sorted(procs)
-        n_done = _in_output_now(cfg, keys, run_dir)
+        n_done = _in_output_now(cfg, keys)
+        counted = f"{n_done} of {len(keys)}" if n_done is not None else "the finished"
         echo(
-            f"terminated by {e.signal_name}: stopped shard(s) {stopped}; {n_done} of {len(keys)} batches are in "
+            f"terminated by {e.signal_name}: stopped shard(s) {stopped}; {counted} batches are in "
             f"the output and kept.\nRerun the same command to resume (hsextract status {run_dir.root} shows "
             "each shard)."
         )
@@ -210,13 +198,13 @@ def _run_shards(
     return 0
 
 
-def _in_output_now(cfg: RunConfig, keys: set[str], run_dir: RunDir) -> int:
+def _in_output_now(cfg: RunConfig, keys: set[str]) -> int | None:
     """The batches the output records done, counted as the rerun's "resuming:" line counts them (one listing, a
-    short deadline: the user is waiting); the run dir's markers where the output does not answer at once."""
+    short deadline: the user is waiting); None where the output does not answer at once."""
     try:
         return len(keys & done_in_output(open_sink(cfg.output, cfg.s3_endpoint_url, retry_deadline_s=10)))
     except Exception:  # the count is a courtesy; the stop must not wait on an outage
-        return len(keys & run_dir.done_keys())
+        return None
 
 
 def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTERM) -> None:
@@ -275,14 +263,11 @@ def _exit_reason(returncode: int) -> str:
 
 def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
     """Once this node's shards are done: write the manifest if the whole job is done (finalize.py checks every
-    batch in the output first). Returns the exit code and the keys of every batch not done in the output: still
-    to do, missing or damaged. The markers of this node's are removed, so that running their shards again
-    recomputes them."""
+    batch in the output first, and removes the records of those missing or damaged). Returns the exit code and the
+    keys of every batch not done in the output: still to do, missing or damaged."""
     run_dir = RunDir(cfg.run_dir)
     code, missing = finalize_output(open_sink(cfg.output, cfg.s3_endpoint_url), echo=echo)
     mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & missing
-    for key in mine:
-        run_dir.marker(key).unlink(missing_ok=True)
     if code and missing - mine:
         echo(
             f"{len(missing - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"

@@ -1,22 +1,13 @@
-"""The GPU pipeline: padded batches through the hooked model, copies overlapped with compute, tensors to a writer.
+"""The GPU pipeline: padded batches through the hooked model, copies overlapped with compute, a writer thread.
 
-The GPU never waits for host work:
-
-1. The main thread builds a padded batch (``build_batch``) and runs the forward; the hooks (model/capture.py) gather the
-   captured layers' valid tokens into a device buffer laid out as the file stores them ([tokens, slots, hidden]),
-   quantized to fp8 on the device when the run stores fp8 (with a [tokens, slots] float32 scale buffer beside).
-2. A side CUDA stream copies that buffer into a reused pinned host buffer as soon as the forward is done, while
-   the main thread already launches the next batch.
-3. A writer thread waits for the copy and hands the host tensors to ``on_batch`` (the worker writes the file).
-
-A fixed set of buffer slots bounds host and device memory and how far the GPU runs ahead: when ``on_batch`` is
-slow (the worker waits for the uploader to drain staging), slots stop coming back and the GPU loop waits too.
-The dry run drives the same ``Extractor`` so that its proof covers the production path.
-
-With ``check_states`` each batch's states are checked on the device after its forward (``state_health``: per
-stored layer, the tokens whose vector holds a NaN or Inf and those whose vector is all zeros, from a max and a
-min over the hidden dimension, never a tensor the size of the states); the few counts ride the same side-stream
-copy, and the writer refuses the batch (``BadStatesError``) before ``on_batch`` writes anything.
+The GPU never waits for host work: the main thread builds a padded batch and runs the forward, whose hooks
+(model/capture.py) gather the captured layers' valid tokens into a device buffer laid out as the file stores them
+(fp8 with its scales when the run stores fp8); a side CUDA stream copies that buffer once into a reused pinned host
+buffer while the next forward starts; the pipeline's writer thread waits for the copy and hands the host tensors
+to ``on_batch`` (the worker's ``StagingWriter``; the dry run's capture). A fixed set of buffer slots bounds memory
+and how far the GPU runs ahead: a slow ``on_batch`` (staging over its budget) holds the slots, and the GPU waits.
+With ``check_states`` each batch's states are checked on the device (``state_health``, a few counts riding the
+same copy) and a bad batch is refused (``BadStatesError``) before anything is written.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.prepare.plan import BatchSpec
 from hsextract.prepare.tokenize import TokenizedSamples
 from hsextract.run.hostmem import drop_reserved, host_buffer, reserved
+from hsextract.run.procs import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +177,11 @@ class Extractor:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.check_states = check_states
 
-    def run(self, batches, samples: TokenizedSamples, on_batch, on_forward=None, should_stop=None):
-        """``on_batch(batch, tensors)`` runs in the writer thread; its tensors alias a slot that is reused once it
-        returns. ``on_forward(batch, seconds)`` runs in this thread after each forward is launched."""
+    def run(
+        self, batches, samples: TokenizedSamples, on_batch, *, stop: threading.Event | None = None
+    ) -> None:
+        """``on_batch(batch, tensors)`` runs in the pipeline's writer thread; its tensors alias a slot that is
+        reused once it returns. Once ``stop`` is set, no further batch starts and ``Stopped`` is raised."""
         free: queue.Queue = queue.Queue()
         for s in self.slots:
             free.put(s)
@@ -240,9 +234,8 @@ class Extractor:
         try:
             with LayerCapture(self.lm, self.layer_ids) as cap, torch.inference_mode():
                 for batch in batches:
-                    slot = self._take(free, failure, should_stop)
+                    slot = self._take(free, failure, stop)
                     inputs = build_batch(samples, batch, self.pad_token_id)
-                    t0 = time.perf_counter()
                     n, slots = inputs.num_tokens, len(self.layer_ids)
                     out = slot.device_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
                     scale = slot.device_scale[: n * slots].view(n, slots) if self.scaled else None
@@ -275,8 +268,6 @@ class Extractor:
                                 slot.host_scale[: scale.numel()].copy_(scale.view(-1), non_blocking=True)
                             slot.copied.record(self.copy_stream)
                     work.put((slot, batch, inputs))
-                    if on_forward is not None:
-                        on_forward(batch, time.perf_counter() - t0)
         except BaseException as e:
             failure.append(e)  # the writer skips the batches still queued instead of writing them
             raise
@@ -287,13 +278,14 @@ class Extractor:
             raise failure[0]
 
     @staticmethod
-    def _take(free: queue.Queue, failure: list, should_stop):
+    def _take(free: queue.Queue, failure: list, stop: threading.Event | None):
+        """A free slot; the writer's failure, or ``Stopped``, while waiting for one."""
         while True:
             if failure:
                 raise failure[0]
-            if should_stop is not None:
-                should_stop()
+            if stop is not None and stop.is_set():
+                raise Stopped
             try:
-                return free.get(timeout=0.5)
+                return free.get(timeout=0.1)
             except queue.Empty:
                 continue

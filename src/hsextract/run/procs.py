@@ -74,6 +74,10 @@ class Terminated(BaseException):
         return 128 + self.signum
 
 
+class Stopped(Exception):
+    """A shard's threads were told to stop (its ``stop`` event: a stop signal, or a failure its monitor met)."""
+
+
 def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT), on_stop=None) -> None:
     """Make each of ``signals`` raise ``Terminated`` in the main thread; only the first one: later ones (Ctrl-C
     twice, a SIGTERM forwarded after a SIGINT to the whole group) are ignored while the process stops.

@@ -1,24 +1,11 @@
-"""Progress markers and per-shard progress files: what ``hsextract status`` shows of a run dir.
+"""Per-shard progress files: each worker's counters, rates, ETA and state, what ``hsextract status`` shows.
 
-- Markers (``RunDir.marker``): written by the uploader after the batch is durable in the output (renamed into
-  place locally, or confirmed in the bucket). A cache of the output's completion records: resume counts a batch
-  done only if the output bears it out (``records.verified_done``).
-- Progress files (``RunDir.progress_file``): counters, rates, ETA and state of each shard, replaced atomically by
-  its worker. Informational; ``status`` recomputes the done counts from the markers.
-
-Heartbeats and stalls. A worker's main thread rewrites its progress file at least every second, also while it
-waits (for a free buffer slot, for staging space, for the last uploads), so ``updated_at`` is the worker's
-heartbeat: a live worker whose file is older than its ``stall_timeout_s`` is stuck (stopped with SIGSTOP, hung in
-a call). The uploader process sends the worker a heartbeat every second; the worker records when it last heard
-one (``uploader_heartbeat_at``) and, when it sees a stall itself (an uploader silent for the timeout, or no batch
-finished or uploaded for the timeout), names the stalled process in ``stalled_process`` / ``stalled_pid``. The
-launcher prints both kinds of stall and ``status`` shows them as ``stalled`` with the age of the last progress.
-
-A progress file that does not hold what a worker writes (``null``, garbage, an unknown key, a wrong type) is
-reported as damaged, never a traceback: the markers still give the done counts.
-
-``status/rows.py`` combines the two for ``hsextract status``; neither imports torch or transformers, so status
-answers in a fraction of a second.
+Replaced atomically by the worker's monitor thread (monitor.py) at least every second, so ``updated_at`` is the
+worker's heartbeat: a live worker whose file is older than its ``stall_timeout_s`` is stuck. The worker also
+records when it last heard its uploader and, when it sees a stall itself, which process stalled (stalls.py). The
+done counts are a tally of the completion records the worker found and its uploader wrote: shown, never trusted
+(resume and finalize read the output). A file that does not hold what a worker writes is reported as damaged, never
+a traceback.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ from hsextract.storage.fileio import atomic_write
 
 class ShardState(str, enum.Enum):
     """A shard's state: what its worker writes in its progress file (the first eight), and what ``status``
-    concludes from the markers and the processes (``crashed``, ``stalled``, ``damaged``, ``not started``)."""
+    concludes from the output's records and the processes (``crashed``, ``stalled``, ``damaged``, ``not started``)."""
 
     STARTING = "starting"
     LOADING = "loading"

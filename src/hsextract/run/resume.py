@@ -1,17 +1,15 @@
 """What a shard has left to do when its worker starts: the output decides what is done, staging what to upload.
 
-- ``sync_with_output``: a batch is done only if the output records it for this plan and holds the object as
-  recorded (``records.verified_done``; under a launcher, as it checked them just before starting the workers). Markers in the run dir are a cache of that: a missing one is written back
-  (a run dir lost, a rerun on another node); one the output does not bear out (the output deleted, replaced or
-  damaged behind the run) is dropped and its batch recomputed.
+- ``done_in_output``: a batch is done only if the output's completion record says so for this plan and the object
+  is there as recorded (``records.verified_done``); nothing in the run dir is asked. A record the output does not
+  bear out (the object deleted or damaged behind the run) leaves its batch to recompute.
 - ``recover_staging``: writes cut short (``*.tmp-*``) are deleted, and so is every staged file that is done
-  already, not this plan's, or whose bytes do not match the checksums its writer put in its header; the complete
-  ones left are uploaded, not recomputed.
+  already (a crash between its record and its deletion), not this plan's, or whose bytes do not match the
+  checksums its writer put in its header; the complete ones left are uploaded, not recomputed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -20,39 +18,24 @@ from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.format.keys import shard_name
 from hsextract.format.records import verified_done
 from hsextract.prepare.plan import BatchSpec
-from hsextract.run.rundir import OUTPUT_CHECK_ENV, RunDir
 from hsextract.run.writer import read_metadata
-from hsextract.storage.fileio import atomic_write
 from hsextract.storage.local import LocalSink
 from hsextract.verify import check_file
 
 log = logging.getLogger(__name__)
 
 
-def sync_with_output(
-    sink, run_dir: RunDir, shard: int, by_key: dict[str, BatchSpec], plan_hash: str
-) -> list[str]:
-    """The keys of ``shard``'s batches the output records done and bears out, sorted; the markers made to agree.
-    Under a launcher, its check of the output made just before is taken (each record is read once)."""
-    checked = run_dir.load_output_check(plan_hash, shard) if os.environ.get(OUTPUT_CHECK_ENV) else None
-    if checked is None:
-        good, problems = verified_done(sink, f"{shard_name(shard)}/", by_key, plan_hash)
-    else:
-        good, problems = ({k: v for k, v in part.items() if k in by_key} for part in checked)
-        log.info("the output's completion records as the launcher checked them: %d batch(es) done", len(good))
-    markers = {k for k in run_dir.done_keys() if k in by_key}
-    if stale := sorted(markers - set(good)):
-        for key in stale:
-            run_dir.marker(key).unlink(missing_ok=True)
-        why = problems.get(stale[0], "no completion record")
+def done_in_output(sink, shard: int, by_key: dict[str, BatchSpec], plan_hash: str) -> list[str]:
+    """The keys of ``shard``'s batches the output records done for this plan and bears out, sorted."""
+    good, problems = verified_done(sink, f"{shard_name(shard)}/", by_key, plan_hash)
+    if problems:
+        key, why = sorted(problems.items())[0]
         log.warning(
-            "%d batch(es) with a marker are not done in the output (e.g. %s: %s): recomputed",
-            len(stale),
-            stale[0],
+            "%d batch(es) recorded done in the output are not (e.g. %s: %s): recomputed",
+            len(problems),
+            key,
             why,
         )
-    for key in set(good) - markers:
-        atomic_write(run_dir.marker(key), json.dumps(good[key]))
     return sorted(good)
 
 

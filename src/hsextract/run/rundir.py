@@ -1,37 +1,15 @@
-"""The run directory: every path in it, the shard and batch naming, and the one way hsextract writes a file.
+"""The run directory: every path in it (``RunDir``), what preparation learned (``RunInfo``), what staging holds.
 
-A run directory is what a rerun resumes from. Layout::
-
-    config.json          the resolved RunConfig (what the workers read instead of command-line options)
-    run.json             RunInfo: what preparation learned (layer ids and types, hidden size, pad id, metadata)
-    plan.json            the Plan: batches and shards (resume trusts it only if a new plan hashes the same)
-    data_report.json     rows skipped, truncated, renamed
-    tokens.safetensors   the tokenized samples the workers read
-    cache/               tokenization cache (reused by dry-run and reruns)
-    markers/shard-SSSSS/batch-BBBBBB.safetensors.done   a batch durable in the output (what resume trusts)
-    progress/shard-SSSSS.json                           counters and state of a shard (what status shows)
-    progress/shard-SSSSS.reserve                        room kept to record why the shard stopped (progress.py)
-    logs/shard-SSSSS[.role].log                         each process's log
-    locks/shard-SSSSS.lock                              held by the process running the shard
-    kernel-cache.json    names the kernel cache the run used (a per-user directory: model/kernel_cache.py)
-    output-check.json    what the launcher found done in the output just before it started the workers, which
-                         take their shard's from it instead of reading every completion record again
-    warmup.done          written when the kernel warm-up ends; the shards wait for it before their first batch
-    COMPLETE             written after the manifest: the run is finished
-
-Output keys are ``shard-SSSSS/batch-BBBBBB.safetensors``; staging uses the same shard directory names. A run given
-no ``--run-dir`` gets ``runs/<output>-<hash>`` (``default_run_dir``).
-
-``atomic_write`` is how every file is written: a temporary name beside the target, flush, fsync, rename over the
-target, fsync of the directory. A file under its final name is therefore complete, and a crash leaves at most a
-``*.tmp-*`` file that nothing reads.
+A run dir is what a rerun resumes from: the resolved config, the plan, the tokens, progress files, logs and locks.
+Nothing in it says a batch is done: the output's completion records do (format/records.py), so a run dir lost,
+copied or left behind by a crash never makes a batch count as done. ``COMPLETE``, written after the manifest, is
+read by ``status`` only.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -45,19 +23,10 @@ from hsextract.format.batch import StateLayout
 from hsextract.format.keys import shard_name
 from hsextract.storage.fileio import load_json, write_json
 
-MARKER_SUFFIX = ".done"
-
-
-OUTPUT_CHECK_ENV = "HSEXTRACT_OUTPUT_CHECKED"
-
-"""Set by the launcher for the workers it starts: ``output-check.json`` holds their shards' check of the output,
-made just before. A worker started any other way checks the output itself."""
-
-
 RUN_DIR_MIN_FREE_BYTES = 16 << 20
 
-"""The least free space a run starts with in its run dir: its files are small (progress, markers, logs, the token
-cache), but a full run dir stops every worker with nothing recorded of why."""
+"""The least free space a run starts with in its run dir: its files are small (progress, logs, the token cache),
+but a full run dir stops every worker with nothing recorded of why."""
 
 
 def default_run_dir(output: str, node_rank: int | None = None) -> Path:
@@ -73,11 +42,6 @@ def default_run_dir(output: str, node_rank: int | None = None) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", tail).strip("-.")[-60:] or "output"
     node = "" if node_rank is None else f"-node{node_rank}"
     return Path.cwd() / "runs" / f"{name}-{hashlib.sha256(full.encode()).hexdigest()[:8]}{node}"
-
-
-def marker_path(marker_dir: Path, key: str) -> Path:
-    """Where the marker of an uploaded key lives; it exists only once the key is durable in the output."""
-    return Path(marker_dir) / f"{key}{MARKER_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -121,10 +85,6 @@ class RunDir:
         return self.root / "cache"
 
     @property
-    def markers_dir(self) -> Path:
-        return self.root / "markers"
-
-    @property
     def progress_dir(self) -> Path:
         return self.root / "progress"
 
@@ -148,28 +108,6 @@ class RunDir:
         """The go (or stop) of a worker started before the plan was ready (run/prestart.py)."""
         return self.root / "prestart" / f"{shard_name(shard)}.json"
 
-    @property
-    def output_check_file(self) -> Path:
-        return self.root / "output-check.json"
-
-    def save_output_check(
-        self, plan_hash: str, shards, done: dict[str, dict], problems: dict[str, str]
-    ) -> None:
-        """What ``records.verified_done`` found for ``shards``: the records of the batches done, and why each
-        other recorded one is not."""
-        record = {"plan_hash": plan_hash, "shards": sorted(shards), "done": done, "problems": problems}
-        write_json(self.output_check_file, record, durable=False)
-
-    def load_output_check(self, plan_hash: str, shard: int) -> tuple[dict[str, dict], dict[str, str]] | None:
-        """``(done, problems)`` as the launcher saved them, if it checked ``shard`` for this plan; else None."""
-        try:
-            record = json.loads(self.output_check_file.read_text())
-            if record["plan_hash"] != plan_hash or shard not in record["shards"]:
-                return None
-            return dict(record["done"]), dict(record["problems"])
-        except (OSError, ValueError, TypeError, KeyError):
-            return None
-
     def progress_file(self, shard: int) -> Path:
         return self.progress_dir / f"{shard_name(shard)}.json"
 
@@ -183,21 +121,6 @@ class RunDir:
         """``role`` is "" for the worker, or ``uploader``, ``stderr``, ``warmup``."""
         suffix = f".{role}" if role else ""
         return self.logs_dir / f"{shard_name(shard)}{suffix}.log"
-
-    def marker(self, key: str) -> Path:
-        return marker_path(self.markers_dir, key)
-
-    def done_keys(self) -> set[str]:
-        """Output keys of every batch recorded durable, listed once."""
-        if not self.markers_dir.exists():
-            return set()
-        keys = set()
-        for shard_dir in self.markers_dir.iterdir():
-            if shard_dir.is_dir():
-                for entry in os.scandir(shard_dir):
-                    if entry.name.endswith(MARKER_SUFFIX):
-                        keys.add(f"{shard_dir.name}/{entry.name[: -len(MARKER_SUFFIX)]}")
-        return keys
 
     def lock_shard(self, shard: int):
         """An exclusive lock on ``shard`` for the life of the process (the open file holding it): two processes
@@ -228,7 +151,7 @@ class RunDir:
         if free is not None and free < RUN_DIR_MIN_FREE_BYTES:
             raise HsextractError(
                 f"run dir {self.root} has {free:,} bytes free on its file system, under the "
-                f"{RUN_DIR_MIN_FREE_BYTES:,} a run needs there (progress, markers, logs, the token cache): free "
+                f"{RUN_DIR_MIN_FREE_BYTES:,} a run needs there (progress, logs, the token cache): free "
                 "space there or choose another --run-dir"
             )
 
@@ -255,8 +178,8 @@ class RunDir:
     @contextmanager
     def launcher_lock(self, *, exclusive: bool):
         """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (shards are
-        locked one by one by their workers), exclusive for ``--restart``, which must not clear progress, markers
-        and staging under a run that is still going. A run dir this call made goes again if the run stops before
+        locked one by one by their workers), exclusive for ``--restart``, which must not clear progress and
+        staging under a run that is still going. A run dir this call made goes again if the run stops before
         anything but the lock was written in it (a run refused by its checks leaves no empty run dir)."""
         self.check_is_dir()
         made = None  # the highest directory this call makes (the run dir, or runs/ above it)

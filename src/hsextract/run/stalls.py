@@ -1,10 +1,10 @@
 """Stalls: a shard's worker or uploader that stops making progress without dying, named, never killed.
 
 Three places watch, each from what it can see, and all judge with the code here:
-- the worker (``worker_stall``): its uploader sends no heartbeat, or no batch was computed or uploaded for the
-  stall timeout while one was due;
+- the worker's monitor (``worker_stall``, monitor.py): its uploader sends no heartbeat, or no batch was computed
+  or uploaded for the stall timeout while one was due;
 - the launcher (``StallWatch``): a worker whose progress file is not refreshed for the timeout while it is alive
-  (the worker's main thread refreshes it every second), or what the worker reported in it;
+  (its monitor refreshes it every second), or what the worker reported in it;
 - ``status`` (``find_stall``): the same from the progress file alone, after the fact or from another process.
 A stall that ends is reported as recovered, once.
 """
@@ -43,7 +43,7 @@ class Stall:
 
 def find_stall(p: ShardProgress, now: float | None = None) -> Stall | None:
     """The stall a live shard's progress file shows: the worker itself when its file has not been refreshed for
-    the stall timeout while it is alive (its main thread refreshes it every second), else what the worker
+    the stall timeout while it is alive (its monitor refreshes it every second), else what the worker
     reported (its uploader silent, or no batch finished for the timeout)."""
     now = time.time() if now is None else now
     if p.state not in LIVE_STATES:

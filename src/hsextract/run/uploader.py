@@ -1,50 +1,19 @@
-"""The uploader: a separate process that moves staged batch files to the output and records each one.
+"""The uploader: a separate process (no torch) that moves staged batch files into the output and records each.
 
-The GPU worker writes a complete batch file to a staging directory (normally /dev/shm) and calls ``submit``; a
-``spawn``-started child process uploads it. Uploads run in their own process, not a thread, so that checksums, TLS
-and boto3's Python code never hold the worker's GIL while it feeds the GPU; ``submit`` is a queue put.
+A process, not a thread, so that checksums, TLS and boto3 never hold the worker's GIL while it feeds the GPU. Per
+file, in this order, which makes a crash at any point safe to rerun: check that the output's claim still names this
+job; upload (``Sink.put_file``: retried, verified, and checked against the CRC32 the file's writer computed); write
+the batch's completion record into the output, the only record that a batch is done; delete the staged file; tell
+the worker. A crash before the record leaves the file staged (the rerun uploads it); after it, the rerun finds the
+batch done and deletes the staged copy (resume.py).
 
-Per file, in this order (the invariants are what make a crash at any point safe to rerun):
-
-1. check that the output is still claimed by this run's job (output.check_claim), then upload through the
-   ``Sink`` (``put_file`` retries transient failures, verifies size and checksum, and checks the bytes it sends
-   against the CRC32 the file's writer computed), then write the batch's completion record into the output
-   (output.write_done: the same record as the marker, with the plan hash);
-2. write the marker ``marker_dir/<key>.done`` (tmp + fsync + rename), a small JSON with size and CRC32 of the
-   file and the size and checksum of its header (format/records.py; the manifest copies them):
-   a marker exists only for a key that is durable in the output;
-3. delete the staged file: the staged file is removed only after its marker;
-4. report the key back (``poll_done``), so that the worker can stage more bytes.
-
-A key submitted when its marker already exists (a rerun after a crash between steps 2 and 3) is not uploaded
-again: the staged file is deleted and the key reported. ``concurrency`` files are uploaded at once by a thread pool
-in the child. The job queue is unbounded in count because the worker bounds the staged *bytes* itself.
-
-A staged file whose bytes are not the ones its writer wrote (altered while it waited: ``StagedFileChanged``) is
-not uploaded: it is deleted, so that the next run recomputes its batch, and the uploader stops as on any permanent
-failure, naming it.
-
-Failures: a permanent failure (refused credentials, missing bucket, the retry deadline passed, any unexpected
-error) is logged, sent back as a message, and the child exits with status 1 at once, leaving every file that is
-not yet marked in the staging directory for the next run; the parent sees it as ``UploaderDied`` from
-``check_alive``, ``submit`` or ``close``. The child never outlives the worker: on Linux it asks the kernel for
-SIGKILL when its parent dies (``PR_SET_PDEATHSIG``; note that this fires when the *thread* that started it exits,
-so call ``start`` from a long-lived thread) and it also watches ``os.getppid()``.
-
-Heartbeats: a thread in the child sends ``("heartbeat", time)`` on the results queue every ``HEARTBEAT_S`` seconds
-for as long as the process runs, also while an upload is stuck in retries; ``heartbeat_at`` is when the parent last
-heard one. A child that stops sending them (stopped with SIGSTOP, frozen) is what the worker reports as a stalled
-uploader. The child ignores SIGINT: Ctrl-C reaches the whole process group, and the worker decides when its
-uploader stops (``kill``), so that a stop is never mistaken for an uploader failure.
-
-``spawn`` re-imports the parent's ``__main__`` module in the child: keep torch imports of the entry point lazy,
-or the light uploader process imports torch too (it logs a warning when it finds torch loaded). This module must
-not import torch itself.
+A permanent failure ends the child with status 1 and a message (``UploaderDied`` in the worker); what it has not
+recorded stays staged. It sends heartbeats every ``HEARTBEAT_S``, ignores SIGINT (its worker decides when it
+stops) and dies with its worker.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
@@ -61,10 +30,8 @@ from hsextract.errors import HsextractError, StagedFileChanged, UploaderDied, di
 from hsextract.format.batch import read_file_head
 from hsextract.format.records import check_claim, stored_record, write_done
 from hsextract.run.procs import die_with_parent, log_to_file
-from hsextract.run.rundir import marker_path
 from hsextract.storage import open_sink
 from hsextract.storage.base import DEFAULT_RETRY_DEADLINE_S, Sink
-from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +52,6 @@ class UploaderConfig:
     """``s3://bucket/prefix`` or a local directory."""
     endpoint_url: str | None
     """S3 endpoint; None falls back to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` / AWS."""
-    marker_dir: Path
-    """Markers go to ``marker_dir/<key>.done``."""
     plan_hash: str = ""
     """The job this run writes: each upload first checks that the output's claim still names it, and each
     verified upload leaves a completion record for it in the output. Empty: neither (tests of the transfer alone)."""
@@ -114,7 +79,6 @@ class Uploader:
         *,
         output: str,
         endpoint_url: str | None,
-        marker_dir: Path,
         log_file: Path,
         plan_hash: str = "",
         concurrency: int = 4,
@@ -123,7 +87,6 @@ class Uploader:
         self.config = UploaderConfig(
             output=output,
             endpoint_url=endpoint_url,
-            marker_dir=Path(marker_dir),
             plan_hash=plan_hash,
             log_file=Path(log_file),
             concurrency=concurrency,
@@ -150,15 +113,18 @@ class Uploader:
         return self._heartbeat_at if self._heartbeat_at is not None else self._started_at
 
     def start(self) -> None:
-        """Start the child process; it runs until ``close`` (or until its parent dies)."""
+        """Start the child process; it runs until ``close`` (or until its parent dies). Call it from a long-lived
+        thread: the child's parent-death signal fires when the *thread* that started it exits."""
         if self._process is not None:
             raise RuntimeError("the uploader was already started")
         self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
+        # spawn re-imports the parent's __main__ in the child: the worker's entry point keeps torch imports lazy
+        # (launcher.WORKER_ENTRY), and this module imports no torch, so the light process stays light.
         context = multiprocessing.get_context("spawn")
-        self._jobs = context.Queue()
+        self._jobs = context.Queue()  # unbounded in count: the worker bounds the staged bytes
         self._results = context.Queue()
         # Daemonic: if the worker exits without close(), the uploader is stopped rather than orphaned; what it had
-        # not marked stays staged for the next run.
+        # not recorded stays staged for the next run.
         self._process = context.Process(
             target=_child_main,
             args=(self.config, self._jobs, self._results),
@@ -169,7 +135,7 @@ class Uploader:
         self._process.start()
 
     def submit(self, path: Path, key: str, crc32: int | None = None) -> None:
-        """Queue a complete staged file for upload to ``key``; the uploader deletes it once it is marked. ``crc32``
+        """Queue a complete staged file for upload to ``key``; the uploader deletes it once it is recorded. ``crc32``
         is the file's as its writer wrote it: the bytes uploaded must have it."""
         if self._closed:
             raise RuntimeError("submit() after close()")
@@ -177,7 +143,7 @@ class Uploader:
         self._jobs.put((str(path), key, crc32))
 
     def poll_done(self) -> list[str]:
-        """Keys confirmed (uploaded and marked, staged file deleted) since the last call; never blocks.
+        """Keys recorded done in the output (staged file deleted) since the last call; never blocks.
 
         Still answers after ``UploaderDied``, with the keys the child confirmed before it stopped.
         """
@@ -240,7 +206,7 @@ class Uploader:
         return self.poll_done()
 
     def kill(self) -> None:
-        """Stop the child at once (its worker was told to stop). What it has not marked stays staged, and a file
+        """Stop the child at once (its worker was told to stop). What it has not recorded stays staged, and a file
         it was copying is discarded by the next run, as after any crash. SIGKILL because a stopped (SIGSTOP)
         process handles no other signal."""
         if self._process is None or self._closed:
@@ -289,7 +255,7 @@ def _child_main(config: UploaderConfig, jobs: multiprocessing.Queue, results: mu
         _serve(config, sink, pool, jobs, results)
         pool.shutdown()
     except Exception as e:
-        # HsextractErrors are worded for the user (a full file system too: a marker that cannot be written); anything
+        # HsextractErrors are worded for the user (a full file system too: a log that cannot be written); anything
         # else is a bug, logged with its traceback.
         e = disk_full(e) or e
         if isinstance(e, HsextractError):
@@ -350,41 +316,35 @@ def _upload_one(
     crc32: int | None,
     results: multiprocessing.Queue,
 ) -> None:
-    marker = marker_path(config.marker_dir, key)
-    if marker.exists():
+    if config.plan_hash:
+        # Read for every file, not once: the claim can change under a running job (the output handed to another),
+        # and this check is what stops the uploads as soon as it does. One small read beside a file of many MB.
+        check_claim(sink, config.plan_hash)
+    start = time.monotonic()
+    try:
+        head = read_file_head(path)
+    except HsextractError as e:
+        # Recorded without a header checksum: finalize then finds the record lacking and the batch recomputed.
+        head = None
+        log.warning("%s: %s; its completion record holds no header checksum", key, e)
+    try:
+        stored = sink.put_file(path, key, expected_crc32=crc32)
+    except StagedFileChanged as e:
         path.unlink(missing_ok=True)
-        log.info("%s: already uploaded (marker present), removed the staged copy", key)
-    else:
-        if config.plan_hash:
-            check_claim(sink, config.plan_hash)
-        start = time.monotonic()
-        try:
-            head = read_file_head(path)
-        except HsextractError as e:
-            # Recorded without a header checksum: the launcher then refuses to write the manifest until the batch
-            # is recomputed (it names the marker to delete).
-            head = None
-            log.warning("%s: %s; its marker records no header checksum", key, e)
-        try:
-            stored = sink.put_file(path, key, expected_crc32=crc32)
-        except StagedFileChanged as e:
-            path.unlink(missing_ok=True)
-            raise StagedFileChanged(
-                f"{e}; deleted from staging, so that rerunning the same command recomputes {key}"
-            ) from None
-        seconds = time.monotonic() - start
-        record = stored_record(stored, sink.url, head)
-        if config.plan_hash:
-            write_done(sink, record, config.plan_hash)
-        atomic_write(marker, json.dumps(record))
-        path.unlink()
-        log.info(
-            "uploaded %s: %d bytes in %.2f s (%.1f MB/s)",
-            key,
-            stored.size,
-            seconds,
-            stored.size / 1e6 / max(seconds, 1e-9),
-        )
+        raise StagedFileChanged(
+            f"{e}; deleted from staging, so that rerunning the same command recomputes {key}"
+        ) from None
+    seconds = time.monotonic() - start
+    if config.plan_hash:
+        write_done(sink, stored_record(stored, sink.url, head), config.plan_hash)
+    path.unlink()  # only after the record: a crash in between leaves a done batch's copy, which resume deletes
+    log.info(
+        "uploaded %s: %d bytes in %.2f s (%.1f MB/s)",
+        key,
+        stored.size,
+        seconds,
+        stored.size / 1e6 / max(seconds, 1e-9),
+    )
     results.put(("done", key))
 
 

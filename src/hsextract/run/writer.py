@@ -1,30 +1,22 @@
-"""Batch files: safetensors written straight from the host buffer, under a temporary name, then renamed.
+"""Batch files: safetensors written straight from the host buffer, under a temporary name, then renamed; and
+``StagingWriter``, the pipeline's writer-thread end, which puts them into a shard's staging directory within its
+budget and hands them to the uploader.
 
-A batch file holds, for the B samples of one batch and their N valid tokens in total (docs/FORMAT.md):
-
-- ``hidden_states`` [N, L, H]: the L captured layers, token-major, so one sample's states are one contiguous
-  byte range (a reader fetches a sample with one ranged read).
-- ``input_ids`` [N] int32, ``loss_mask`` [N] uint8, ``cu_seqlens`` [B+1] int64 (sample i is rows
-  cu_seqlens[i]:cu_seqlens[i+1]), ``sample_index`` [B] int64 (row in the tokenized dataset).
-- metadata (strings): layer ids and their convention, pre/post norm, model, dtype, tokenizer and chat-template
-  hashes, plan hash, batch id, shard, sample ids (JSON), hsextract version, and the checksums (``write_batch_file``:
-  one per sample over its rows of every per-token tensor, one over the index tensors; format/batch.py defines them).
-
-The checksums are computed here, in the writer thread, from the host tensors about to be written: that is the last
-moment the bytes are known good, and the thread overlaps with the GPU's next forward anyway. So is the CRC32 of the
-whole file, beside the write: the uploader checks the bytes it sends against it (a file altered while
-staged is refused, not uploaded).
-
-The serializer is ours rather than ``safetensors.torch.save_file`` because that one first copies every tensor into
-a bytes object; here the pinned host buffer is written to the file as it is. The files are standard safetensors
-(the tests read them back with the safetensors library). Nothing time-dependent goes in, so a batch recomputed
-after a crash is byte-identical to the first attempt.
+The checksums (one per sample, one over the index tensors: format/batch.py) and the CRC32 of the whole file are
+computed here, in the writer thread, from the host tensors about to be written: the last moment the bytes are
+known good, overlapped with the GPU's next forward. The serializer is ours rather than
+``safetensors.torch.save_file``, which first copies every tensor into a bytes object; the files are standard
+safetensors all the same, and hold nothing time-dependent, so a batch recomputed after a crash is byte-identical.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import struct
+import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -34,6 +26,7 @@ import torch
 
 from hsextract.errors import HsextractError
 from hsextract.format.batch import (
+    batch_metadata,
     checksum_order,
     checksums_metadata,
     header_json,
@@ -42,7 +35,12 @@ from hsextract.format.batch import (
     update_checksum,
 )
 from hsextract.format.header import SAFETENSORS_DTYPES, tensor_bytes
+from hsextract.prepare.plan import BatchSpec
+from hsextract.run.procs import Stopped
+from hsextract.run.rundir import scan_staging
 from hsextract.storage.fileio import atomic_write
+
+log = logging.getLogger(__name__)
 
 
 def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -138,3 +136,80 @@ def read_metadata(path: Path) -> dict[str, str]:
     if not isinstance(metadata, dict):
         raise HsextractError(f"{path} has a garbled header (its metadata is not an object)")
     return metadata
+
+
+class StagingWriter:
+    """Each batch's file into the shard's staging directory, then to the uploader, within the staging budget.
+
+    Called in the pipeline's writer thread. While the staged bytes would pass ``budget`` it waits (``waiting``):
+    the pipeline's slots then stop coming back and the GPU waits too, instead of filling /dev/shm, until the
+    uploader drains staging. ``stop`` ends a wait (``Stopped``)."""
+
+    def __init__(
+        self,
+        staging: Path,
+        budget: int,
+        uploader,
+        *,
+        file_metadata: dict,
+        sample_ids: list[str],
+        stop: threading.Event,
+    ):
+        self.staging, self.budget, self.uploader = Path(staging), budget, uploader
+        self.file_metadata, self.sample_ids, self.stop = file_metadata, sample_ids, stop
+        self.waiting = False
+        """Waiting for the uploader to drain staging."""
+        self.written_at: float | None = None
+        """When the last batch file was written."""
+        self.submitted: set[str] = set()
+        """Keys handed to the uploader."""
+
+    def submit(self, path: Path, key: str, crc32: int) -> None:
+        """Hand a complete staged file to the uploader (also those a crashed run left, resume.recover_staging)."""
+        self.submitted.add(key)
+        self.uploader.submit(path, key, crc32)
+
+    def __call__(self, batch: BatchSpec, tensors: dict[str, torch.Tensor]) -> None:
+        self._wait_for_budget(sum(t.numel() * t.element_size() for t in tensors.values()))
+        meta = batch_metadata(
+            run_meta=self.file_metadata,
+            batch_id=batch.batch_id,
+            shard=batch.shard,
+            sample_ids=[self.sample_ids[i] for i in batch.sample_indices],
+        )
+        path = self.staging / Path(batch.key).name
+        t0 = time.perf_counter()
+        try:
+            size, crc32 = write_batch_file(path, tensors, meta)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise HsextractError(
+                f"staging directory {self.staging} is full (no space left on device) while writing {path.name}: "
+                "free space there or lower --staging-max-gb, then rerun the same command to resume"
+            ) from None
+        self.written_at = time.time()
+        log.info(
+            "batch %d written: %d rows, %d tokens, %.1f MB in %.3f s",
+            batch.batch_id,
+            batch.rows,
+            batch.num_tokens,
+            size / 1e6,
+            time.perf_counter() - t0,
+        )
+        self.submit(path, batch.key, crc32)
+
+    def _wait_for_budget(self, need: int) -> None:
+        while (staged := scan_staging(self.staging).bytes) and staged + need > self.budget:
+            if not self.waiting:
+                log.info(
+                    "staging holds %.2f GB (budget %.2f GB): waiting for the uploader",
+                    staged / 1e9,
+                    self.budget / 1e9,
+                )
+                self.waiting = True
+            if self.stop.wait(0.05):
+                raise Stopped
+        if self.waiting:
+            self.waiting = False
+            log.info("staging drained; continuing")

@@ -1,9 +1,9 @@
 """What ``hsextract status`` reports, as one document: ``status --json``, ``/api/status``, the page and ``/metrics``
 all read ``status_document``, so they never disagree.
 
-Built from the run directory alone on each call, without torch, in well under a second:
+Built on each call from the run directory and one listing of the output's completion records, without torch:
 
-- one row per shard: the rows of ``rows.shard_status`` (done counts from the markers, state, stalls, rate,
+- one row per shard: the rows of ``rows.shard_status`` (done counts from the output, state, stalls, rate,
   ETA, how long ago it last progressed, a damaged progress file), plus what uploads look like: the bytes the worker
   last saw in staging, the files waiting there and the age of the oldest (the upload lag; only where staging is on
   this host);

@@ -341,7 +341,7 @@ def render_body(doc: dict, hist: dict) -> str:
     problem_box = (
         '<p class="problem">'
         + "<br>".join(
-            f"shard {r['shard']}: progress file damaged: {_esc(r['damaged'])} (done counts come from the markers)"
+            f"shard {r['shard']}: progress file damaged: {_esc(r['damaged'])} (done counts come from the output)"
             for r in problems
         )
         + "</p>"

@@ -9,8 +9,8 @@ One process, the standard library's ``ThreadingHTTPServer``, nothing to build:
   on each scrape, so the numbers are never older than the progress files and the server keeps no state.
 - ``/api/status``: the document ``hsextract status --json`` prints; ``/api/history``: the rate history.
 
-The server only reads the run directory; it can be started, stopped and restarted at any time, on a live,
-crashed or finished run. It has no authentication: it listens on loopback unless ``--host`` says otherwise.
+The server only reads the run directory and lists the output's completion records; it can be started, stopped
+and restarted at any time, on a live, crashed or finished run. It has no authentication: it listens on loopback unless ``--host`` says otherwise.
 """
 
 from __future__ import annotations

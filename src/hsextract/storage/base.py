@@ -5,11 +5,12 @@ key to ``root/key``; ``S3Sink(bucket, prefix)`` to ``s3://bucket/prefix/key``. `
 output string (``s3://...`` or a path) and ``preflight`` checks, before any model loads, that the output can be
 written, so that a typo in a bucket name costs seconds, not a model load.
 
-Durability contract: when ``put_file`` returns, the object is complete and verified under its final key, and it
-returns a ``StoredObject`` (key, size, CRC32) that the uploader records in its marker. Writing the same key again
-is allowed and replaces the object, so a rerun after a crash may upload a batch twice but never leaves half of one.
-Given the CRC32 the file's writer computed, ``put_file`` checks the bytes it sends against it, as it sends them (no
-second read of the file), and stores nothing under the key if they differ (``StagedFileChanged``).
+Durability contract: when ``put_file`` returns, the object is complete and verified under its final key, and
+it returns a ``StoredObject`` (key, size, CRC32) that the uploader records in the batch's completion record.
+Writing the same key again is allowed and replaces the object, so a rerun after a crash may upload a batch
+twice but never leaves half of one. Given the CRC32 the file's writer computed, ``put_file`` checks the bytes
+it sends against it, as it sends them (no second read of the file), and stores nothing under the key if they
+differ (``StagedFileChanged``).
 
 - Local: the file is copied to ``root/key.tmp-<pid>-<tid>`` while its CRC32 is computed, fsynced, renamed over the
   final name (only if the CRC32 is the writer's) and the directory fsynced; a file under its final name is
