@@ -24,7 +24,7 @@ import torch
 from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.prepare.plan import BatchSpec
-from hsextract.prepare.tokenize import TokenizedSamples
+from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.hostmem import drop_reserved, host_buffer, reserved
 from hsextract.run.procs import Stopped
 

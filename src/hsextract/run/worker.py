@@ -30,7 +30,7 @@ from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
 from hsextract.model.tuned import install_here as install_tuned
 from hsextract.prepare.plan import BatchSpec, Plan
-from hsextract.prepare.tokenize import TokenizedSamples
+from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.monitor import ShardMonitor
 from hsextract.run.pipeline import Extractor
 from hsextract.run.prewarm import wait_for_warmup, warmup_pending
