@@ -236,11 +236,11 @@ class NemoDSparkCache(ExportFormat):
         ids = list(manifest["layer_ids"])
         return {
             "layer_ids": ids,
-            "where": f"recipe_args.target_layer_ids: {_ids(ids)} and recipe_args.cached_target_path: {dest} (and "
-            "seq_length as the cache's; target_weights.safetensors beside the shards: docs/EXPORT.md)",
-            "command": "torchrun -m nemo_automodel.recipes.llm.train_dspark -c examples/speculative/dspark/"
-            f"<a DSpark recipe> --recipe_args.cached_target_path {dest} --model.pretrained_model_name_or_path "
-            f"{_model(manifest)}",
+            "where": f"recipe_args.target_layer_ids: {_ids(ids)} and recipe_args.cached_target_path: {dest} in "
+            "NeMo Automodel's DSpark recipe for this target (examples/speculative/dspark/), seq_length as the "
+            "cache's; target_weights.safetensors beside the shards: docs/EXPORT.md",
+            "command": "torchrun -m nemo_automodel.recipes.llm.train_dspark -c dspark-recipe.yaml "
+            f"--recipe_args.cached_target_path {dest} --model.pretrained_model_name_or_path {_model(manifest)}",
         }
 
 
