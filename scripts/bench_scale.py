@@ -222,7 +222,8 @@ def synthetic_cache(run: Path, model: Path, globs: list[str], rows: int) -> None
 
     from hsextract.prepare.report import ReportBuilder
     from hsextract.prepare.sources import resolve_sources
-    from hsextract.prepare.tokenize import TokenFileWriter, cache_file, load_tokenizer
+    from hsextract.prepare.tokenfile import TokenFileWriter
+    from hsextract.prepare.tokenize import cache_file, load_tokenizer
 
     cache = run / "run" / "cache"
     mix = resolve_sources(globs, cache_dir=cache)
