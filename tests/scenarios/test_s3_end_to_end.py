@@ -335,6 +335,9 @@ def test_tiny_staging_budget_makes_workers_wait_not_fail(
 
 
 # -- 5. the uploader dies mid-run ----------------------------------------------------------------------------------
+# The kill must fall between the first record and the last; on a loaded machine the whole shard can be recorded
+# before the first listing sees one. Such a try proves nothing and is run again (a real failure fails every try).
+@pytest.mark.flaky(reruns=2, only_rerun=["the kill did not fall mid-run"])
 def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batch_once(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
 ):
