@@ -172,27 +172,16 @@ class Follow:
                 by_file[key] = "all" if len(rows) == rank_rows else rows
         return sealed(
             {
-                "follow": True,
+                **self._identity(ds),
                 "epoch": ds.epoch,
                 "consumed": self.prior + consumed,
-                "seed": ds.seed,
-                "shuffle": ds.shuffle,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "plan_hash": self.manifest.get("plan_hash"),
-                "num_samples": self.num_samples,
                 "consumed_samples": by_file,
             }
         )
 
-    def load_state_dict(self, ds, state: dict) -> None:
-        """Every field checked (state.py); the rows of ``consumed_samples`` must be rows of their file, each once,
-        and this rank's in that epoch, and as many as ``consumed`` says."""
-        if not state.get("follow"):
-            raise HsextractError(
-                "this state was taken without follow=True: resume it with a plain StatesDataset"
-            )
-        mine = {
+    def _identity(self, ds) -> dict:
+        """The fields a followed state must share with the dataset that resumes it."""
+        return {
             "follow": True,
             "seed": ds.seed,
             "shuffle": ds.shuffle,
@@ -201,6 +190,15 @@ class Follow:
             "plan_hash": self.manifest.get("plan_hash"),
             "num_samples": self.num_samples,
         }
+
+    def load_state_dict(self, ds, state: dict) -> None:
+        """Every field checked (state.py); the rows of ``consumed_samples`` must be rows of their file, each once,
+        and this rank's in that epoch, and as many as ``consumed`` says."""
+        if not state.get("follow"):
+            raise HsextractError(
+                "this state was taken without follow=True: resume it with a plain StatesDataset"
+            )
+        mine = self._identity(ds)
         consumed: set[int] = set()
 
         def check_rows(by_file) -> str | None:
