@@ -205,10 +205,13 @@ class Follow:
             if not isinstance(by_file, dict):
                 return f"must be a dict batch key -> rows or 'all', got {by_file!r:.80}"
             rank = set(self.rank_positions(state["epoch"], ds.seed, ds.shuffle))
+            sizes = {
+                b["key"]: len(b["sample_ids"]) for b in self.manifest["batches"]
+            }  # one pass, not one per key
             for key, rows in by_file.items():
                 if key not in self.starts:
                     return f"names batch {key!r}, which this output's plan does not hold"
-                start, n = self.starts[key], len(self.manifest["batches"][self.keys.index(key)]["sample_ids"])
+                start, n = self.starts[key], sizes[key]
                 if rows == "all":
                     consumed.update(p for p in range(start, start + n) if p in rank)
                     continue
