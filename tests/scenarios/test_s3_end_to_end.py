@@ -86,8 +86,8 @@ def succeeded(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return r
 
 
-def uploader_pid(worker_pid: int) -> int:
-    """The worker's uploader: its ``spawn`` child (the other child, if any, is multiprocessing's resource tracker)."""
+def uploader_children(worker_pid: int) -> list[int]:
+    """The worker's ``spawn`` children: its uploader once started (multiprocessing's resource tracker is not one)."""
     try:
         import psutil
 
@@ -105,9 +105,25 @@ def uploader_pid(worker_pid: int) -> int:
             (int(pid), args)
             for pid, _, args in (line.strip().partition(" ") for line in ps.stdout.splitlines())
         ]
-    pids = [pid for pid, cmdline in children if "spawn_main" in cmdline]
-    assert len(pids) == 1, f"expected one uploader child of worker {worker_pid}, found {children}"
+    return [pid for pid, cmdline in children if "spawn_main" in cmdline]
+
+
+def uploader_pid(worker_pid: int) -> int:
+    pids = uploader_children(worker_pid)
+    assert len(pids) == 1, f"expected one uploader child of worker {worker_pid}, found {pids}"
     return pids[0]
+
+
+def started_uploader(run_dir: Path, shard: int) -> int | None:
+    """Shard ``shard``'s uploader pid once its worker has started it, else None."""
+    progress = ShardProgress.load(run_dir, shard)
+    if progress is None:
+        return None
+    try:
+        pids = uploader_children(progress.pid)
+    except Exception:  # the worker exited meanwhile (psutil.NoSuchProcess)
+        return None
+    return pids[0] if len(pids) == 1 else None
 
 
 def shard_log(run_dir: Path, shard: int) -> Path:
@@ -335,9 +351,8 @@ def test_tiny_staging_budget_makes_workers_wait_not_fail(
 
 
 # -- 5. the uploader dies mid-run ----------------------------------------------------------------------------------
-# The kill must fall between the first record and the last; on a loaded machine the whole shard can be recorded
-# before the first listing sees one. Such a try proves nothing and is run again (a real failure fails every try).
-@pytest.mark.flaky(reruns=2, only_rerun=["the kill did not fall mid-run"])
+# The uploader is frozen as soon as it exists and let run in short pulses: the kill falls after the first record and
+# before the last whatever the machine's load.
 def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batch_once(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
 ):
@@ -351,18 +366,22 @@ def test_uploader_killed_mid_run_fails_its_shard_and_the_rerun_uploads_each_batc
         return [p.name for p in staging.glob("*.safetensors") if f"shard-00000/{p.name}" not in done]
 
     with launched(args, tmp_path, env=cli_env()) as proc:
-        wait_for(
-            lambda: len(recorded_done(s3, s3_bucket, 0)),
-            "a first uploaded batch of shard 0",
-            proc=proc,
-            root=tmp_path,
+        uploader = wait_for(
+            lambda: started_uploader(run_dir, 0), "shard 0's uploader", proc=proc, root=tmp_path, timeout=120
         )
-        uploader = uploader_pid(ShardProgress.load(run_dir, 0).pid)
-        # Frozen, the uploader records nothing more while its worker goes on staging batches: the kill then leaves
+        # Frozen, the uploader records nothing while its worker goes on staging batches: the kill then leaves
         # complete batch files in staging that no completion record covers.
         freeze(uploader)
-        marked = len(recorded_done(s3, s3_bucket, 0))
-        assert 0 < marked < shard0_total, "the kill did not fall mid-run"
+
+        def pulse() -> int:
+            os.kill(uploader, signal.SIGCONT)
+            time.sleep(0.05)
+            freeze(uploader)
+            time.sleep(0.05)  # a request it sent just before is answered before the listing
+            return len(recorded_done(s3, s3_bucket, 0))
+
+        marked = wait_for(pulse, "a first uploaded batch of shard 0", proc=proc, root=tmp_path)
+        assert marked < shard0_total, "the kill did not fall mid-run"
         wait_for(unmarked_staged, "a staged batch not yet uploaded", proc=proc, root=tmp_path)
         os.kill(uploader, signal.SIGKILL)
         rc = proc.wait(timeout=RUN_TIMEOUT_S)

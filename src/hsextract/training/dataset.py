@@ -69,13 +69,13 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers=None) -> Where:
+def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers=None, retry_deadline_s=120) -> Where:
     """Where to read, from a dataset's arguments (each checked by ``Where``)."""
     if not isinstance(output, (str, os.PathLike)):
         raise HsextractError(f"output must be a directory or s3:// URL, got {output!r}")
     if cache_dir is not None and isinstance(cache_dir, os.PathLike):
         cache_dir = os.fspath(cache_dir)
-    return Where(str(output), endpoint_url, verify, dtype, 120, cache_dir, cache_max_gb, layers)
+    return Where(str(output), endpoint_url, verify, dtype, retry_deadline_s, cache_dir, cache_max_gb, layers)
 
 
 class _Reading:
@@ -118,8 +118,9 @@ class StatesMapDataset(_Reading, Dataset):
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
         layers=None,
+        retry_deadline_s: float = 120,
     ):
-        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers)
+        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers, retry_deadline_s)
         self.index = index or index_where(where, schema)
 
     def __len__(self) -> int:
@@ -148,6 +149,7 @@ class StatesDataset(_Reading, IterableDataset):
 
     ``cache_dir``: what is read lands in a local disk cache of at most ``cache_max_gb`` (shared by the ranks and
     workers of a node), from which later epochs read (storage/cache.py): for many epochs from S3.
+    ``retry_deadline_s``: how long a read from S3 retries an unreachable server before it raises.
 
     ``layers``: the stored layers each item holds, in this order: ids (``[5, 19, 33, 47, 61]``) or a preset the
     output records (``"dflash2"``). By default every captured layer, or from an output of several presets the
@@ -176,6 +178,7 @@ class StatesDataset(_Reading, IterableDataset):
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
         layers=None,
+        retry_deadline_s: float = 120,
     ):
         batch_size, window_files = whole("batch_size", batch_size, 1), whole("window_files", window_files, 1)
         threads, prefetch = whole("threads", threads, 1), whole("prefetch", prefetch, 1)
@@ -187,7 +190,7 @@ class StatesDataset(_Reading, IterableDataset):
         poll_s, follow_timeout_s = seconds("poll_s", poll_s), seconds("follow_timeout_s", follow_timeout_s)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.follow: Follow | None = None
-        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers)
+        where = _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers, retry_deadline_s)
         if follow:
             self.follow = Follow(
                 where,
