@@ -69,7 +69,9 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-def _where(output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers=None, retry_deadline_s=120) -> Where:
+def _where(
+    output, endpoint_url, verify, dtype, cache_dir, cache_max_gb, layers=None, retry_deadline_s=120
+) -> Where:
     """Where to read, from a dataset's arguments (each checked by ``Where``)."""
     if not isinstance(output, (str, os.PathLike)):
         raise HsextractError(f"output must be a directory or s3:// URL, got {output!r}")
