@@ -41,9 +41,8 @@ from hsextract.format.records import (
     read_job,
 )
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
-from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
-from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
 from hsextract.model.load import load_model_config, load_threads
+from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
 from hsextract.prepare.tokenize import (
