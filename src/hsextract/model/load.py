@@ -149,6 +149,8 @@ def load_model_for(cfg, device) -> object:
     (qwen3_5.py): what the worker and dry-run load."""
     from hsextract.model import qwen3_5 as kernels
 
+    if cfg.kernel_mode == "fused" and device.type == "cuda":
+        kernels.check_shape(load_model_config(cfg.model)[1])  # before the weights
     lm = load_model(
         cfg.model,
         dtype=cfg.dtype,
