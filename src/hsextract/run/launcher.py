@@ -69,9 +69,15 @@ def warmup_spec(cfg: RunConfig, plan: Plan) -> WarmupSpec:
 def start_warmup(cfg: RunConfig, plan: Plan, kc: KernelCache, echo=print) -> Warmup | None:
     """The kernel warm-up beside the workers' load, or None when the kernel cache covers the plan."""
     run_dir = RunDir(cfg.run_dir)
-    log_file = run_dir.log_file(0, "warmup")
-    spec = warmup_spec(cfg, plan)
-    return Warmup.start(spec, kc, run_dir.root, log_file, echo=echo, preexec_fn=_die_with_launcher())
+    return Warmup.start(
+        warmup_spec(cfg, plan),
+        kc,
+        spec_file=run_dir.warmup_spec_file,
+        flag=run_dir.warmup_done_file,
+        log_file=run_dir.log_file(0, "warmup"),
+        echo=echo,
+        preexec_fn=_die_with_launcher(),
+    )
 
 
 def start_worker(

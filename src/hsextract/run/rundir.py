@@ -100,6 +100,14 @@ class RunDir:
     def kernel_cache_pointer(self) -> Path:
         return self.root / "kernel-cache.json"
 
+    @property
+    def warmup_spec_file(self) -> Path:
+        return self.root / "warmup.json"
+
+    @property
+    def warmup_done_file(self) -> Path:
+        return self.root / "warmup.done"
+
     def prestart_file(self, shard: int) -> Path:
         """The go (or stop) of a worker started before the plan was ready (run/prestart.py)."""
         return self.root / "prestart" / f"{shard_name(shard)}.json"

@@ -103,10 +103,18 @@ class Warmup:
 
     @classmethod
     def start(
-        cls, spec: WarmupSpec, kc: KernelCache, work_dir: Path, log_file: Path, echo=print, preexec_fn=None
+        cls,
+        spec: WarmupSpec,
+        kc: KernelCache,
+        *,
+        spec_file: Path,
+        flag: Path,
+        log_file: Path,
+        echo=print,
+        preexec_fn=None,
     ) -> Warmup | None:
-        """The started warm-up, or None when it is not needed (the stamp covers the shapes) or cannot help. Its
-        spec and flag go in ``work_dir``; ``preexec_fn`` runs in the child (the launcher's die-with-parent)."""
+        """The started warm-up, or None when it is not needed (the stamp covers the shapes) or cannot help.
+        ``flag`` is written when it ends; ``preexec_fn`` runs in the child (the launcher's die-with-parent)."""
         if not fla_available():
             echo(
                 "flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
@@ -117,8 +125,6 @@ class Warmup:
         if not missing:
             echo(f"kernel cache {kc.dir} holds every kernel this plan needs: pre-warm skipped")
             return None
-        work_dir = Path(work_dir)
-        flag, spec_file = work_dir / "warmup.done", work_dir / "warmup.json"
         flag.unlink(missing_ok=True)
         spec.save(spec_file)
         env = {"TRITON_CACHE_AUTOTUNING": "1", **os.environ, "TRITON_CACHE_DIR": str(kc.dir)}
