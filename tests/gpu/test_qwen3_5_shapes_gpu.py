@@ -3,7 +3,7 @@ real head dims the kernels compile for) against a float32 forward of the checkpo
 
 import pytest
 import torch
-from support.shapes import SHAPES, build
+from support.shapes import SHAPES, build, padded
 
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import GatherTarget, LayerCapture
@@ -19,19 +19,12 @@ def test_fused_kernels_on_each_shipped_shape_equal_a_float32_forward(name, tmp_p
     assert kernels.apply(lm, "fused") == list(kernels.SWAPS)
     hidden = lm.config.get_text_config().hidden_size
     torch.manual_seed(1)
-    lengths = [300, 1, 64, 129]
-    seqs = [torch.randint(1, 300, (n,)) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = s
-        mask[r, : len(s)] = 1
-    flat = torch.cat([torch.arange(r * width, r * width + n) for r, n in enumerate(lengths)]).cuda()
+    seqs = [torch.randint(1, 300, (n,)) for n in (300, 1, 64, 129)]
+    ids, mask, flat = padded(seqs, "cuda")
     layer_ids = (0, 3, 6)
     out = torch.full((len(flat), len(layer_ids), hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     with LayerCapture(lm, layer_ids) as cap, torch.inference_mode():
-        cap.forward(ids.cuda(), mask.cuda(), GatherTarget(flat, out))
+        cap.forward(ids, mask, GatherTarget(flat, out))
     off, worst = 0, 0.0
     for s in seqs:
         with torch.inference_mode():

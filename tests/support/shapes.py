@@ -136,3 +136,17 @@ def build(name: str, out_dir: Path, *, real_head_dims: bool = False, dtype=None,
     weight_map.update(dict.fromkeys(mtp, "model-mtp.safetensors"))
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return model, out_dir
+
+
+def padded(seqs, device="cpu"):
+    """Right-padded ``ids`` and ``mask`` of ``seqs``, and the flat positions of their tokens (a capture's rows)."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+        mask[r, : len(s)] = 1
+    flat = torch.cat([torch.arange(r * width, r * width + len(s)) for r, s in enumerate(seqs)])
+    return ids.to(device), mask.to(device), flat.to(device)

@@ -6,24 +6,13 @@ import types
 
 import pytest
 import torch
-from support.shapes import SHAPES, build, text_config
+from support.shapes import SHAPES, build, padded, text_config
 
 from hsextract.errors import HsextractError
 from hsextract.layers import layer_types
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.model.load import load_model, load_model_config
-
-
-def _padded(seqs):
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = s
-        mask[r, : len(s)] = 1
-    flat = torch.cat([torch.arange(r * width, r * width + len(s)) for r, s in enumerate(seqs)])
-    return ids, mask, flat
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -39,7 +28,7 @@ def test_each_shipped_shape_captures_what_an_unbatched_forward_of_its_checkpoint
         assert lm.get_output_embeddings().weight.data_ptr() == lm.get_input_embeddings().weight.data_ptr()
     torch.manual_seed(1)
     seqs = [torch.randint(1, 300, (n,)) for n in (37, 1, 12, 25)]
-    ids, mask, flat = _padded(seqs)
+    ids, mask, flat = padded(seqs)
     layer_ids = (0, 3, 6)  # a Gated-DeltaNet layer, the first full attention, the deepest but one
     out = torch.full((len(flat), len(layer_ids), text.hidden_size), float("nan"))
     with LayerCapture(lm, layer_ids) as cap, torch.inference_mode():
