@@ -59,3 +59,18 @@ def test_a_shape_the_fused_kernels_cannot_run_is_refused_with_each_reason():
         kernels.check_shape(types.SimpleNamespace(**cfg))
     odd = dict(text_config("qwen3.6-27b"), rope_parameters={"partial_rotary_factor": 0.3})
     assert "rotary dims 9" in kernels.unsupported(types.SimpleNamespace(**odd))[0]
+
+
+def test_preparation_refuses_such_a_shape_on_cuda_before_any_work(tmp_path):
+    from transformers import Qwen3_5TextConfig
+
+    from hsextract.config import RunConfig
+    from hsextract.prepare.steps import check_model_and_output
+
+    fields = {k: v for k, v in text_config("qwen3.6-27b", real_head_dims=True).items() if k != "model_type"}
+    Qwen3_5TextConfig(**{**fields, "head_dim": 80}).save_pretrained(tmp_path / "m")
+    args = dict(model=str(tmp_path / "m"), data="d", output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"))
+    with pytest.raises(HsextractError, match="head_dim 80 is not a power of two.*--kernels stock"):
+        check_model_and_output(RunConfig(**args, device="cuda"))
+    for ok in (RunConfig(**args, device="cuda", kernels="stock"), RunConfig(**args, device="cpu")):
+        assert check_model_and_output(ok).num_layers == 8  # the stock forward runs any head_dim
