@@ -104,9 +104,8 @@ def main(argv=None) -> int:
         lm = AutoModelForCausalLM.from_config(text, dtype=dtype)
     lm.eval()
     kernels.apply(lm, spec.kernel_mode)  # compile the kernels the shards will run
-    ready = (
-        ready_kernels()
-    )  # as every worker: pinned keys, recorded choices (one compile per kernel, no timing)
+    # As every worker: pinned keys, recorded choices (one compile per kernel, no timing of candidates).
+    ready = ready_kernels()
     decoder = base_model(lm)
     t_built = time.time()
     shapes = plan_shapes(spec.shapes, missing, heads)
