@@ -134,7 +134,7 @@ def main():
     )
     save()
 
-    from hsextract.model import tuned
+    from hsextract.model.warmup import tables as tuned
 
     setup = model_and_batches(args, final_state=False)
     lm, layer_ids, samples, plan = setup.lm, setup.layer_ids, setup.samples, setup.plan

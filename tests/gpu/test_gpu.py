@@ -197,8 +197,9 @@ def test_host_buffers_made_ahead_are_pinned_exact_size_and_taken_by_size():
 TUNED_PROBE = """
 import json, sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from hsextract.model import qwen3_5 as kernels, tuned
-from hsextract.model.autotune import pin_token_count_autotune
+from hsextract.model import qwen3_5 as kernels
+from hsextract.model.warmup import fla_patch, tables as tuned
+from hsextract.model.warmup.fla_patch import pin_token_count_autotune
 cfg = AutoConfig.from_pretrained("configs/qwen3.6-27b").get_text_config()
 cfg.num_hidden_layers = 4
 cfg.layer_types = cfg.layer_types[:4]
@@ -216,7 +217,7 @@ with torch.inference_mode():
 valid = mask.bool()
 torch.save([h[valid].float().cpu() for h in hs], sys.argv[1])
 timed = [k for k, t in tuned.autotuners() if getattr(t, "configs_timings", None)]
-answered_ids = [k for k, t in tuned.autotuners() if isinstance(t.cache, tuned._TunedCache)]
+answered_ids = [k for k, t in tuned.autotuners() if fla_patch.is_answered(t)]
 print(json.dumps({"answered": answered, "timed": timed, "answered_ids": answered_ids}))
 """
 
@@ -225,13 +226,13 @@ def test_the_shipped_autotune_table_answers_the_real_shapes_without_timing_and_g
     tmp_path,
 ):
     """A fresh process on Qwen3.6-27B's layer shapes answers FLA's autotuners from the table shipped for this GPU
-    (model/tuned.py): none of them times its candidates, and the states equal, to bf16 rounding, those of a
+    (model/warmup/tables.py): none of them times its candidates, and the states equal, to bf16 rounding, those of a
     process that timed every candidate itself (HSEXTRACT_TUNED=0)."""
     import os
     import subprocess
     import sys
 
-    from hsextract.model import tuned
+    from hsextract.model.warmup import tables as tuned
 
     if not (tuned.SHIPPED_DIR / tuned.gpu_file_name(torch.cuda.get_device_name())).is_file():
         pytest.skip(f"no autotune table is shipped for {torch.cuda.get_device_name()}")

@@ -99,11 +99,6 @@ KNOWN_UPWARD = {
         "hsextract.prepare.plan",
     ): "the output holds its plan; Plan's record lives in prepare/",
     (
-        "hsextract.model.warmup",
-        "hsextract.prepare.plan",
-    ): "the warm-up process's entry reads the run dir's plan",
-    ("hsextract.model.warmup", "hsextract.run.rundir"): "the warm-up process's entry reads the run dir",
-    (
         "hsextract.prepare.steps",
         "hsextract.run.rundir",
     ): "preparation writes the run dir; RunDir and RunInfo live in run/",

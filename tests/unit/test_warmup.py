@@ -12,18 +12,14 @@ from pathlib import Path
 import pytest
 
 from hsextract.config import RunConfig
-from hsextract.model import kernel_cache as kc
-from hsextract.model.autotune import PIN_ENV, pin_token_count_autotune
-from hsextract.model.warmup import plan_shapes, warm_shapes
+from hsextract.model.warmup import cache as kc
+from hsextract.model.warmup import fla_patch, tables
+from hsextract.model.warmup.fla_patch import PIN_ENV, pin_token_count_autotune
+from hsextract.model.warmup.launch import WARMUP_FLAG_ENV, Warmup, wait_for_warmup, warmup_pending
+from hsextract.model.warmup.process import plan_shapes, warm_shapes
 from hsextract.prepare.plan import make_plan
-from hsextract.run.prewarm import (
-    WARMUP_FLAG_ENV,
-    Warmup,
-    open_kernel_cache,
-    wait_for_warmup,
-    warm_missing,
-    warmup_pending,
-)
+from hsextract.run.launcher import open_run_kernel_cache as open_kernel_cache
+from hsextract.run.launcher import start_warmup, warmup_spec
 
 H200 = [{"name": "NVIDIA H200", "driver": "580.159.04"}]
 PACKAGES = {"torch": "2.11.0+cu130", "triton": "3.6.0", "fla-core": "0.6.0", "liger-kernel": "0.8.5"}
@@ -137,12 +133,14 @@ def _text(hk=16, hv=48, **more):
 
 
 def test_buckets_are_flas_nb_of_the_rows_each_kernel_sees():
-    # fla/modules/l2norm.py and fused_norm_gate.py: NB = triton.cdiv(T, 2048), T = tokens x heads rows of 128.
+    # fla 0.6 fla/modules/norm/l2norm.py and fused_norm_gate.py: NB = triton.cdiv(T, 2048 * 32), T = tokens x heads
+    # rows of 128 (tests/gpu/test_fla_internals.py reads it from FLA's source).
+    assert fla_patch.NB_ROWS == 65536
     fused, stock = kc.bucket_heads(_text(), "fused"), kc.bucket_heads(_text(), "stock")
     assert fused == (16, 48) and stock == (48, 48)
-    assert kc.token_bucket(512 * 128, fused) == (512, 1536)
+    assert kc.token_bucket(4096, fused) == (1, 3)
     assert kc.token_bucket(1, fused) == (1, 1)
-    assert kc.token_bucket(129, fused) == (2, 4)  # 2064 rows -> 2 blocks; 6192 rows -> 4
+    assert kc.token_bucket(4097, fused) == (2, 4)  # 65552 rows -> 2 blocks; 196656 rows -> 4
     assert kc.bucket_heads(types.SimpleNamespace(hidden_size=8), "fused") == ()
 
 
@@ -156,22 +154,28 @@ def _plan(lengths, budget=4096):
     return make_plan(lengths, max_tokens_per_batch=budget, max_rows=64, shards=1)
 
 
+def _shapes(plan):
+    return [(b.rows, b.padded_length) for b in plan.batches]
+
+
 def test_stamp_skips_a_plan_it_covers_and_names_what_a_new_plan_adds(tmp_path):
     heads = (16, 48)
     plan = _plan([100, 120, 300, 310, 900, 1000] * 8)
-    need = kc.plan_needs(plan.batches, heads)
+    need = kc.plan_needs(_shapes(plan), heads)
     assert need.buckets == {kc.token_bucket(b.rows * b.padded_length, heads) for b in plan.batches}
     assert not kc.read_stamp(tmp_path, "sig")  # no stamp: everything is missing
     assert need.minus(kc.read_stamp(tmp_path, "sig")).buckets == need.buckets
     kc.add_to_stamp(tmp_path, "sig", need)
     assert not need.minus(kc.read_stamp(tmp_path, "sig"))  # covered: the warm-up is skipped
     assert (
-        not kc.plan_needs(_plan([100, 120, 300]).batches, heads).minus(kc.read_stamp(tmp_path, "sig")).classes
+        not kc.plan_needs(_shapes(_plan([100, 120, 300])), heads)
+        .minus(kc.read_stamp(tmp_path, "sig"))
+        .classes
     )
     bigger = _plan([8000, 8000], budget=16384)
-    new = kc.plan_needs(bigger.batches, heads).minus(kc.read_stamp(tmp_path, "sig"))
+    new = kc.plan_needs(_shapes(bigger), heads).minus(kc.read_stamp(tmp_path, "sig"))
     assert new.buckets == {kc.token_bucket(16000, heads)}
-    single = kc.plan_needs(_plan([1]).batches, heads).minus(kc.read_stamp(tmp_path, "sig"))
+    single = kc.plan_needs(_shapes(_plan([1])), heads).minus(kc.read_stamp(tmp_path, "sig"))
     assert single.classes == {kc.shape_class(1, 1)}
     assert not kc.read_stamp(tmp_path, "other-model")  # stamps are per model signature
 
@@ -210,8 +214,8 @@ def test_a_changed_fused_forward_is_a_new_signature_and_stock_ignores_it(tmp_pat
     import shutil
 
     for name in kc.FUSED_SOURCES:  # the package's files, copied where the test may change them
-        shutil.copy(Path(kc.__file__).with_name(name), tmp_path / name)
-    monkeypatch.setattr(kc, "__file__", str(tmp_path / "kernel_cache.py"))
+        shutil.copy(Path(kc.__file__).parent.parent / name, tmp_path / name)
+    monkeypatch.setattr(kc, "__file__", str(tmp_path / "warmup" / "cache.py"))
     args = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
     fused, stock = (kc.model_signature(_text(), kernel_mode=m, **args) for m in ("fused", "stock"))
     with open(tmp_path / kc.FUSED_SOURCES[0], "a") as f:
@@ -228,14 +232,14 @@ def test_warm_shapes_start_with_the_largest_and_keep_one_of_each_missing_class()
     assert [s[0] * s[1] for s in got] == sorted((s[0] * s[1] for s in got), reverse=True)
     plan = _plan([5, 37, 37, 300, 301, 302, 640, 1000] * 3)
     heads = (16, 48)
-    missing = kc.plan_needs(plan.batches, heads)
-    chosen = plan_shapes(plan, missing, heads)
+    missing = kc.plan_needs(_shapes(plan), heads)
+    chosen = plan_shapes(_shapes(plan), missing, heads)
     assert {kc.shape_class(*s) for s in chosen} == missing.classes
     covered = kc.WarmSet(set(missing.buckets), set(missing.classes))
-    assert plan_shapes(plan, missing.minus(covered), heads) == []
+    assert plan_shapes(_shapes(plan), missing.minus(covered), heads) == []
 
 
-def test_warm_missing_reads_the_models_heads(tiny_model, tmp_path):
+def test_the_spec_reads_the_models_heads_and_the_stamp(tiny_model, tmp_path):
     cfg = RunConfig(
         model=str(tiny_model),
         data="d",
@@ -247,19 +251,20 @@ def test_warm_missing_reads_the_models_heads(tiny_model, tmp_path):
     text = __import__("transformers").AutoConfig.from_pretrained(str(tiny_model)).get_text_config()
     heads = kc.bucket_heads(text, "fused")
     assert heads == (text.linear_num_key_heads, text.linear_num_value_heads)
-    missing = warm_missing(cfg, plan, tmp_path / "cache")
-    assert missing.buckets == kc.plan_needs(plan.batches, heads).buckets
-    kc.add_to_stamp(tmp_path / "cache", kc.run_signature(cfg, text), missing)
-    assert not warm_missing(cfg, plan, tmp_path / "cache")
+    spec = warmup_spec(cfg, plan)
+    missing = spec.missing(tmp_path / "cache")
+    assert missing.buckets == kc.plan_needs(_shapes(plan), heads).buckets
+    kc.add_to_stamp(tmp_path / "cache", spec.signature(text), missing)
+    assert not spec.missing(tmp_path / "cache")
 
 
 def test_start_without_fla_says_so_and_starts_nothing(tmp_path):
-    if __import__("hsextract.model.warmup", fromlist=["x"]).fla_available():
+    if fla_patch.fla_available():
         pytest.skip("flash-linear-attention is installed here")
     cfg = RunConfig(model="m", data="d", output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"))
     said = []
     cache = kc.resolve(str(tmp_path / "k"), "cpu", env={})
-    assert Warmup.start(cfg, _plan([10]), cache, echo=said.append) is None
+    assert start_warmup(cfg, _plan([10]), cache, echo=said.append) is None
     assert "flash-linear-attention is not installed" in said[0]
 
 
@@ -339,6 +344,27 @@ def test_pinning_drops_the_token_count_from_autotune_keys(monkeypatch):
     assert module.l2norm_fwd_kernel1.keys == ["D"]
 
 
+def test_another_fla_version_is_left_unpatched_with_one_logged_line(monkeypatch, tmp_path, caplog):
+    module = types.ModuleType("fake_fla_norms")
+    module.l2norm_fwd_kernel = CachedAutotuner(["D", "NB"])
+    monkeypatch.setitem(sys.modules, "fake_fla_norms", module)
+    monkeypatch.setattr(fla_patch, "fla_version", lambda: "0.7.1")
+    monkeypatch.setattr(fla_patch, "_skip_logged", False)
+    (tmp_path / tables.TABLE_NAME).write_text(
+        json.dumps({"kernels": {"fake_fla_norms:l2norm_fwd_kernel": {}}})
+    )
+    with caplog.at_level("WARNING"):
+        assert pin_token_count_autotune(["fake_fla_norms"]) == []
+        assert tables.install("NVIDIA H200", str(tmp_path)) == 0
+    assert module.l2norm_fwd_kernel.keys == ["D", "NB"]
+    said = [r.getMessage() for r in caplog.records if "flash-linear-attention" in r.getMessage()]
+    assert len(said) == 1 and "0.7.1 is not the 0.6.x" in said[0]
+    assert fla_patch.patch_supported("0.6.3") and fla_patch.patch_supported("") is False
+    # The stamp's signature says whether the keys were pinned: another FLA never reads a pinned stamp as its own.
+    args = {"kernel_mode": "fused", "dtype": "bfloat16", "attn_implementation": "sdpa"}
+    assert kc.model_signature(_text(), **args) == kc.model_signature(_text(), pinned=False, **args)
+
+
 def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_falls_back(
     tmp_path, monkeypatch
 ):
@@ -369,21 +395,23 @@ def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_fa
 def test_warm_up_process_agrees_with_the_launcher_on_what_the_stamp_covers(
     finished_run, tmp_path, monkeypatch, capsys
 ):
-    from hsextract.model import warmup
+    from hsextract.model.warmup import process
     from hsextract.prepare.plan import Plan
 
     run_dir = finished_run[0] / "run"
     cfg = RunConfig.load(run_dir / "config.json")
     plan = Plan.load(run_dir / "plan.json")
     cache = tmp_path / "cache"
-    missing = warm_missing(cfg, plan, cache)  # what the launcher would start a warm-up for
+    spec = warmup_spec(cfg, plan)
+    missing = spec.missing(cache)  # what the launcher would start a warm-up for
     assert missing.buckets and missing.classes
     text = __import__("transformers").AutoConfig.from_pretrained(cfg.model).get_text_config()
-    kc.add_to_stamp(cache, kc.run_signature(cfg, text), missing)
-    assert not warm_missing(cfg, plan, cache)
+    kc.add_to_stamp(cache, spec.signature(text), missing)
+    assert not spec.missing(cache)
     # The warm-up process reads the same stamp under the same signature, and stops before touching a GPU.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    assert warmup.main([str(run_dir)]) == 0
+    spec.save(tmp_path / "warmup.json")
+    assert process.main([str(tmp_path / "warmup.json")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["covered_by_stamp"] is True
 
 
@@ -393,10 +421,10 @@ def test_start_skips_a_covered_plan_and_otherwise_runs_the_warm_up_process(
 ):
     import dataclasses
 
+    from hsextract.model.warmup import launch
     from hsextract.prepare.plan import Plan
-    from hsextract.run import prewarm
 
-    monkeypatch.setattr(prewarm, "fla_available", lambda: True)  # as on a GPU machine with FLA installed
+    monkeypatch.setattr(launch, "fla_available", lambda: True)  # as on a GPU machine with FLA installed
     src = finished_run[0] / "run"
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
@@ -407,12 +435,13 @@ def test_start_skips_a_covered_plan_and_otherwise_runs_the_warm_up_process(
     plan = Plan.load(src / "plan.json")
     cache = kc.resolve(str(tmp_path / "kernels"), "cpu", env={})
     said = []
-    warm = Warmup.start(cfg, plan, cache, echo=said.append)
+    warm = start_warmup(cfg, plan, cache, echo=said.append)
     assert warm is not None and "pre-warming kernels into" in said[-1] and "token-count bucket(s)" in said[-1]
     assert warm.worker_env() == {WARMUP_FLAG_ENV: str(run_dir / "warmup.done")}
     warm.proc.wait(timeout=120)  # no GPU here: the real warm-up process fails, and says why in its log
     assert warm.poll() and "warm-up failed" in said[-1] and (run_dir / "warmup.done").exists()
     assert "Traceback" in (run_dir / "logs" / "shard-00000.warmup.log").read_text()
     text = __import__("transformers").AutoConfig.from_pretrained(cfg.model).get_text_config()
-    kc.add_to_stamp(cache.dir, kc.run_signature(cfg, text), warm_missing(cfg, plan, cache.dir))
-    assert Warmup.start(cfg, plan, cache, echo=said.append) is None and "pre-warm skipped" in said[-1]
+    spec = warmup_spec(cfg, plan)
+    kc.add_to_stamp(cache.dir, spec.signature(text), spec.missing(cache.dir))
+    assert start_warmup(cfg, plan, cache, echo=said.append) is None and "pre-warm skipped" in said[-1]

@@ -9,9 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hsextract.errors import HsextractError, load_or_explain
-from hsextract.model.autotune import pin_token_count_autotune
 from hsextract.model.fastload import fast_load_enabled
-from hsextract.model.tuned import install_here as install_tuned
+from hsextract.model.warmup import ready_kernels
 
 
 def load_model_config(model: str):
@@ -150,6 +149,8 @@ def load_model_for(cfg, device) -> object:
     (qwen3_5.py): what the worker and dry-run load."""
     from hsextract.model import qwen3_5 as kernels
 
+    if cfg.kernel_mode == "fused" and device.type == "cuda":
+        kernels.check_shape(load_model_config(cfg.model)[1])  # before the weights
     lm = load_model(
         cfg.model,
         dtype=cfg.dtype,
@@ -159,9 +160,8 @@ def load_model_for(cfg, device) -> object:
     )
     swapped = kernels.apply(lm, cfg.kernel_mode)
     log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
-    if device.type == "cuda":  # as the warm-up does, so both look up the same autotune results
-        pin_token_count_autotune()
-        install_tuned()
+    if device.type == "cuda":
+        ready_kernels()
     return lm
 
 

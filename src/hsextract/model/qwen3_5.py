@@ -359,10 +359,63 @@ def _patch(module, forward, name: str, swapped: set) -> None:
     swapped.add(name)
 
 
+FLA_MAX_KEY_HEAD_DIM = 256
+
+"""FLA's chunked delta rule keeps a key head in one tile (fla/ops/common/chunk_delta_h.py asserts K <= 256)."""
+
+
+def claims(text_config) -> bool:
+    """True for the configs ``apply`` swaps kernels into: transformers' ``qwen3_5`` (and its text part)."""
+    return getattr(text_config, "model_type", None) in ("qwen3_5_text", "qwen3_5")
+
+
+def unsupported(text_config) -> list[str]:
+    """What of a ``qwen3_5`` config's shape the fused kernels cannot run, each with its value; [] when they can.
+    Layer pattern, depth, head counts, RoPE type and scaling (cos/sin come from transformers), MTP layers and tied
+    embeddings are free; what is checked is what a kernel fixes at compile time."""
+    t = text_config
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    rope = getattr(t, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(t, "partial_rotary_factor", 1.0))
+    rotary = int(head_dim * factor)
+    hk, hv = t.linear_num_key_heads, t.linear_num_value_heads
+    problems = []
+    if head_dim & (head_dim - 1):
+        problems.append(
+            f"head_dim {head_dim} is not a power of two (the QK-norm + RoPE and gate kernels need one)"
+        )
+    if rotary % 2 or rotary > head_dim:
+        problems.append(
+            f"rotary dims {rotary} (head_dim x partial_rotary_factor {factor}) are not even and <= head_dim"
+        )
+    if t.num_attention_heads % t.num_key_value_heads:
+        problems.append(
+            f"num_attention_heads {t.num_attention_heads} is not a multiple of num_key_value_heads "
+            f"{t.num_key_value_heads}"
+        )
+    if hv % hk:
+        problems.append(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+    if t.linear_key_head_dim > FLA_MAX_KEY_HEAD_DIM:
+        problems.append(f"linear_key_head_dim {t.linear_key_head_dim} is over FLA's {FLA_MAX_KEY_HEAD_DIM}")
+    return problems
+
+
+def check_shape(text_config) -> None:
+    """Refuse, before any weight is read, a ``qwen3_5`` shape the fused kernels cannot run."""
+    problems = unsupported(text_config) if claims(text_config) else []
+    if problems:
+        raise HsextractError(
+            "--kernels fused cannot run this qwen3_5 model: "
+            + "; ".join(problems)
+            + ". Run with --kernels stock"
+        )
+
+
 def apply(lm, mode: str = "fused") -> list[str]:
     """Swap the fused kernels into ``lm`` (see the module docstring); returns the names of what was swapped, in
     ``SWAPS`` order. ``mode="stock"`` restores transformers' forwards and returns []. A model on the CPU, or of an
-    architecture other than ``qwen3_5``, is left as it is and [] returned."""
+    architecture other than ``qwen3_5``, is left as it is and [] returned; a ``qwen3_5`` shape the kernels cannot
+    run (``unsupported``) is an error."""
     if mode not in MODES:
         raise HsextractError(f"--kernels {mode!r}: choose one of {', '.join(MODES)}")
     restore(lm)
@@ -370,11 +423,12 @@ def apply(lm, mode: str = "fused") -> list[str]:
         return []
     m = _qwen3_5_classes()
     text = lm.config.get_text_config()
-    if m is None or getattr(text, "model_type", None) not in ("qwen3_5_text", "qwen3_5"):
+    if m is None or not claims(text):
         log.info(
             "kernels: no fused kernels for model_type %s; stock forward", getattr(text, "model_type", None)
         )
         return []
+    check_shape(text)
     _libs()
     _triton_kernels()
     swapped: set = set()

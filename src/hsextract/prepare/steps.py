@@ -41,9 +41,9 @@ from hsextract.format.records import (
     read_job,
 )
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
-from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
-from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
 from hsextract.model.load import load_model_config, load_threads
+from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
+from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
 from hsextract.prepare.tokenize import (
@@ -133,6 +133,8 @@ def check_places(cfg: RunConfig) -> None:
 def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     """The model config and layer ids, the output (a probe object) and the staging space."""
     config, text, num_layers = load_model_config(cfg.model)
+    if cfg.kernel_mode == "fused" and cfg.device == "cuda":
+        check_kernel_shape(text)  # said now, not by every worker after preparing
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     preflight(cfg.output, cfg.s3_endpoint_url)

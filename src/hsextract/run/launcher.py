@@ -1,7 +1,7 @@
 """Run the shards of a prepared run (prepare/steps.py) to completion, then finish the output.
 
 One worker process per shard, ``CUDA_VISIBLE_DEVICES`` set before torch is imported there and a parent-death
-signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (prewarm.py) runs beside
+signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (model/warmup/) runs beside
 their weight load. The output's completion records decide which shards start and, once every worker has exited 0,
 ``finalize`` checks each batch against its record and writes the manifest, last: a batch found missing or damaged
 there sends its shard round once more. Meanwhile a progress bar per shard and ``StallWatch`` read the progress
@@ -23,9 +23,9 @@ from hsextract.errors import HsextractError
 from hsextract.format.keys import shard_name
 from hsextract.format.manifest import has_manifest
 from hsextract.format.records import done_in_output
+from hsextract.model.warmup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
 from hsextract.prepare.plan import Plan
 from hsextract.run.finalize import finalize_output
-from hsextract.run.prewarm import Warmup, open_kernel_cache
 from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
@@ -46,6 +46,38 @@ WORKER_ENTRY = "import sys; from hsextract.run.worker import main; sys.exit(main
 def _die_with_launcher():
     """``preexec_fn`` for a child of this launcher: it dies with the launcher, even one killed mid-fork."""
     return functools.partial(die_with_parent, os.getpid())
+
+
+def open_run_kernel_cache(cfg: RunConfig) -> KernelCache:
+    """The run's kernel cache, and the run dir's pointer naming it."""
+    run_dir = RunDir(cfg.run_dir)
+    return open_kernel_cache(cfg.kernel_cache, cfg.device, run_dir.root, run_dir.kernel_cache_pointer)
+
+
+def warmup_spec(cfg: RunConfig, plan: Plan) -> WarmupSpec:
+    """What the kernel warm-up compiles for: the run's model and kernels, the plan's batch shapes, its first GPU."""
+    return WarmupSpec(
+        model=str(cfg.model),
+        kernel_mode=cfg.kernel_mode,
+        dtype=cfg.dtype,
+        attn_implementation=cfg.attn_implementation,
+        shapes=tuple((b.rows, b.padded_length) for b in plan.batches),
+        gpu=(cfg.gpus or (0,))[0],
+    )
+
+
+def start_warmup(cfg: RunConfig, plan: Plan, kc: KernelCache, echo=print) -> Warmup | None:
+    """The kernel warm-up beside the workers' load, or None when the kernel cache covers the plan."""
+    run_dir = RunDir(cfg.run_dir)
+    return Warmup.start(
+        warmup_spec(cfg, plan),
+        kc,
+        spec_file=run_dir.warmup_spec_file,
+        flag=run_dir.warmup_done_file,
+        log_file=run_dir.log_file(0, "warmup"),
+        echo=echo,
+        preexec_fn=_die_with_launcher(),
+    )
 
 
 def start_worker(
@@ -143,10 +175,10 @@ def _run_shards(
         echo(f"shards already complete: {complete}")
     if todo:
         run_dir.check_space()  # after the token cache and run files took theirs
-    kc = open_kernel_cache(cfg)
+    kc = open_run_kernel_cache(cfg)
     warm = None
     if todo and cfg.device == "cuda" and cfg.prewarm:
-        warm = Warmup.start(cfg, plan, kc, echo=echo)
+        warm = start_warmup(cfg, plan, kc, echo=echo)
     extra = warm.worker_env() if warm else {}
     early = {s: prestarted.take(s, extra) for s in todo} if prestarted is not None else {}
     if prestarted is not None:

@@ -77,12 +77,11 @@ class Prestarted:
     def start(self) -> None:
         """Start one process per local shard (CUDA only); called once the places are checked
         (``prepare.steps.check_places``), before the model's config is read."""
-        from hsextract.run.launcher import start_worker
-        from hsextract.run.prewarm import open_kernel_cache
+        from hsextract.run.launcher import open_run_kernel_cache, start_worker
 
         if not prestart_enabled(self.cfg):
             return
-        kernel_dir = open_kernel_cache(self.cfg).dir
+        kernel_dir = open_run_kernel_cache(self.cfg).dir
         for shard in self.cfg.local_shards:
             go = self.run_dir.prestart_file(shard)
             go.parent.mkdir(parents=True, exist_ok=True)

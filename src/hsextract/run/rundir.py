@@ -101,6 +101,10 @@ class RunDir:
         return self.root / "kernel-cache.json"
 
     @property
+    def warmup_spec_file(self) -> Path:
+        return self.root / "warmup.json"
+
+    @property
     def warmup_done_file(self) -> Path:
         return self.root / "warmup.done"
 

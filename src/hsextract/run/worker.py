@@ -26,14 +26,13 @@ from hsextract.config import RunConfig
 from hsextract.errors import HsextractError, disk_full, install_redaction, redact
 from hsextract.format.final_norm import write_final_norm
 from hsextract.format.keys import shard_name
+from hsextract.model import warmup
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
-from hsextract.model.tuned import install_here as install_tuned
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.monitor import ShardMonitor
 from hsextract.run.pipeline import Extractor
-from hsextract.run.prewarm import wait_for_warmup, warmup_pending
 from hsextract.run.procs import Stopped, Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress
 from hsextract.run.resume import done_in_output, recover_staging
@@ -160,10 +159,12 @@ class ShardRun:
         self.monitor.save("loading")
         lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
-        if warmup_pending():  # the kernel warm-up runs beside the load: its kernels before the first batch
+        if (
+            warmup.warmup_pending()
+        ):  # the kernel warm-up runs beside the load: its kernels before the first batch
             self.monitor.save("waiting-for-kernels")
-            wait_for_warmup()
-            install_tuned()  # what the warm-up chose and recorded
+            warmup.wait_for_warmup()
+            warmup.install_tables()  # what the warm-up chose and recorded
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.

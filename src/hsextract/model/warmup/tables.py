@@ -10,8 +10,8 @@ on the weights or the data. So:
   key: ``{"module:name": {"src": hash of its source, "entries": [[key, config], ...]}}``. The warm-up records
   into the kernel cache (``<TRITON_CACHE_DIR>/hsextract-tuned.json``) after its forwards.
 - ``install()`` fills each autotuner's cache from the tables before the first forward: the kernel cache's,
-  then the one shipped with hsextract for this GPU model and Triton version (``model/autotune_tables/<gpu>.json``, made
-  on that GPU by ``scripts/gpu_session.sh startup``). A key the table lacks takes the entry of the same kernel
+  then the one shipped with hsextract for this GPU model and Triton version (``autotune_tables/<gpu>.json`` beside this module,
+  made on that GPU by ``scripts/gpu_session.sh startup``). A key the table lacks takes the entry of the same kernel
   whose key differs only in numbers the table saw vary (token counts), nearest in log scale; a number the table
   never saw vary (a head dim, a head count) must match exactly, and a kernel whose source changed is not used.
   Triton then compiles the one chosen config instead of every candidate, and times nothing.
@@ -22,13 +22,12 @@ ignored for that entry (a warning). A table file another user could write (not o
 writable by group or others: the rule ssh applies to its keys) is not read at all; ``record`` writes it 0644.
 
 Results do not depend on the config beyond float rounding of the reductions' order (the GPU tests compare the
-states with an HF forward either way). ``HSEXTRACT_TUNED=0`` leaves every autotuner as FLA made it. Nothing here
-imports torch or Triton at module import; it runs only on CUDA.
+states with an HF forward either way). ``HSEXTRACT_TUNED=0`` leaves every autotuner as FLA made it; the autotuners
+themselves are reached through fla_patch.py. No torch or Triton at module import; it runs only on CUDA.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
@@ -38,7 +37,16 @@ import re
 import sys
 from pathlib import Path
 
-from hsextract.model.autotune import _autotuner
+from hsextract.model.warmup.fla_patch import (
+    answer_from,
+    autotuner_of,
+    chosen,
+    config_dict,
+    jit_of,
+    package_version,
+    patch_supported,
+    source_hash,
+)
 from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -55,12 +63,12 @@ TABLE_NAME = "hsextract-tuned.json"
 SHIPPED_DIR = Path(__file__).with_name("autotune_tables")
 
 
-MODULE_PREFIXES = ("fla.", "liger_kernel.", "hsextract.")
-
-
 KERNEL_PACKAGES = ("fla", "liger_kernel", "hsextract")
 
 """The packages whose modules a table may name: the only code ``install`` imports."""
+
+
+MODULE_PREFIXES = tuple(f"{p}." for p in KERNEL_PACKAGES)
 
 
 _KERNEL_ID = re.compile(
@@ -98,31 +106,6 @@ def gpu_file_name(gpu_name: str) -> str:
     return (re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu") + ".json"
 
 
-def _jit(tuner):
-    """The ``@triton.jit`` function under the autotuner (the object with the kernel's source)."""
-    fn = tuner.fn
-    for _ in range(4):
-        if isinstance(getattr(fn, "src", None), str):
-            return fn
-        fn = getattr(fn, "fn", None)
-    return None
-
-
-def _source_hash(tuner) -> str | None:
-    jit = _jit(tuner)
-    return hashlib.sha1(jit.src.encode()).hexdigest()[:16] if jit is not None else None
-
-
-def _config_dict(config) -> dict:
-    return {
-        "kwargs": dict(config.kwargs),
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-        "num_ctas": getattr(config, "num_ctas", 1),
-        "maxnreg": getattr(config, "maxnreg", None),
-    }
-
-
 def autotuners(prefixes=MODULE_PREFIXES):
     """``("module:name", tuner)`` for every autotuned kernel defined at the top of an imported module."""
     seen = set()
@@ -130,10 +113,10 @@ def autotuners(prefixes=MODULE_PREFIXES):
         if module is None or not module_name.startswith(prefixes):
             continue
         for name, obj in sorted(vars(module).items()):
-            tuner = _autotuner(obj)
+            tuner = autotuner_of(obj)
             if tuner is None or id(tuner) in seen:
                 continue
-            jit = _jit(tuner)
+            jit = jit_of(tuner)
             if jit is not None and getattr(jit, "module", module_name) != module_name:
                 continue  # imported here from where it is defined: named by that module
             seen.add(id(tuner))
@@ -145,14 +128,14 @@ def snapshot(prefixes=MODULE_PREFIXES) -> dict:
     kernels = {}
     for kernel_id, tuner in autotuners(prefixes):
         entries = []
-        for key, config in dict.items(tuner.cache):
+        for key, config in chosen(tuner):
             try:
-                entry = json.loads(json.dumps([list(key), _config_dict(config)]))
+                entry = json.loads(json.dumps([list(key), config_dict(config)]))
             except (TypeError, ValueError):  # a key or kwarg that is not plain data: not recordable
                 continue
             entries.append(entry)
         if entries:
-            kernels[kernel_id] = {"src": _source_hash(tuner), "entries": entries}
+            kernels[kernel_id] = {"src": source_hash(tuner), "entries": entries}
     return kernels
 
 
@@ -171,15 +154,7 @@ def merge(old: dict, new: dict) -> dict:
 
 
 def software() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for dist in ("triton", "fla-core"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = None
-    return out
+    return {dist: package_version(dist) for dist in ("triton", "fla-core")}
 
 
 def record(path: str | os.PathLike, gpu_name: str) -> int:
@@ -269,37 +244,10 @@ def _as_key(key) -> tuple:
     return tuple(tuple(v) if isinstance(v, list) else v for v in key)
 
 
-class _TunedCache(dict):
-    """An autotuner's cache that answers a missing key from the recorded choices (Triton asks ``key in cache``,
-    then reads ``cache[key]``); the config handed out is the tuner's own candidate, with its pre-hook."""
-
-    def __init__(self, base: dict, choices: Choices, candidates):
-        super().__init__(base)
-        self.choices = choices
-        self.candidates = candidates
-
-    def __contains__(self, key) -> bool:
-        if dict.__contains__(self, key):
-            return True
-        wanted = self.choices.lookup(key)
-        config = _candidate(self.candidates, wanted) if wanted is not None else None
-        if config is None:
-            return False
-        self[key] = config
-        return True
-
-
-def _candidate(candidates, wanted: dict):
-    for c in candidates:
-        if _config_dict(c) == wanted:
-            return c
-    return None
-
-
 def install(gpu_name: str, cache_dir: str | None = None) -> int:
     """Answer every autotuned kernel named in this machine's tables from them; the number of kernels answered.
     Kernels not imported yet are imported (they are the ones the recorded forward met)."""
-    if not tuned_enabled():
+    if not tuned_enabled() or not patch_supported():
         return 0
     merged: dict = {}
     for table in reversed(tables(gpu_name, cache_dir)):  # the machine's own choices win
@@ -319,11 +267,10 @@ def install(gpu_name: str, cache_dir: str | None = None) -> int:
             module = importlib.import_module(module_name)
         except Exception:
             continue
-        tuner = _autotuner(getattr(module, name, None))
-        if tuner is None or _source_hash(tuner) != rec.get("src"):
+        tuner = autotuner_of(getattr(module, name, None))
+        if tuner is None or source_hash(tuner) != rec.get("src"):
             continue
-        base = dict(tuner.cache)
-        tuner.cache = _TunedCache(base, Choices(rec["entries"]), list(tuner.configs))
+        answer_from(tuner, Choices(rec["entries"]).lookup)
         answered += 1
     if answered:
         log.info("autotune choices from the recorded tables for %d kernels", answered)

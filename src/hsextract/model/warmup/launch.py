@@ -1,8 +1,7 @@
-"""The kernel warm-up of a run: skipped when the kernel cache covers the plan, else run beside the weight load.
+"""The launcher's side of the warm-up: the kernel cache a run uses, and the warm-up process started beside the load.
 
-``open_kernel_cache`` picks the run's kernel cache (model/kernel_cache.py) and writes the run dir's pointer to it.
-``Warmup.start`` starts ``python -m hsextract.model.warmup RUN_DIR`` on the first GPU unless the cache's stamp
-already lists every token-count bucket and shape class the plan needs; the launcher starts the workers at the
+``Warmup.start`` starts ``python -m hsextract.model.warmup SPEC`` on the first GPU unless the cache's stamp already
+lists every token-count bucket and shape class the run's batch shapes need; the launcher starts the workers at the
 same time, so the warm-up compiles (CPU) while they load their weights (I/O). A worker started with
 ``WARMUP_FLAG_ENV`` set waits, after its load and before its first batch, until that file exists
 (``wait_for_warmup``): the launcher writes it when the warm-up process ends, however it ends, so shards never
@@ -11,21 +10,19 @@ compile the same kernels at once and never wait for a warm-up that is gone.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.model import kernel_cache
-from hsextract.model.kernel_cache import KernelCache, WarmSet
-from hsextract.model.warmup import fla_available
-from hsextract.prepare.plan import Plan
-from hsextract.run.procs import die_with_parent
-from hsextract.run.rundir import RunDir
+from hsextract.model.warmup import cache
+from hsextract.model.warmup.cache import KernelCache, WarmSet
+from hsextract.model.warmup.fla_patch import fla_available
 from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -39,31 +36,60 @@ WARMUP_WAIT_S = 1800.0
 """The longest a worker waits for the warm-up before it goes on (and compiles what it meets itself)."""
 
 
-def open_kernel_cache(cfg: RunConfig) -> KernelCache:
-    """The run's kernel cache, created on CUDA (on CPU nothing is compiled, so nothing is made), and the run
-    dir's pointer naming it."""
-    kc = kernel_cache.resolve(cfg.kernel_cache, cfg.device)
-    if cfg.device == "cuda":
+def open_kernel_cache(option: str | None, device: str, run_root: Path, pointer: Path) -> KernelCache:
+    """The run's kernel cache (``--kernel-cache`` is ``option``), created on CUDA (on CPU nothing is compiled,
+    so nothing is made), and the run dir's ``pointer`` naming it."""
+    kc = cache.resolve(option, device)
+    if device == "cuda":
         try:
-            kernel_cache.prepare(kc)
+            cache.prepare(kc)
         except HsextractError:
             if kc.source != "default":
                 raise
             # A home directory that cannot be written (some cluster nodes): the run dir, as before, for this job.
             log.warning("kernel cache %s cannot be written; using the run dir's", kc.dir)
-            kc = KernelCache(RunDir(cfg.run_dir).root.absolute() / "kernel-cache", kc.key, "run dir")
-            kernel_cache.prepare(kc)
-    kernel_cache.write_pointer(RunDir(cfg.run_dir).kernel_cache_pointer, kc)
+            kc = KernelCache(Path(run_root).absolute() / "kernel-cache", kc.key, "run dir")
+            cache.prepare(kc)
+    cache.write_pointer(pointer, kc)
     return kc
 
 
-def warm_missing(cfg: RunConfig, plan: Plan, cache_dir: Path) -> WarmSet:
-    """What the plan needs warmed that the cache's stamp does not list (empty: the warm-up can be skipped)."""
-    from hsextract.model.load import load_model_config
+@dataclass(frozen=True)
+class WarmupSpec:
+    """What a warm-up compiles for: the run's model and kernels, and the (rows, padded_length) of its batches."""
 
-    _, text, _ = load_model_config(cfg.model)
-    need = kernel_cache.plan_needs(plan.batches, kernel_cache.bucket_heads(text, cfg.kernel_mode))
-    return need.minus(kernel_cache.read_stamp(cache_dir, kernel_cache.run_signature(cfg, text)))
+    model: str
+    kernel_mode: str
+    dtype: str
+    attn_implementation: str
+    shapes: tuple[tuple[int, int], ...]
+    gpu: int = 0
+
+    def signature(self, text_config) -> str:
+        """The stamp's name: the same in the launcher and the warm-up process."""
+        return cache.model_signature(
+            text_config,
+            kernel_mode=self.kernel_mode,
+            dtype=self.dtype,
+            attn_implementation=self.attn_implementation,
+        )
+
+    def missing(self, cache_dir: Path, text_config=None) -> WarmSet:
+        """What the shapes need warmed that the cache's stamp does not list (empty: the warm-up can be skipped)."""
+        if text_config is None:
+            from transformers import AutoConfig
+
+            text_config = AutoConfig.from_pretrained(self.model).get_text_config()
+        need = cache.plan_needs(self.shapes, cache.bucket_heads(text_config, self.kernel_mode))
+        return need.minus(cache.read_stamp(cache_dir, self.signature(text_config)))
+
+    def save(self, path: Path) -> None:
+        atomic_write(path, json.dumps({**self.__dict__, "shapes": [list(s) for s in self.shapes]}))
+
+    @classmethod
+    def load(cls, path) -> WarmupSpec:
+        d = json.loads(Path(path).read_text())
+        return cls(**{**d, "shapes": tuple((int(r), int(n)) for r, n in d["shapes"])})
 
 
 class Warmup:
@@ -76,38 +102,47 @@ class Warmup:
         self.finished = False
 
     @classmethod
-    def start(cls, cfg: RunConfig, plan: Plan, kc: KernelCache, echo=print) -> Warmup | None:
-        """The started warm-up, or None when it is not needed (the stamp covers the plan) or cannot help."""
+    def start(
+        cls,
+        spec: WarmupSpec,
+        kc: KernelCache,
+        *,
+        spec_file: Path,
+        flag: Path,
+        log_file: Path,
+        echo=print,
+        preexec_fn=None,
+    ) -> Warmup | None:
+        """The started warm-up, or None when it is not needed (the stamp covers the shapes) or cannot help.
+        ``flag`` is written when it ends; ``preexec_fn`` runs in the child (the launcher's die-with-parent)."""
         if not fla_available():
             echo(
                 "flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
                 "(pip install -e .[gpu])"
             )
             return None
-        missing = warm_missing(cfg, plan, kc.dir)
+        missing = spec.missing(kc.dir)
         if not missing:
             echo(f"kernel cache {kc.dir} holds every kernel this plan needs: pre-warm skipped")
             return None
-        run_dir = RunDir(cfg.run_dir)
-        run_dir.warmup_done_file.unlink(missing_ok=True)
+        flag.unlink(missing_ok=True)
+        spec.save(spec_file)
         env = {"TRITON_CACHE_AUTOTUNING": "1", **os.environ, "TRITON_CACHE_DIR": str(kc.dir)}
-        env["CUDA_VISIBLE_DEVICES"] = str((cfg.gpus or (0,))[0])
-        log_file = run_dir.log_file(0, "warmup")
+        env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         echo(
             f"pre-warming kernels into {kc.dir} ({len(missing.buckets)} token-count bucket(s), "
             f"{len(missing.classes)} shape class(es) new) while the shards load"
         )
-        parent = os.getpid()
         with open(log_file, "ab") as f:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "hsextract.model.warmup", str(run_dir.root)],
+                [sys.executable, "-m", "hsextract.model.warmup", str(spec_file)],
                 env=env,
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                preexec_fn=lambda: die_with_parent(parent),
+                preexec_fn=preexec_fn,
             )
-        return cls(proc, run_dir.warmup_done_file, log_file, echo)
+        return cls(proc, flag, log_file, echo)
 
     def worker_env(self) -> dict[str, str]:
         return {WARMUP_FLAG_ENV: str(self.flag)}

@@ -1,22 +1,12 @@
 """The kernel cache: Triton's compiled kernels and autotune results, shared by every job of a user on a machine.
 
-Compiling flash-linear-attention's kernels and autotuning them costs one to two minutes, and they are the same for
-every job on a machine with the same GPU and software. So they live in a per-user directory, not in the run dir:
-
-    <root>/<key>/            TRITON_CACHE_DIR of every process of every job with this setup
-    <root>/<key>/key.json    what the key stands for
-    <root>/<key>/hsextract-warm/<model signature>.json   the stamp: what the warm-up has compiled (``WarmSet``)
-
-``root`` is ``--kernel-cache``, else ``$HSEXTRACT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/hsextract/triton``
-(``~/.cache/hsextract/triton``). ``key`` names the GPU model(s), the driver, torch (with its CUDA build), Triton
-and flash-linear-attention versions, so another GPU or another version never reuses an entry made for a different
-one; it is ``cpu`` on CPU. A ``TRITON_CACHE_DIR`` already set in the environment (and no ``--kernel-cache``) is
-used as it is. The run dir keeps a pointer, ``kernel-cache.json``, naming the directory a run used.
-
-The stamp lists the token-count buckets and the shape classes the warm-up has run (``plan_needs``): FLA autotunes
-``l2norm_fwd_kernel`` and ``layer_norm_gated_fwd_kernel`` per ``NB = cdiv(rows, 2048)`` of the rows they see
-(tokens x heads), and Triton compiles a kernel again for integer arguments equal to 1 or divisible by 16. A job
-whose plan needs nothing the stamp lacks skips the warm-up. Nothing here imports torch: the launcher uses it.
+Compiling and autotuning FLA's kernels costs one to two minutes and is the same for every job with the same GPU and
+software, so it lives per user, not per run: ``<root>/<key>/`` is every process's ``TRITON_CACHE_DIR``, with
+``key.json`` and the stamps ``hsextract-warm/<model signature>.json``. ``root`` is ``--kernel-cache``, else
+``$HSEXTRACT_KERNEL_CACHE``, else ``~/.cache/hsextract/triton``; ``key`` names the GPUs, driver and the versions of
+torch, Triton and FLA (``cpu`` on CPU); a ``TRITON_CACHE_DIR`` already set is used as it is. A stamp lists the
+token-count buckets (FLA's ``NB`` of the norm kernels' rows, fla_patch.py) and Triton's integer shape classes the
+warm-ups have run: a job whose plan needs nothing more skips the warm-up. No torch: the launcher uses it.
 """
 
 from __future__ import annotations
@@ -30,11 +20,10 @@ import re
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from hsextract.errors import HsextractError
-from hsextract.model.autotune import pin_enabled
+from hsextract.model.warmup.fla_patch import NB_ROWS, package_version, patch_supported, pin_enabled
 from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -44,11 +33,6 @@ KERNEL_CACHE_ENV = "HSEXTRACT_KERNEL_CACHE"
 
 
 STAMP_DIR = "hsextract-warm"
-
-
-NB_ROWS = 2048
-
-"""FLA's ``NB = triton.cdiv(T, 2048)`` for ``T`` rows of head dim <= 512 (fla/modules/l2norm.py, fused_norm_gate.py)."""
 
 
 # Distributions whose version changes what Triton compiles or which autotuned config is valid.
@@ -61,13 +45,6 @@ class KernelCache:
     key: dict
     source: str
     """Where ``dir`` came from: ``--kernel-cache``, the environment variable's name, or ``default``."""
-
-
-def _package_version(dist: str) -> str | None:
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 def gpu_inventory() -> list[dict]:
@@ -99,7 +76,7 @@ def setup_key(device: str, gpus: list[dict] | None = None, packages: dict | None
         return {"device": "cpu"}
     gpus = gpu_inventory() if gpus is None else gpus
     if packages is None:
-        packages = {p: _package_version(p) for p in KEY_PACKAGES}
+        packages = {p: package_version(p) for p in KEY_PACKAGES}
     return {
         "device": "cuda",
         "gpus": sorted({g["name"] for g in gpus}) or ["unknown"],
@@ -199,7 +176,7 @@ SIGNATURE_FIELDS = (
 
 FUSED_SOURCES = ("qwen3_5.py", "triton_kernels.py")
 
-"""hsextract's modules (in this package) that decide which kernels the fused forward launches."""
+"""hsextract's modules (in ``hsextract.model``) that decide which kernels the fused forward launches."""
 
 
 def fused_source_hash() -> str:
@@ -207,33 +184,26 @@ def fused_source_hash() -> str:
     (the MLP's gate and up joined into one GEMM, say) must not take an older version's stamp as warm."""
     digest = hashlib.sha256()
     for name in FUSED_SOURCES:
-        digest.update(Path(__file__).with_name(name).read_bytes())
+        digest.update((Path(__file__).parent.parent / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
 def model_signature(
-    text_config, *, kernel_mode: str, dtype: str, attn_implementation: str, pinned: bool = True
+    text_config, *, kernel_mode: str, dtype: str, attn_implementation: str, pinned: bool | None = None
 ) -> str:
     """What decides which kernels a forward compiles (layer shapes, not depth; for the fused kernels, their
-    source), and how (``pinned``: the autotune keys without the token count, model/autotune.py): a short hash."""
+    source; FLA's token bucket), and how (``pinned``: the autotune keys without the token count, fla_patch.py;
+    by default as this process would): a short hash."""
+    if pinned is None:
+        pinned = pin_enabled() and patch_supported()
     shape = {f: getattr(text_config, f, None) for f in SIGNATURE_FIELDS}
     types = getattr(text_config, "layer_types", None) or []
     shape["layer_types"] = sorted(set(types))
     facts = {**shape, "kernels": kernel_mode, "dtype": dtype, "attn": attn_implementation, "pinned": pinned}
+    facts["nb_rows"] = NB_ROWS
     if kernel_mode == "fused":
         facts["fused_source"] = fused_source_hash()
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def run_signature(cfg, text_config) -> str:
-    """The stamp's name for a run's (RunConfig) model and kernels: the same in the launcher and the warm-up."""
-    return model_signature(
-        text_config,
-        kernel_mode=cfg.kernel_mode,
-        dtype=cfg.dtype,
-        attn_implementation=cfg.attn_implementation,
-        pinned=pin_enabled(),
-    )
 
 
 def bucket_heads(text_config, kernel_mode: str) -> tuple[int, ...]:
@@ -297,11 +267,11 @@ def batch_needs(rows: int, padded_length: int, heads: tuple[int, ...]) -> WarmSe
     return WarmSet(buckets, {shape_class(rows, padded_length)})
 
 
-def plan_needs(batches, heads: tuple[int, ...]) -> WarmSet:
-    """What the batches (``rows``, ``padded_length``) of a plan need warmed."""
+def plan_needs(shapes, heads: tuple[int, ...]) -> WarmSet:
+    """What batches of these shapes (``rows``, ``padded_length``) need warmed."""
     need = WarmSet()
-    for b in batches:
-        need = need.union(batch_needs(b.rows, b.padded_length, heads))
+    for rows, padded_length in shapes:
+        need = need.union(batch_needs(rows, padded_length, heads))
     return need
 
 

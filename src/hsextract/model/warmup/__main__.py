@@ -1,0 +1,5 @@
+import sys
+
+from hsextract.model.warmup.process import main
+
+sys.exit(main())
