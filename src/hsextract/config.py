@@ -121,6 +121,11 @@ class RunConfig:
     (the forward then runs to the last layer), and the norm's weight and epsilon once per output. EAGLE-3
     trainers, DSpark, and DFlash in speculators and ModelOpt, need it; the ``eagle3`` and ``dspark`` presets imply it."""
 
+    target_topk: int | None = _opt(None)
+    """Also store, for every token, the target's K most likely next tokens: ids (int32) and log-probabilities
+    (float32, log-softmax over the full vocabulary), from ``lm_head`` applied to the final normed state on the GPU
+    in chunks of tokens. The forward then runs to the last layer; K * 8 bytes per token. Off by default."""
+
     storage_dtype: str | None = _opt(None, choices=STORAGE_DTYPES)
     """How states are stored: the run ``dtype`` (default), or ``float8_e4m3fn`` with a float32 scale per token
     per layer (absmax / 448), quantized on the device: about half the bytes of bfloat16."""
@@ -195,6 +200,7 @@ class RunConfig:
             "nodes",
             "num_proc",
             "pinned_buffers",
+            "target_topk",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HsextractError(

@@ -14,6 +14,11 @@ the same batch also runs through the fp8 pipeline, and each row reports the fp8 
 lowest cosine similarity against the unquantized capture (the proof of identity itself runs unquantized: fp8's
 ~2.6% error is of the order of the distance between adjacent layers of a deep model).
 
+With ``--target-topk K`` the same batch's stored top-k is proven against the reference forward's own logits
+(``logits.log_softmax(-1)``, unbatched): the stored log-probabilities equal HF's at the stored ids within the
+dtype's tolerance, and every stored id is among HF's top K up to that error (ties and near-ties may order
+differently). The report adds the top-k's storage per token and for the job.
+
 Health per layer: mean, std, absmax, NaN/Inf counts and all-zero token vectors (seen in the wild on hybrid models).
 The estimate uses the same plan ``run`` would make: tokens, batches per shard, padding waste, bytes per token,
 total bytes, and an ETA from the throughput measured on this machine. Its lengths are the whole data's when the
@@ -31,7 +36,13 @@ import numpy as np
 import torch
 
 from hsextract.config import DTYPE_BYTES, STORAGE_DTYPES, RunConfig
-from hsextract.format.batch import StateLayout, estimate_file_bytes
+from hsextract.format.batch import (
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    StateLayout,
+    estimate_file_bytes,
+    topk_bytes_per_token,
+)
 from hsextract.format.fp8 import dequantize_fp8
 from hsextract.layers import (
     FINAL_STATE_PRESETS,
@@ -45,7 +56,7 @@ from hsextract.model.capture import model_final_norm
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.prepare.plan import BatchSpec, make_plan
 from hsextract.prepare.report import DataReport
-from hsextract.prepare.steps import resolve_data, run_layout
+from hsextract.prepare.steps import check_target_topk, resolve_data, run_layout
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor
 from hsextract.run.progress import format_duration
@@ -53,6 +64,14 @@ from hsextract.run.rundir import RunDir
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+
+
+TOPK_TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+
+"""Relative L2 error allowed between the stored top-k log-probabilities and the reference's at the same ids."""
+
+
+REFERENCE_LOGITS_ROWS = 1024  # tokens of the reference's logits made float32 at once
 
 
 FP8_TOLERANCE = 5e-2  # relative L2 of the fp8 states against the unquantized capture (measured ~2.6%)
@@ -90,6 +109,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
     _config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
+    check_target_topk(cfg, text)
     tokenizer = load_tokenizer(cfg.model)
     run_dir = RunDir(cfg.run_dir)
     sampled = load_sample(
@@ -116,6 +136,19 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         norm=norm,
     )
     layers_report, warnings = layer_health(proof, layout, layer_types(text), TOLERANCE[cfg.dtype], cfg.dtype)
+    topk_report = None
+    if proof.topk is not None:
+        topk_report = {**proof.topk, "tolerance": TOPK_TOLERANCE[cfg.dtype]}
+        topk_report["ok"] = bool(
+            topk_report["rel_err_vs_hf"] <= topk_report["tolerance"] and not topk_report["ids_outside"]
+        )
+        if not topk_report["ok"]:
+            warnings.append(
+                f"target top-{layout.target_topk}: the stored log-probabilities differ from HF's "
+                f"logits.log_softmax(-1) by {topk_report['rel_err_vs_hf']:.2e} (tolerance "
+                f"{topk_report['tolerance']:.0e}), {topk_report['ids_outside']} stored id(s) outside HF's top "
+                f"{layout.target_topk}"
+            )
     ok = all(e["ok"] for e in layers_report) and not warnings
     report = {
         "model": cfg.model,
@@ -123,6 +156,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         "layers": layers_report,
         "final_state": None if norm is None else {"layer": num_layers - 1, **norm.describe()},
         "storage_dtype": layout.storage_dtype or cfg.dtype,
+        "target_topk": topk_report,
         "proof": {
             "samples": proof.num_samples,
             "tokens": proof.num_tokens,
@@ -148,6 +182,7 @@ class Proof:
     """layer id -> {"match": [...], "prev": [...], "next": [...]} relative errors per sample vs HF k+1, k, k+2."""
     fp8: torch.Tensor | None
     """[tokens, slots, hidden] float32: the same batch through the fp8 pipeline, dequantized (fp8 storage only)."""
+    topk: dict | None
     num_samples: int
     num_tokens: int
     seconds: float
@@ -181,6 +216,7 @@ def prove_layers(
             num_slots=1,
             pad_token_id=pad_token_id,
             storage_dtype=storage_dtype,
+            target_topk=layout.target_topk,
         )
         extractor.run(
             [batch], samples, lambda b, tensors: captured.update({k: v.clone() for k, v in tensors.items()})
@@ -202,13 +238,17 @@ def prove_layers(
     if norm is None and num_layers - 1 in slot_layers:
         norm = final_norm(lm)  # the last layer captured without --final-state: HF's own norm module
     errors = {k: {"match": [], "prev": [], "next": []} for k in slot_layers}
+    topk = TopkAgreement() if layout.target_topk else None
     # The reference runs transformers' own modules, never the fused ones the capture may use.
     with torch.inference_mode(), kernels.stock_forward(lm):
         for row, i in enumerate(order):
             ids, _ = samples.sample(i)
-            ref = lm(
-                torch.from_numpy(ids.astype(np.int64)).to(device)[None], output_hidden_states=True
-            ).hidden_states
+            out = lm(torch.from_numpy(ids.astype(np.int64)).to(device)[None], output_hidden_states=True)
+            ref = out.hidden_states
+            if topk is not None:
+                a, b = cu[row], cu[row + 1]
+                topk.add(captured[TOPK_IDS][a:b], captured[TOPK_LOGPROBS][a:b], out.logits[0])
+            del out
             got_rows = states[cu[row] : cu[row + 1]]
             for j, k in enumerate(slot_layers):
                 got = got_rows[:, j]
@@ -222,10 +262,47 @@ def prove_layers(
         states=states,
         errors=errors,
         fp8=fp8,
+        topk=None if topk is None else topk.summary(),
         num_samples=len(order),
         num_tokens=batch.num_tokens,
         seconds=seconds,
     )
+
+
+class TopkAgreement:
+    """The stored top-k against the reference's logits, sample by sample: the error of the stored log-probabilities
+    at their ids, and the stored ids HF ranks below its own K-th by more than twice that error (a different id
+    within the error is a tie)."""
+
+    def __init__(self):
+        self.sq_err = self.sq_ref = self.max_abs = 0.0
+        self.tokens = self.same_sets = 0
+        self.worst: list[float] = []  # per token: HF's K-th log-prob minus its lowest at the stored ids
+
+    def add(self, ids: torch.Tensor, logprobs: torch.Tensor, logits: torch.Tensor) -> None:
+        """``ids``, ``logprobs`` [T, K] as stored; ``logits`` [T, vocab] of HF's unbatched forward."""
+        k = ids.shape[1]
+        for a in range(0, logits.shape[0], REFERENCE_LOGITS_ROWS):
+            ref = logits[a : a + REFERENCE_LOGITS_ROWS].float().log_softmax(-1).cpu()
+            got_ids, got = ids[a : a + len(ref)].long(), logprobs[a : a + len(ref)].double()
+            at = ref.gather(1, got_ids).double()
+            ref_top = ref.topk(k, dim=-1)
+            self.sq_err += float(((got - at) ** 2).sum())
+            self.sq_ref += float((at**2).sum())
+            self.max_abs = max(self.max_abs, float((got - at).abs().max()) if got.numel() else 0.0)
+            self.worst += (ref_top.values[:, -1].double() - at.min(dim=1).values).tolist()
+            self.same_sets += int((ref_top.indices.sort(-1).values == got_ids.sort(-1).values).all(-1).sum())
+            self.tokens += len(ref)
+
+    def summary(self) -> dict:
+        slack = 2 * self.max_abs + 1e-6
+        return {
+            "tokens": self.tokens,
+            "rel_err_vs_hf": (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0,
+            "max_abs_err": self.max_abs,
+            "same_id_sets": self.same_sets,
+            "ids_outside": sum(w > slack for w in self.worst),
+        }
 
 
 def layer_health(proof: Proof, layout: StateLayout, types, tol: float, dtype: str) -> tuple[list, list]:
@@ -306,6 +383,7 @@ def estimate(
     )
     token_bytes = layout.bytes_per_token(hidden, DTYPE_BYTES[cfg.dtype])
     total_bytes = job_bytes(plan, token_bytes)
+    topk_bytes = topk_bytes_per_token(layout.target_topk)
     tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
     return {
         "data": sampled.report.to_json(),
@@ -323,7 +401,15 @@ def estimate(
         "storage": storage_table(
             presets_layer_ids(cfg.layers, layout.num_layers), layout, hidden, cfg.dtype, plan
         ),
-        "layers_run": max(layout.slot_layers) + 1,
+        "target_topk": None
+        if not layout.target_topk
+        else {
+            "k": layout.target_topk,
+            "bytes_per_token": topk_bytes,
+            "total_bytes": topk_bytes * plan.num_tokens,
+            "share_of_output": topk_bytes / token_bytes,
+        },
+        "layers_run": layout.layers_run,
         "total_bytes": total_bytes,
         "measured_tokens_per_s": tokens_per_s,
         "measured_on": str(device),
@@ -389,6 +475,7 @@ def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) 
         num_slots=2,
         pad_token_id=pad_token_id,
         storage_dtype=layout.storage_dtype,
+        target_topk=layout.target_topk,
     )
     extractor.run([batch], samples, lambda b, t: None)
     t0 = time.perf_counter()
@@ -446,6 +533,14 @@ def format_report(report: dict) -> str:
             f"RMSNorm (eps {f['eps']:g}, scale {'1 + weight' if f['rule'] == 'one_plus_weight' else 'weight'}, "
             f"read from the model's norm) = HF output_hidden_states[-1], proven in the row above"
         )
+    t = report.get("target_topk")
+    if t:
+        lines.append(
+            f"target top-k: {t['tokens']} tokens against HF's unbatched logits.log_softmax(-1).topk: relative "
+            f"error {t['rel_err_vs_hf']:.2e} (tolerance {t['tolerance']:.0e}), max |diff| {t['max_abs_err']:.2e}, "
+            f"{t['same_id_sets']} tokens with the same id set, {t['ids_outside']} stored ids outside HF's top k "
+            f"beyond ties: {'yes' if t['ok'] else 'NO'}"
+        )
     est = report["estimate"]
     basis = est.get("basis", {})
     if basis.get("from") == "sample":
@@ -469,6 +564,15 @@ def format_report(report: dict) -> str:
         f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
         f"{est['total_bytes'] / 1e9:,.2f} GB in total; the forward runs layers 0..{est['layers_run'] - 1}",
         *storage_lines(est["storage"]),
+        *(
+            [
+                f"target top-{est['target_topk']['k']}: +{est['target_topk']['bytes_per_token']:,} bytes/token "
+                f"(ids int32 + log-probs float32, every token), {est['target_topk']['total_bytes'] / 1e9:,.2f} GB "
+                f"for the job ({100 * est['target_topk']['share_of_output']:.1f}% of the output)"
+            ]
+            if est.get("target_topk")
+            else []
+        ),
         f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']} "
         f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
         f"ETA with {est['shards']} shard(s): {format_duration(est['eta_s'])}",

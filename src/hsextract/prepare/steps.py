@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.config import DTYPE_BYTES, RunConfig
@@ -71,7 +71,26 @@ class ModelFacts:
 
 
 def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> StateLayout:
-    return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype)
+    return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype, cfg.target_topk)
+
+
+def check_target_topk(cfg: RunConfig, text_config) -> None:
+    """``--target-topk K`` fits the model: K at most its vocabulary, and logits that are plain ``lm_head``
+    outputs (no soft-capping or scaling the capture would not apply). Read from the config: no weight loaded."""
+    k = cfg.target_topk
+    if not k:
+        return
+    vocab = getattr(text_config, "vocab_size", None)
+    if vocab is not None and k > vocab:
+        raise HsextractError(
+            f"--target-topk {k} exceeds the model's vocabulary of {vocab} tokens: give a K of at most {vocab}"
+        )
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(text_config, name, None) not in (None, 1, 1.0):
+            raise HsextractError(
+                f"--target-topk: the model's config sets {name}={getattr(text_config, name)!r}, which its logits "
+                "apply after lm_head; hsextract computes the top-k from lm_head alone. Leave --target-topk out"
+            )
 
 
 def prepare_run(
@@ -135,6 +154,7 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
+    check_target_topk(cfg, text)
     preflight(cfg.output, cfg.s3_endpoint_url)
     one_file = estimate_file_bytes(
         cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
@@ -326,6 +346,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         # Only when set, so that the plans of runs without them hash as they did before these options existed.
         **({"final_state": True} if model.layout.final_state else {}),
         **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
+        **({"target_topk": cfg.target_topk} if cfg.target_topk else {}),
         **({"dedupe": True} if cfg.dedupe else {}),
         # A lone dflash or eagle3 hashes as before presets were recorded; every other preset set is part of the job.
         **({"presets": model.presets} if set(model.presets) not in (set(), {"dflash"}, {"eagle3"}) else {}),
@@ -468,6 +489,7 @@ def write_run_files(
         storage_dtype=model.layout.storage_dtype,
         vocab_size=getattr(model.text_config, "vocab_size", None),
         presets=model.presets,
+        target_topk=model.layout.target_topk,
         file_metadata=run_file_metadata(
             layout=model.layout,
             presets=model.presets,
@@ -489,7 +511,7 @@ def write_run_files(
         open_sink(cfg.output, cfg.s3_endpoint_url),
         {
             "plan": plan.to_json(),
-            "info": asdict(info),
+            "info": info.to_json(),
             "samples": samples.sample_ids,
             "data_report": data_report,
         },
