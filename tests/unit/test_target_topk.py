@@ -13,7 +13,8 @@ from support.output import write_output
 
 from hsextract.config import RunConfig
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.model.capture import GatherTarget, LayerCapture, logits_chunk_tokens, target_topk_
+from hsextract.model.capture import GatherTarget, LayerCapture
+from hsextract.model.target_topk import logits_chunk_tokens, target_topk_
 
 K = 6
 

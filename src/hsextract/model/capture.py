@@ -31,6 +31,7 @@ from hsextract.format.final_norm import RULES, FinalNorm
 from hsextract.format.fp8 import quantize_fp8_
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.load import base_model, decoder_layers, final_norm, output_embeddings
+from hsextract.model.target_topk import logits_chunk_tokens, target_topk_
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +49,6 @@ class GatherTarget:
     scale: object = None  # float32 Tensor [tokens, len(layer_ids)]: fp8 storage, a scale per token per slot
     topk_ids: object = None  # int32 Tensor [tokens, K]: the target's top-k (``target_topk``), else None
     topk_logprobs: object = None  # float32 Tensor [tokens, K]
-
-
-LOGITS_CHUNK_BYTES = 1 << 30
-
-"""Float32 logits held at once by ``target_topk_``: 1,081 tokens of a 248,320-token vocabulary (plus the same
-chunk in the model dtype), small next to a batch's activations, large enough that each lm_head GEMM is efficient."""
-
-
-def logits_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk of ``target_topk_`` for ``vocab_size``-wide logits."""
-    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
-
-
-def target_topk_(normed, lm_head, ids_out, logprobs_out, *, chunk_tokens: int) -> None:
-    """The top-k next tokens of every row of ``normed`` [tokens, H] (the final normed state): ``lm_head`` on
-    ``chunk_tokens`` rows at a time, log-softmax with the logsumexp over the whole vocabulary in float32, then the
-    K = ``ids_out.shape[1]`` largest, written to ``ids_out`` (int32) and ``logprobs_out`` (float32) [tokens, K].
-    Never more than one chunk's logits exist; they stay on ``normed``'s device."""
-    k = ids_out.shape[1]
-    for start in range(0, normed.shape[0], chunk_tokens):
-        stop = min(start + chunk_tokens, normed.shape[0])
-        logits = lm_head(normed[start:stop]).float()  # the model dtype's logits, as HF's, then float32
-        values, ids = logits.topk(k, dim=-1)
-        logprobs_out[start:stop] = values - torch.logsumexp(logits, dim=-1, keepdim=True)
-        ids_out[start:stop] = ids
-        del logits
 
 
 class LayerCapture:

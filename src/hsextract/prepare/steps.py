@@ -44,6 +44,7 @@ from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
 from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
 from hsextract.model.load import load_model_config, load_threads
+from hsextract.model.target_topk import check_target_topk
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
 from hsextract.prepare.tokenize import (
@@ -72,25 +73,6 @@ class ModelFacts:
 
 def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> StateLayout:
     return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype, cfg.target_topk)
-
-
-def check_target_topk(cfg: RunConfig, text_config) -> None:
-    """``--target-topk K`` fits the model: K at most its vocabulary, and logits that are plain ``lm_head``
-    outputs (no soft-capping or scaling the capture would not apply). Read from the config: no weight loaded."""
-    k = cfg.target_topk
-    if not k:
-        return
-    vocab = getattr(text_config, "vocab_size", None)
-    if vocab is not None and k > vocab:
-        raise HsextractError(
-            f"--target-topk {k} exceeds the model's vocabulary of {vocab} tokens: give a K of at most {vocab}"
-        )
-    for name in ("final_logit_softcapping", "logit_scale"):
-        if getattr(text_config, name, None) not in (None, 1, 1.0):
-            raise HsextractError(
-                f"--target-topk: the model's config sets {name}={getattr(text_config, name)!r}, which its logits "
-                "apply after lm_head; hsextract computes the top-k from lm_head alone. Leave --target-topk out"
-            )
 
 
 def prepare_run(
@@ -154,7 +136,7 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
-    check_target_topk(cfg, text)
+    check_target_topk(cfg.target_topk, text)
     preflight(cfg.output, cfg.s3_endpoint_url)
     one_file = estimate_file_bytes(
         cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
