@@ -83,16 +83,22 @@ class BadStatesError(HsextractError):
     """A batch's states hold non-finite values or all-zero token vectors: stored, they would train nothing."""
 
 
-def state_health(out: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def state_health(
+    out: torch.Tensor, scale: torch.Tensor | None, topk_logprobs: torch.Tensor | None = None
+) -> torch.Tensor:
     """[2, slots] int64 on the device: per slot, the tokens whose state holds a NaN or Inf, and those whose state
     is all zeros. ``out`` is [tokens, slots, hidden]; with fp8 storage ``scale`` [tokens, slots] tells both (a
-    non-finite vector has a non-finite scale, an all-zero one scale 0: fp8.py)."""
+    non-finite vector has a non-finite scale, an all-zero one scale 0: fp8.py). With the target's top-k one more
+    column: the tokens whose top-k log-probabilities hold a NaN or Inf (the final state's, seen through lm_head)."""
     if scale is not None:
         bad, zero = ~torch.isfinite(scale), scale == 0
     else:
         high, low = out.amax(dim=2), out.amin(dim=2)  # NaN propagates through both
         bad = ~(torch.isfinite(high) & torch.isfinite(low))
         zero = (high == 0) & (low == 0)
+    if topk_logprobs is not None:
+        bad = torch.cat([bad, ~torch.isfinite(topk_logprobs).all(dim=1, keepdim=True)], dim=1)
+        zero = torch.cat([zero, torch.zeros_like(zero[:, :1])], dim=1)
     return torch.stack([bad.sum(dim=0), zero.sum(dim=0)])
 
 
@@ -100,7 +106,9 @@ def refuse_bad_states(health: torch.Tensor, batch: BatchSpec, layer_ids, dtype) 
     """Raise ``BadStatesError`` naming the batch and the first bad layer, if ``health`` (``state_health``) counts
     any bad token."""
     counts = health.tolist()
-    for slot, layer in enumerate(layer_ids):
+    names = [f"layer {layer}" for layer in layer_ids]
+    names += ["the target's top-k"] * (len(counts[0]) - len(names))  # state_health's top-k column
+    for slot, name in enumerate(names):
         bad, zero = counts[0][slot], counts[1][slot]
         if bad or zero:
             what = (
@@ -109,7 +117,7 @@ def refuse_bad_states(health: torch.Tensor, batch: BatchSpec, layer_ids, dtype) 
                 else f"{zero} token(s) whose state is all zeros"
             )
             raise BadStatesError(
-                f"batch {batch.batch_id} (shard {batch.shard}, {batch.key}): layer {layer} has {what} "
+                f"batch {batch.batch_id} (shard {batch.shard}, {batch.key}): {name} has {what} "
                 f"of {batch.num_tokens}, in {str(dtype).removeprefix('torch.')}. Stored, they would train "
                 "nothing: check the model (hsextract dry-run shows each layer's health; float16 overflows "
                 "where bfloat16 does not), or pass --no-check-states if such states are expected"
@@ -277,7 +285,7 @@ class Extractor:
                             topk_logprobs=topk_logprobs,
                         ),
                     )
-                    health = state_health(out, scale) if self.check_states else None
+                    health = state_health(out, scale, topk_logprobs) if self.check_states else None
                     slot.health = health
                     if self.copy_stream is not None:
                         # The copy waits for this forward only; the next forward starts at once on the main stream.
