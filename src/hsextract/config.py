@@ -192,6 +192,9 @@ class RunConfig:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.too_long not in TOO_LONG_POLICIES:
             raise HsextractError(f"--too-long {self.too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
+        k = self.target_topk
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise HsextractError(f"--target-topk must be a whole number of tokens, got {k!r}")
         for name in (
             "max_length",
             "max_tokens_per_batch",

@@ -167,5 +167,7 @@ def test_a_bad_k_is_refused_before_the_model_loads(tiny_model, tmp_path):
     )
     with pytest.raises(HsextractError, match="--target-topk must be at least 1, got 0"):
         RunConfig(**fields, target_topk=0)
+    with pytest.raises(HsextractError, match="--target-topk must be a whole number of tokens, got '8'"):
+        RunConfig(**fields, target_topk="8")  # a quoted YAML value
     with pytest.raises(HsextractError, match="--target-topk 571 exceeds the model's vocabulary of 570"):
         check_inputs(RunConfig(**fields, target_topk=571))
