@@ -83,7 +83,7 @@ def topk_output(tmp_path_factory, tiny_model, tiny_tokenizer):
 
 def test_reader_and_datasets_serve_topk_equal_to_hf_on_supervised_tokens(topk_output, tiny_lm):
     from hsextract.reader import open_output
-    from hsextract.training import StatesMapDataset
+    from hsextract.training import StatesDataset, StatesMapDataset
 
     _, _, out = topk_output
     manifest = json.loads((out / "manifest.json").read_text())
@@ -103,10 +103,11 @@ def test_reader_and_datasets_serve_topk_equal_to_hf_on_supervised_tokens(topk_ou
         )
         checked += int(supervised.sum())
     assert checked > 100
-    item = StatesMapDataset(out)[0]
-    first = output[item["sample_id"]]
-    assert torch.equal(item["target_topk_ids"], first["target_topk_ids"])
-    assert torch.equal(item["target_topk_logprobs"], first["target_topk_logprobs"])
+    for item in (StatesMapDataset(out)[0], next(iter(StatesDataset(out, rank=0, world_size=1)))):
+        read = output[item["sample_id"]]
+        assert torch.equal(item["target_topk_ids"], read["target_topk_ids"])
+        assert torch.equal(item["target_topk_logprobs"], read["target_topk_logprobs"])
+        assert item["target_topk_ids"].shape == (len(item["input_ids"]), K)
 
 
 def test_an_output_without_topk_is_as_before(written_output):
