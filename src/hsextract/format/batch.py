@@ -27,12 +27,14 @@ GB/s on one core, 3-4 times zlib's CRC32; docs/PERFORMANCE.md has the measured c
 
 A file's ``hidden_states`` tensor is ``[tokens, slots, hidden]`` (``StateLayout``): one slot per captured layer in
 id order, then, with the final state, one for the last decoder layer's output unless that layer is captured
-already. With fp8 storage, ``hidden_states_scale`` [tokens, slots] float32 follows it. With ``--target-topk K``,
-``target_topk_ids`` [tokens, K] int32 and ``target_topk_logprobs`` [tokens, K] float32 hold the target's K most
-likely next tokens after every token (all tokens, not only supervised ones: the per-token layout, checksums and
-``cu_seqlens`` then serve them unchanged, for K * 8 bytes a token, ~1% of 5 bf16 27B layers at K = 64). With the final state, the
+already. With fp8 storage, ``hidden_states_scale`` [tokens, slots] float32 follows it. With the final state, the
 output also holds ``final_norm.safetensors`` (the norm's weight; its epsilon and rule in the metadata), written by
 the workers once the model is loaded and named in the manifest.
+
+With ``--target-topk K``, ``target_topk_ids`` [tokens, K] int32 and ``target_topk_logprobs`` [tokens, K] float32
+hold the target's K most likely next tokens after every token: all tokens, not only the supervised ones, so that the
+per-token layout, ``cu_seqlens`` and the per-sample checksums serve them unchanged; K * 8 bytes a token, ~1% of five
+bf16 layers of Qwen3.6 at K = 64. ``target_topk`` (K) is in the metadata and the manifest only when they are stored.
 """
 
 from __future__ import annotations

@@ -94,11 +94,9 @@ class LayerCapture:
             target = self._target
             flat = hidden.reshape(-1, hidden.shape[-1])
             rows = flat.index_select(0, target.flat_index)
-            if j is None:
-                pass
-            elif target.scale is None:
+            if j is not None and target.scale is None:
                 target.out[:, j].copy_(rows)
-            else:
+            elif j is not None:
                 quantize_fp8_(rows, target.out[:, j], target.scale[:, j])
             if topk:
                 # The valid tokens only, normed by the model's own norm module: HF's last hidden state.
