@@ -6,6 +6,8 @@
 #              and stock, with the profile by kernel family
 #   capture    the forward's cost of what is captured: a preset alone, a union of       bench_forward.py          6
 #              presets, the final state (FORWARD_LAYERS, FORWARD_VARIANTS)
+#   topk       the forward's cost of --target-topk 64 (lm_head, log-softmax, top-k on    bench_topk.py             7
+#              the device) and of the final state, against the DFlash preset alone
 #   startup    `hsextract run` to its first durable batch: cold, warm, resume           bench_startup.py          9
 #   steady     the real command run to its end: steady real tokens/s, upload seconds    bench_startup.py          5
 #   loader     a trainer's loader on an export against hsextract's dataset; one loader  bench_loader{,_gpu}.py    5
@@ -51,6 +53,11 @@ case "$suite" in
     timeout "${SUITE_S:-360}" python3 scripts/bench_forward.py --tokens "${FORWARD_TOKENS:-200000}" --repeat 2 \
       --layers "${FORWARD_LAYERS:-dflash}" --variants "${FORWARD_VARIANTS:-fused}" --no-profile \
       --json-out "$OUT/capture.json" 2>&1 | grep -v Warning | tee "$OUT/capture.log"
+    ;;
+  topk)
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-forward}
+    timeout "${SUITE_S:-420}" python3 scripts/bench_topk.py --tokens "${FORWARD_TOKENS:-200000}" --repeat 2 \
+      --k "${TOPK:-64}" --json-out "$OUT/topk.json" 2>&1 | grep -v Warning | tee "$OUT/topk.log"
     ;;
   startup)
     ensure_checkpoint 200

@@ -5,7 +5,8 @@ export and ``hsextract verify`` read a batch file with.
 per-token tensors (token ids, loss mask, fp8 scales) and holds them, and serves samples: ``samples(rows)`` reads the
 states of several neighbouring rows in one ranged read, into memory the caller allocates, and checks each sample
 against its own checksum as its bytes arrive. ``SampleView`` turns a sample's stored slots into the keys a trainer
-reads (layers, the concatenated captured states, the final state before and after the norm, fp8 dequantized).
+reads (layers, the concatenated captured states, the final state before and after the norm, fp8 dequantized);
+the target's top-k (``target_topk_ids``, ``target_topk_logprobs``), where stored, pass through as stored.
 Whatever is wrong with the file raises, or for one sample returns, ``CorruptOutputError`` naming the file.
 """
 
@@ -19,6 +20,8 @@ import torch
 from hsextract.errors import CorruptOutputError
 from hsextract.format.batch import (
     INDEX_TENSORS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
     StateLayout,
     header_checksum,
     new_checksum,
@@ -322,6 +325,12 @@ class BatchFile:
         scale = tensors.pop("hidden_states_scale", None)  # [T, slots] with fp8 storage
         if view.layout.scaled and (scale is None or tuple(scale.shape) != tuple(states.shape[:2])):
             raise self.damaged("stores fp8 states without a scale for each token of each layer")
+        if k := view.layout.target_topk:
+            shapes = [tuple(t.shape) for n, t in tensors.items() if n in (TOPK_IDS, TOPK_LOGPROBS)]
+            if shapes != [(b - a, k)] * 2:
+                raise self.damaged(
+                    f"lacks the target's top-{k} ids and log-probabilities the manifest records"
+                )
         return {
             **tensors,
             "sample_id": self.sample_ids[row],

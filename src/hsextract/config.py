@@ -121,6 +121,11 @@ class RunConfig:
     (the forward then runs to the last layer), and the norm's weight and epsilon once per output. EAGLE-3
     trainers, DSpark, and DFlash in speculators and ModelOpt, need it; the ``eagle3`` and ``dspark`` presets imply it."""
 
+    target_topk: int | None = _opt(None)
+    """Also store, for every token, the target's K most likely next tokens: ids (int32) and log-probabilities
+    (float32, log-softmax over the full vocabulary), from ``lm_head`` applied to the final normed state on the GPU
+    in chunks of tokens. The forward then runs to the last layer; K * 8 bytes per token. Off by default."""
+
     storage_dtype: str | None = _opt(None, choices=STORAGE_DTYPES)
     """How states are stored: the run ``dtype`` (default), or ``float8_e4m3fn`` with a float32 scale per token
     per layer (absmax / 448), quantized on the device: about half the bytes of bfloat16."""
@@ -187,6 +192,9 @@ class RunConfig:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.too_long not in TOO_LONG_POLICIES:
             raise HsextractError(f"--too-long {self.too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
+        k = self.target_topk
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise HsextractError(f"--target-topk must be a whole number of tokens, got {k!r}")
         for name in (
             "max_length",
             "max_tokens_per_batch",
@@ -195,6 +203,7 @@ class RunConfig:
             "nodes",
             "num_proc",
             "pinned_buffers",
+            "target_topk",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HsextractError(

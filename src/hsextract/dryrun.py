@@ -14,6 +14,11 @@ the same batch also runs through the fp8 pipeline, and each row reports the fp8 
 lowest cosine similarity against the unquantized capture (the proof of identity itself runs unquantized: fp8's
 ~2.6% error is of the order of the distance between adjacent layers of a deep model).
 
+With ``--target-topk K`` the same batch's stored top-k is proven against the reference forward's own logits
+(``logits.log_softmax(-1)``, unbatched): the stored log-probabilities equal HF's at the stored ids within the
+dtype's tolerance, and every stored id is among HF's top K up to that error (ties and near-ties may order
+differently). The report adds the top-k's storage per token and for the job.
+
 Health per layer: mean, std, absmax, NaN/Inf counts and all-zero token vectors (seen in the wild on hybrid models).
 The estimate uses the same plan ``run`` would make: tokens, batches per shard, padding waste, bytes per token,
 total bytes, and an ETA from the throughput measured on this machine. Its lengths are the whole data's when the
@@ -31,7 +36,14 @@ import numpy as np
 import torch
 
 from hsextract.config import DTYPE_BYTES, STORAGE_DTYPES, RunConfig
-from hsextract.format.batch import StateLayout, estimate_file_bytes
+from hsextract.dryrun_report import format_report
+from hsextract.format.batch import (
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    StateLayout,
+    estimate_file_bytes,
+    topk_bytes_per_token,
+)
 from hsextract.format.fp8 import dequantize_fp8
 from hsextract.layers import (
     FINAL_STATE_PRESETS,
@@ -43,19 +55,26 @@ from hsextract.layers import (
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
+from hsextract.model.target_topk import TopkAgreement, check_target_topk
 from hsextract.prepare.plan import BatchSpec, make_plan
-from hsextract.prepare.report import DataReport
 from hsextract.prepare.steps import resolve_data, run_layout
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor
-from hsextract.run.progress import format_duration
 from hsextract.run.rundir import RunDir
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
 
 
+TOPK_TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+
+"""Relative L2 error allowed between the stored top-k log-probabilities and the reference's at the same ids."""
+
+
 FP8_TOLERANCE = 5e-2  # relative L2 of the fp8 states against the unquantized capture (measured ~2.6%)
+
+
+__all__ = ["DryRunResult", "dry_run", "format_report"]
 
 
 HEADER_BYTES_PER_SAMPLE = 16  # sample id JSON in the file header, approximate
@@ -90,6 +109,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
     _config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
+    check_target_topk(cfg.target_topk, text)
     tokenizer = load_tokenizer(cfg.model)
     run_dir = RunDir(cfg.run_dir)
     sampled = load_sample(
@@ -116,6 +136,19 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         norm=norm,
     )
     layers_report, warnings = layer_health(proof, layout, layer_types(text), TOLERANCE[cfg.dtype], cfg.dtype)
+    topk_report = None
+    if proof.topk is not None:
+        topk_report = {**proof.topk, "tolerance": TOPK_TOLERANCE[cfg.dtype]}
+        topk_report["ok"] = bool(
+            topk_report["rel_err_vs_hf"] <= topk_report["tolerance"] and not topk_report["ids_outside"]
+        )
+        if not topk_report["ok"]:
+            warnings.append(
+                f"target top-{layout.target_topk}: the stored log-probabilities differ from HF's "
+                f"logits.log_softmax(-1) by {topk_report['rel_err_vs_hf']:.2e} (tolerance "
+                f"{topk_report['tolerance']:.0e}), {topk_report['ids_outside']} stored id(s) outside HF's top "
+                f"{layout.target_topk}"
+            )
     ok = all(e["ok"] for e in layers_report) and not warnings
     report = {
         "model": cfg.model,
@@ -123,6 +156,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         "layers": layers_report,
         "final_state": None if norm is None else {"layer": num_layers - 1, **norm.describe()},
         "storage_dtype": layout.storage_dtype or cfg.dtype,
+        "target_topk": topk_report,
         "proof": {
             "samples": proof.num_samples,
             "tokens": proof.num_tokens,
@@ -148,6 +182,7 @@ class Proof:
     """layer id -> {"match": [...], "prev": [...], "next": [...]} relative errors per sample vs HF k+1, k, k+2."""
     fp8: torch.Tensor | None
     """[tokens, slots, hidden] float32: the same batch through the fp8 pipeline, dequantized (fp8 storage only)."""
+    topk: dict | None
     num_samples: int
     num_tokens: int
     seconds: float
@@ -181,6 +216,7 @@ def prove_layers(
             num_slots=1,
             pad_token_id=pad_token_id,
             storage_dtype=storage_dtype,
+            target_topk=layout.target_topk,
         )
         extractor.run(
             [batch], samples, lambda b, tensors: captured.update({k: v.clone() for k, v in tensors.items()})
@@ -202,13 +238,17 @@ def prove_layers(
     if norm is None and num_layers - 1 in slot_layers:
         norm = final_norm(lm)  # the last layer captured without --final-state: HF's own norm module
     errors = {k: {"match": [], "prev": [], "next": []} for k in slot_layers}
+    topk = TopkAgreement() if layout.target_topk else None
     # The reference runs transformers' own modules, never the fused ones the capture may use.
     with torch.inference_mode(), kernels.stock_forward(lm):
         for row, i in enumerate(order):
             ids, _ = samples.sample(i)
-            ref = lm(
-                torch.from_numpy(ids.astype(np.int64)).to(device)[None], output_hidden_states=True
-            ).hidden_states
+            out = lm(torch.from_numpy(ids.astype(np.int64)).to(device)[None], output_hidden_states=True)
+            ref = out.hidden_states
+            if topk is not None:
+                a, b = cu[row], cu[row + 1]
+                topk.add(captured[TOPK_IDS][a:b], captured[TOPK_LOGPROBS][a:b], out.logits[0])
+            del out
             got_rows = states[cu[row] : cu[row + 1]]
             for j, k in enumerate(slot_layers):
                 got = got_rows[:, j]
@@ -222,6 +262,7 @@ def prove_layers(
         states=states,
         errors=errors,
         fp8=fp8,
+        topk=None if topk is None else topk.summary(),
         num_samples=len(order),
         num_tokens=batch.num_tokens,
         seconds=seconds,
@@ -306,6 +347,7 @@ def estimate(
     )
     token_bytes = layout.bytes_per_token(hidden, DTYPE_BYTES[cfg.dtype])
     total_bytes = job_bytes(plan, token_bytes)
+    topk_bytes = topk_bytes_per_token(layout.target_topk)
     tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
     return {
         "data": sampled.report.to_json(),
@@ -323,7 +365,15 @@ def estimate(
         "storage": storage_table(
             presets_layer_ids(cfg.layers, layout.num_layers), layout, hidden, cfg.dtype, plan
         ),
-        "layers_run": max(layout.slot_layers) + 1,
+        "target_topk": None
+        if not layout.target_topk
+        else {
+            "k": layout.target_topk,
+            "bytes_per_token": topk_bytes,
+            "total_bytes": topk_bytes * plan.num_tokens,
+            "share_of_output": topk_bytes / token_bytes,
+        },
+        "layers_run": layout.layers_run,
         "total_bytes": total_bytes,
         "measured_tokens_per_s": tokens_per_s,
         "measured_on": str(device),
@@ -389,6 +439,7 @@ def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) 
         num_slots=2,
         pad_token_id=pad_token_id,
         storage_dtype=layout.storage_dtype,
+        target_topk=layout.target_topk,
     )
     extractor.run([batch], samples, lambda b, t: None)
     t0 = time.perf_counter()
@@ -403,81 +454,3 @@ def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) 
         "seconds": seconds,
     }
     return batch.num_tokens / seconds, shape
-
-
-def storage_lines(rows: list[dict]) -> list[str]:
-    """The storage table: each preset alone, then the union this run captures."""
-    kinds = list(rows[0]["bytes_per_token"])
-    lines = [f"storage per token and for the job ({' | '.join(kinds)}):"]
-    for r in rows:
-        ids = ", ".join(map(str, r["layer_ids"])) + (" + final state" if r["final_state"] else "")
-        per_token = " | ".join(f"{r['bytes_per_token'][k]:,} B" for k in kinds)
-        total = " | ".join(f"{r['total_bytes'][k] / 1e9:,.2f} GB" for k in kinds)
-        lines.append(f"  {r['name']:<9}[{ids}] {r['slots']} slots: {per_token}; {total}")
-    return lines
-
-
-def format_report(report: dict) -> str:
-    lines = [f"Layer map for {report['model']} ({report['num_layers']} decoder layers)"]
-    lines.append(
-        f"{'id':>4}  {'type':<17}{'captures':<40}{'HF idx':>7}{'vLLM id':>8}  "
-        f"{'err vs HF':>10}{'vs nbrs':>9}  {'mean':>8}{'std':>8}{'absmax':>8}{'nan':>5}{'zero':>5}  ok"
-    )
-    fp8 = report["proof"].get("fp8_tolerance") is not None
-    if fp8:
-        lines[-1] = lines[-1][:-4] + f"{'fp8 err':>9}{'fp8 cos':>9}  ok"
-    for e in report["layers"]:
-        fp8_cols = f"{e['fp8_rel_err']:>9.2e}{e['fp8_cos_min']:>9.5f}" if fp8 else ""
-        lines.append(
-            f"{e['layer_id']:>4}  {e['layer_type']:<17}{e['captures']:<40}{e['hf_output_hidden_states_index']:>7}"
-            f"{e['vllm_input_of_layer_id']:>8}  {e['rel_err_vs_hf']:>10.2e}{e['rel_err_vs_neighbour_layers']:>9.2e}  "
-            f"{e['mean']:>8.3f}{e['std']:>8.3f}{e['absmax']:>8.2f}{e['nan']:>5}{e['zero_tokens']:>5}{fp8_cols}  "
-            f"{'yes' if e['ok'] else 'NO'}"
-        )
-    p = report["proof"]
-    lines.append(
-        f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}"
-        + (f"; fp8 storage within {p['fp8_tolerance']:.0e} of the unquantized capture" if fp8 else "")
-    )
-    f = report.get("final_state")
-    if f:
-        lines.append(
-            f"final state: layer {f['layer']} stored before the norm; the reader's final_hidden_state applies "
-            f"RMSNorm (eps {f['eps']:g}, scale {'1 + weight' if f['rule'] == 'one_plus_weight' else 'weight'}, "
-            f"read from the model's norm) = HF output_hidden_states[-1], proven in the row above"
-        )
-    est = report["estimate"]
-    basis = est.get("basis", {})
-    if basis.get("from") == "sample":
-        lines.append(
-            f"estimate from a sample: the first rows of each source, {basis['rows_tokenized']:,} of "
-            f"{basis['rows']:,} rows tokenized, their lengths repeated to the data's size (the run tokenizes all)"
-        )
-    lines += [
-        f"data: {est['samples']} samples, {est['tokens']:,} tokens ({est['data']['skipped_empty']} empty, "
-        f"{est['data']['skipped_malformed']} malformed, {est['data']['truncated']} truncated, "
-        f"{est['data']['skipped_too_long']} too long skipped)",
-        *(
-            f"  {line}"
-            for line in (
-                DataReport.from_json(est["data"]).source_lines()
-                if len(est["data"].get("sources", [])) > 1
-                else []
-            )
-        ),
-        f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
-        f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
-        f"{est['total_bytes'] / 1e9:,.2f} GB in total; the forward runs layers 0..{est['layers_run'] - 1}",
-        *storage_lines(est["storage"]),
-        f"speed: {est['measured_tokens_per_s']:,.0f} tokens/s measured on {est['measured_on']} "
-        f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
-        f"ETA with {est['shards']} shard(s): {format_duration(est['eta_s'])}",
-    ]
-    for w in report["warnings"]:
-        lines.append(f"WARNING: {w}")
-    lines.append(
-        "dry run passed: the captured layers are the intended ones"
-        if report["ok"]
-        else "dry run FAILED: do not start the run until the warnings above are understood"
-    )
-    return "\n".join(lines)

@@ -10,6 +10,8 @@
     s["input_ids"], s["loss_mask"]
     s["final_hidden_state"]      # [T, hidden], after the final norm = HF output_hidden_states[-1] (--final-state)
     s["final_hidden_state_prenorm"]  # [T, hidden], the last decoder layer's raw output
+    s["target_topk_ids"]         # [T, K] int32, the target's K likeliest next tokens after each token (--target-topk)
+    s["target_topk_logprobs"]    # [T, K] float32, their log-probabilities over the full vocabulary
     dflash2 = open_output("s3://bucket/union", layers="dflash2")  # one preset of a union, or ids: [5, 19, 33]
 
 A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
@@ -94,6 +96,8 @@ class Output:
         served = served_layers(self.manifest, layers)
         self.layer_ids: tuple[int, ...] = served or self.layout.layer_ids
         """The layer ids each sample serves, in the order served."""
+        self.target_topk: int | None = self.layout.target_topk
+        """K of the target's top-k each sample holds (``--target-topk``), or None."""
         norm = None
         if self.layout.final_state:
             norm = read_final_norm(self.sink, self.manifest["final_state"]["norm"], verify=verify)

@@ -201,3 +201,37 @@ def test_union_of_presets_is_proven_once_and_its_storage_shown_per_preset(setup)
     assert result.report["estimate"]["bytes_per_token"] == rows["union"]["bytes_per_token"]["float32"]
     text = format_report(result.report)
     assert "  eagle3   [1, 3, 4 + final state] 4 slots" in text
+
+
+def test_target_topk_is_proven_against_hf_logits_and_its_storage_counted(setup):
+    _, cfg = setup
+    cfg = RunConfig(**{**cfg.to_json(), "layers": (0, 3), "target_topk": 8})
+    result = dry_run(cfg, num_samples=4)
+    report = result.report
+    assert result.ok, format_report(report)
+    topk = report["target_topk"]
+    assert topk["ok"] and topk["rel_err_vs_hf"] < 1e-5 and topk["ids_outside"] == 0
+    assert topk["tokens"] == report["proof"]["tokens"]
+    est = report["estimate"]
+    assert (
+        est["layers_run"] == 8
+    )  # to the last layer for the final state, though layer 3 is the deepest captured
+    assert est["target_topk"]["bytes_per_token"] == 64 and est["bytes_per_token"] == 2 * 64 * 4 + 5 + 64
+    assert est["target_topk"]["total_bytes"] == 64 * est["tokens"]
+    text = format_report(report)
+    assert "target top-k:" in text and "target top-8: +64 bytes/token" in text
+
+
+def test_target_topk_shifted_by_one_token_fails_the_proof(setup, monkeypatch):
+    from hsextract.model import capture
+
+    real = capture.target_topk_
+
+    def shifted(normed, lm_head, ids, logprobs, *, chunk_tokens):  # each token given its successor's top-k
+        real(normed.roll(-1, 0), lm_head, ids, logprobs, chunk_tokens=chunk_tokens)
+
+    monkeypatch.setattr(capture, "target_topk_", shifted)
+    _, cfg = setup
+    result = dry_run(RunConfig(**{**cfg.to_json(), "layers": (0, 3), "target_topk": 8}), num_samples=4)
+    assert not result.ok and not result.report["target_topk"]["ok"]
+    assert any("target top-8" in w for w in result.report["warnings"]), result.report["warnings"]

@@ -58,6 +58,7 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
         pad_token_id=info.pad_token_id,
         storage_dtype=info.layout.storage_dtype,
         check_states=cfg.check_states,
+        target_topk=info.layout.target_topk,
     )
     staging = cfg.staging_dir
     staging.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from hsextract.errors import HsextractError
 JOB_OPTIONS = [
     "--config", "--model", "--data", "--layers", "--max-length", "--too-long", "--max-tokens-per-batch",
     "--max-rows", "--device", "--dtype", "--attn-implementation", "--kernels", "--final-state", "--no-final-state",
-    "--storage-dtype", "--num-proc",
+    "--storage-dtype", "--num-proc", "--target-topk",
 ]  # fmt: skip
 RUN_OPTIONS = [
     "--output", "--run-dir", "--shards", "--gpus", "--staging", "--staging-max-gb", "--s3-endpoint-url", "--nodes",

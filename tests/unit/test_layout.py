@@ -85,6 +85,7 @@ FLOORS = [
     {"model"},
     {"prepare"},
     {"run"},
+    {"dryrun_report"},
     {"status", "export", "dryrun", "demo"},
     {"cli"},
 ]

@@ -41,6 +41,18 @@ def test_bad_states_are_refused_naming_the_batch_and_the_first_bad_layer():
     refuse_bad_states(state_health(torch.ones(6, 3, 16), None), batch, (1, 16, 31), torch.float16)
 
 
+def test_non_finite_target_topk_is_counted_and_refused_by_name():
+    batch = BatchSpec(batch_id=7, shard=1, sample_indices=(0, 1), num_tokens=6, padded_length=3)
+    logprobs = -torch.rand(6, 4)
+    logprobs[5, 3] = float("nan")
+    health = state_health(torch.ones(6, 3, 16), None, logprobs)
+    assert health.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
+    with pytest.raises(
+        BadStatesError, match=r"the target's top-k has 1 token\(s\) with NaN or Inf values of 6"
+    ):
+        refuse_bad_states(health, batch, (1, 16, 31), torch.bfloat16)
+
+
 @pytest.mark.parametrize("storage", [None, "float8_e4m3fn"])
 def test_the_early_workers_host_buffers_hold_the_pipelines_largest_batch(tiny_model, tmp_path, storage):
     """What an early worker pins while it imports (run/prestart.py's slot_bytes, from the config and the model's

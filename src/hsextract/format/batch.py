@@ -30,6 +30,11 @@ id order, then, with the final state, one for the last decoder layer's output un
 already. With fp8 storage, ``hidden_states_scale`` [tokens, slots] float32 follows it. With the final state, the
 output also holds ``final_norm.safetensors`` (the norm's weight; its epsilon and rule in the metadata), written by
 the workers once the model is loaded and named in the manifest.
+
+With ``--target-topk K``, ``target_topk_ids`` [tokens, K] int32 and ``target_topk_logprobs`` [tokens, K] float32
+hold the target's K most likely next tokens after every token: all tokens, not only the supervised ones, so that the
+per-token layout, ``cu_seqlens`` and the per-sample checksums serve them unchanged; K * 8 bytes a token, ~1% of five
+bf16 layers of Qwen3.6 at K = 64. ``target_topk`` (K) is in the metadata and the manifest only when they are stored.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ class StateLayout:
     """Whether the last decoder layer's output (before the final norm) is stored too."""
     storage_dtype: str | None = None
     """``float8_e4m3fn`` (values with a float32 scale per token per slot), or None: the run dtype."""
+    target_topk: int | None = None
+    """K of ``target_topk_ids`` / ``target_topk_logprobs`` [tokens, K] beside the states, or None: not stored."""
 
     @property
     def slot_layers(self) -> tuple[int, ...]:
@@ -114,17 +121,27 @@ class StateLayout:
     def scaled(self) -> bool:
         return self.storage_dtype is not None
 
+    @property
+    def layers_run(self) -> int:
+        """Decoder layers the forward runs: to the deepest slot, or all of them for the target's top-k."""
+        return self.num_layers if self.target_topk else max(self.slot_layers) + 1
+
     def bytes_per_token(self, hidden: int, itemsize: int) -> int:
-        """Stored bytes per token: the states (``itemsize`` bytes a value unless fp8), their scales, id and mask."""
+        """Stored bytes per token: the states (``itemsize`` bytes a value unless fp8), their scales, id and mask,
+        and the target's top-k."""
         if self.scaled:
-            return bytes_per_token(len(self.slot_layers), hidden, 1, scale_bytes=4)
-        return bytes_per_token(len(self.slot_layers), hidden, itemsize)
+            states = bytes_per_token(len(self.slot_layers), hidden, 1, scale_bytes=4)
+        else:
+            states = bytes_per_token(len(self.slot_layers), hidden, itemsize)
+        return states + topk_bytes_per_token(self.target_topk)
 
     def file_metadata(self) -> dict[str, str]:
+        # target_topk only when stored: the files of runs without it are byte-for-byte as before it existed.
         return {
             "slot_layer_ids": json.dumps(list(self.slot_layers)),
             "final_state_slot": "" if self.final_slot is None else str(self.final_slot),
             "storage_dtype": self.storage_dtype or "",
+            **({"target_topk": str(self.target_topk)} if self.target_topk else {}),
         }
 
     @classmethod
@@ -136,6 +153,7 @@ class StateLayout:
             manifest.get("num_layers") or max(ids) + 1,
             bool(manifest.get("final_state")),
             manifest.get("storage_dtype"),
+            manifest.get("target_topk"),
         )
 
 
@@ -285,6 +303,21 @@ def read_file_head(path: str | Path) -> bytes:
 def bytes_per_token(num_slots: int, hidden: int, itemsize: int, scale_bytes: int = 0) -> int:
     """States of every slot (and their scales), plus the token id (int32) and its loss-mask byte."""
     return num_slots * (hidden * itemsize + scale_bytes) + 4 + 1
+
+
+TOPK_IDS = "target_topk_ids"
+
+"""[tokens, K] int32: the target's K most likely next tokens after each token, most likely first."""
+
+
+TOPK_LOGPROBS = "target_topk_logprobs"
+
+"""[tokens, K] float32: their log-probabilities (log-softmax over the full vocabulary)."""
+
+
+def topk_bytes_per_token(k: int | None) -> int:
+    """Bytes per token of the target's top-k: an int32 id and a float32 log-probability each."""
+    return (k or 0) * 8
 
 
 def estimate_file_bytes(num_tokens: int, num_samples: int, token_bytes: int) -> int:

@@ -25,7 +25,8 @@ OUTPUT_FORMAT = "hsextract-output"
 OUTPUT_FORMAT_VERSION = 3
 
 """2: each batch's size, CRC32 and header checksum in the manifest. 3: the state layout (``slot_layer_ids``,
-``final_state``, ``storage_dtype``), ``num_layers`` and ``vocab_size``."""
+``final_state``, ``storage_dtype``), ``num_layers`` and ``vocab_size``; ``target_topk`` where the files hold the
+target's top-k (an addition readers without it ignore, so the version stays)."""
 
 
 STORED_FIELDS = {"size": int, "crc32": str, "header_size": int, "header_xxh3": str}
@@ -64,6 +65,8 @@ def build_manifest(
         "slot_layer_ids": list(layout.slot_layers),
         "final_state": final,
         "storage_dtype": layout.storage_dtype,
+        # Only when stored: the manifests of runs without it are as before it existed.
+        **({"target_topk": layout.target_topk} if layout.target_topk else {}),
         "vocab_size": info.vocab_size,
         "hidden_size": info.hidden_size,
         "dtype": dtype,
@@ -217,6 +220,8 @@ def header_expectations(manifest: dict, entry: dict) -> dict:
     expect = {"plan_hash": manifest.get("plan_hash"), "layer_ids": list(manifest["layer_ids"])}
     if "slot_layer_ids" in manifest:
         expect["slot_layer_ids"] = list(manifest["slot_layer_ids"])
+    if manifest.get("target_topk"):
+        expect["target_topk"] = manifest["target_topk"]
     for field in ("batch_id", "shard"):
         if field in entry:
             expect[field] = entry[field]

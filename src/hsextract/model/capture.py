@@ -12,6 +12,11 @@ tokens of its output straight into one preallocated buffer laid out as the batch
 the final norm and the lm_head never run. The final state (``--final-state``) is one more wanted layer, the last
 one: its slot holds the raw output, before the final norm. With fp8 storage the hooks quantize what they gather
 (format/fp8.py), so the buffer holds fp8 values and a float32 scale per token per slot.
+
+The target's top-k (``--target-topk K``) makes the last decoder layer the deepest hooked one: its hook applies the
+model's final norm and ``lm_head`` to the valid tokens only, a chunk of tokens at a time (``target_topk_``), so the
+full-vocabulary logits exist for one chunk at once, on the device; only the K-wide ids and log-probabilities are
+kept, in the batch's buffers beside the states.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from hsextract.errors import HsextractError
 from hsextract.format.final_norm import RULES, FinalNorm
 from hsextract.format.fp8 import quantize_fp8_
 from hsextract.model import qwen3_5 as kernels
-from hsextract.model.load import base_model, decoder_layers, final_norm
+from hsextract.model.load import base_model, decoder_layers, final_norm, output_embeddings
+from hsextract.model.target_topk import logits_chunk_tokens, target_topk_
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +47,36 @@ class GatherTarget:
     flat_index: object  # LongTensor [tokens] into the [rows * padded_length] positions
     out: object  # Tensor [tokens, len(layer_ids), hidden]; float8_e4m3fn when ``scale`` is given
     scale: object = None  # float32 Tensor [tokens, len(layer_ids)]: fp8 storage, a scale per token per slot
+    topk_ids: object = None  # int32 Tensor [tokens, K]: the target's top-k (``target_topk``), else None
+    topk_logprobs: object = None  # float32 Tensor [tokens, K]
 
 
 class LayerCapture:
     """Forward hooks that gather the wanted layers' valid tokens and stop the forward after the deepest one.
 
     Use as ``with LayerCapture(lm, layer_ids) as cap: cap.forward(input_ids, attention_mask, target)``.
+    With ``target_topk`` the forward runs to the last layer, whose hook also fills the target's top-k.
     """
 
-    def __init__(self, lm, layer_ids: tuple[int, ...]):
+    def __init__(self, lm, layer_ids: tuple[int, ...], target_topk: int | None = None):
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
         self.decoder = base_model(lm)
         self.layers = decoder_layers(lm)
-        self.deepest = max(self.layer_ids)
+        self.target_topk = target_topk
+        last = len(self.layers) - 1
+        self.deepest = last if target_topk else max(self.layer_ids)
+        if target_topk:
+            self.norm, self.lm_head = final_norm(lm), output_embeddings(lm)
+            self.chunk_tokens = logits_chunk_tokens(self.lm_head.weight.shape[0])
         self._target: GatherTarget | None = None
         self._handles = []
 
     def __enter__(self):
-        for j, k in enumerate(self.layer_ids):
-            self._handles.append(self.layers[k].register_forward_hook(self._make_hook(j, k)))
+        slots = {k: j for j, k in enumerate(self.layer_ids)}
+        hooked = sorted(set(self.layer_ids) | ({self.deepest} if self.target_topk else set()))
+        for k in hooked:
+            self._handles.append(self.layers[k].register_forward_hook(self._make_hook(slots.get(k), k)))
         return self
 
     def __exit__(self, *exc):
@@ -68,16 +84,29 @@ class LayerCapture:
             h.remove()
         self._handles.clear()
 
-    def _make_hook(self, j: int, k: int):
+    def _make_hook(self, j: int | None, k: int):
+        """The hook of layer ``k``: its valid tokens into slot ``j`` (None: no slot), the target's top-k on the
+        last layer when asked for, and the stop after the deepest."""
+        topk = self.target_topk and k == self.deepest
+
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
             target = self._target
             flat = hidden.reshape(-1, hidden.shape[-1])
             rows = flat.index_select(0, target.flat_index)
-            if target.scale is None:
+            if j is not None and target.scale is None:
                 target.out[:, j].copy_(rows)
-            else:
+            elif j is not None:
                 quantize_fp8_(rows, target.out[:, j], target.scale[:, j])
+            if topk:
+                # The valid tokens only, normed by the model's own norm module: HF's last hidden state.
+                target_topk_(
+                    self.norm(rows),
+                    self.lm_head,
+                    target.topk_ids,
+                    target.topk_logprobs,
+                    chunk_tokens=self.chunk_tokens,
+                )
             if k == self.deepest:
                 raise _StopForward
 

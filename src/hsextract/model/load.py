@@ -194,6 +194,16 @@ def base_model(lm):
     return lm.get_decoder() if hasattr(lm, "get_decoder") and lm.get_decoder() is not None else lm.base_model
 
 
+def output_embeddings(lm):
+    """The ``lm_head``: what turns the final normed state into logits."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None or getattr(head, "weight", None) is None:
+        raise HsextractError(
+            f"--target-topk: {type(lm).__name__} has no lm_head (output embeddings); load a causal LM"
+        )
+    return head
+
+
 def final_norm(lm):
     """The norm the decoder applies after its last layer (what HF's last ``output_hidden_states`` entry has)."""
     decoder = base_model(lm)

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.config import DTYPE_BYTES, RunConfig
@@ -43,6 +43,7 @@ from hsextract.format.records import (
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
+from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
@@ -71,7 +72,7 @@ class ModelFacts:
 
 
 def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> StateLayout:
-    return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype)
+    return StateLayout(layer_ids, num_layers, cfg.wants_final_state, cfg.storage_dtype, cfg.target_topk)
 
 
 def prepare_run(
@@ -137,6 +138,7 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
         check_kernel_shape(text)  # said now, not by every worker after preparing
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
+    check_target_topk(cfg.target_topk, text)
     preflight(cfg.output, cfg.s3_endpoint_url)
     one_file = estimate_file_bytes(
         cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
@@ -328,6 +330,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         # Only when set, so that the plans of runs without them hash as they did before these options existed.
         **({"final_state": True} if model.layout.final_state else {}),
         **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
+        **({"target_topk": cfg.target_topk} if cfg.target_topk else {}),
         **({"dedupe": True} if cfg.dedupe else {}),
         # A lone dflash or eagle3 hashes as before presets were recorded; every other preset set is part of the job.
         **({"presets": model.presets} if set(model.presets) not in (set(), {"dflash"}, {"eagle3"}) else {}),
@@ -470,6 +473,7 @@ def write_run_files(
         storage_dtype=model.layout.storage_dtype,
         vocab_size=getattr(model.text_config, "vocab_size", None),
         presets=model.presets,
+        target_topk=model.layout.target_topk,
         file_metadata=run_file_metadata(
             layout=model.layout,
             presets=model.presets,
@@ -491,7 +495,7 @@ def write_run_files(
         open_sink(cfg.output, cfg.s3_endpoint_url),
         {
             "plan": plan.to_json(),
-            "info": asdict(info),
+            "info": info.to_json(),
             "samples": samples.sample_ids,
             "data_report": data_report,
         },

@@ -7,7 +7,9 @@ buffer while the next forward starts; the pipeline's writer thread waits for the
 to ``on_batch`` (the worker's ``StagingWriter``; the dry run's capture). A fixed set of buffer slots bounds memory
 and how far the GPU runs ahead: a slow ``on_batch`` (staging over its budget) holds the slots, and the GPU waits.
 With ``check_states`` each batch's states are checked on the device (``state_health``, a few counts riding the
-same copy) and a bad batch is refused (``BadStatesError``) before anything is written.
+same copy) and a bad batch is refused (``BadStatesError``) before anything is written. With ``target_topk`` the
+slot holds the batch's top-k ids and log-probabilities too (model/capture.py computes them on the device), copied
+with the states: K values a token cross to the host, never the logits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from hsextract.errors import HsextractError
+from hsextract.format.batch import TOPK_IDS, TOPK_LOGPROBS
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.prepare.plan import BatchSpec
 from hsextract.prepare.tokenfile import TokenizedSamples
@@ -80,16 +83,22 @@ class BadStatesError(HsextractError):
     """A batch's states hold non-finite values or all-zero token vectors: stored, they would train nothing."""
 
 
-def state_health(out: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def state_health(
+    out: torch.Tensor, scale: torch.Tensor | None, topk_logprobs: torch.Tensor | None = None
+) -> torch.Tensor:
     """[2, slots] int64 on the device: per slot, the tokens whose state holds a NaN or Inf, and those whose state
     is all zeros. ``out`` is [tokens, slots, hidden]; with fp8 storage ``scale`` [tokens, slots] tells both (a
-    non-finite vector has a non-finite scale, an all-zero one scale 0: fp8.py)."""
+    non-finite vector has a non-finite scale, an all-zero one scale 0: fp8.py). With the target's top-k one more
+    column: the tokens whose top-k log-probabilities hold a NaN or Inf (the final state's, seen through lm_head)."""
     if scale is not None:
         bad, zero = ~torch.isfinite(scale), scale == 0
     else:
         high, low = out.amax(dim=2), out.amin(dim=2)  # NaN propagates through both
         bad = ~(torch.isfinite(high) & torch.isfinite(low))
         zero = (high == 0) & (low == 0)
+    if topk_logprobs is not None:
+        bad = torch.cat([bad, ~torch.isfinite(topk_logprobs).all(dim=1, keepdim=True)], dim=1)
+        zero = torch.cat([zero, torch.zeros_like(zero[:, :1])], dim=1)
     return torch.stack([bad.sum(dim=0), zero.sum(dim=0)])
 
 
@@ -97,7 +106,9 @@ def refuse_bad_states(health: torch.Tensor, batch: BatchSpec, layer_ids, dtype) 
     """Raise ``BadStatesError`` naming the batch and the first bad layer, if ``health`` (``state_health``) counts
     any bad token."""
     counts = health.tolist()
-    for slot, layer in enumerate(layer_ids):
+    names = [f"layer {layer}" for layer in layer_ids]
+    names += ["the target's top-k"] * (len(counts[0]) - len(names))  # state_health's top-k column
+    for slot, name in enumerate(names):
         bad, zero = counts[0][slot], counts[1][slot]
         if bad or zero:
             what = (
@@ -106,7 +117,7 @@ def refuse_bad_states(health: torch.Tensor, batch: BatchSpec, layer_ids, dtype) 
                 else f"{zero} token(s) whose state is all zeros"
             )
             raise BadStatesError(
-                f"batch {batch.batch_id} (shard {batch.shard}, {batch.key}): layer {layer} has {what} "
+                f"batch {batch.batch_id} (shard {batch.shard}, {batch.key}): {name} has {what} "
                 f"of {batch.num_tokens}, in {str(dtype).removeprefix('torch.')}. Stored, they would train "
                 "nothing: check the model (hsextract dry-run shows each layer's health; float16 overflows "
                 "where bfloat16 does not), or pass --no-check-states if such states are expected"
@@ -117,9 +128,18 @@ class Slot:
     """A device gather buffer and the host buffer its contents are copied to (the same tensor on CPU), and with
     fp8 storage the same pair for the scales."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scale_numel: int = 0):
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scale_numel: int = 0,
+        topk_numel: int = 0,
+    ):
         self.device_buf = torch.empty(numel, dtype=dtype, device=device)
         self.device_scale = torch.empty(scale_numel, dtype=torch.float32, device=device)
+        self.device_topk_ids = torch.empty(topk_numel, dtype=torch.int32, device=device)
+        self.device_topk_logprobs = torch.empty(topk_numel, dtype=torch.float32, device=device)
         self.health: torch.Tensor | None = None
         """``state_health`` of the batch in the slot, on the host once copied."""
         self.host_health: torch.Tensor | None = None
@@ -127,10 +147,14 @@ class Slot:
         if device.type == "cuda":
             self.host_buf = host_buffer(numel, dtype)  # exact size, maybe made ahead (run/hostmem.py)
             self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
+            self.host_topk_ids = torch.empty(topk_numel, dtype=torch.int32, pin_memory=True)
+            self.host_topk_logprobs = torch.empty(topk_numel, dtype=torch.float32, pin_memory=True)
             self.copied = torch.cuda.Event()
         else:
             self.host_buf = self.device_buf
             self.host_scale = self.device_scale
+            self.host_topk_ids = self.device_topk_ids
+            self.host_topk_logprobs = self.device_topk_logprobs
             self.copied = None
 
 
@@ -140,7 +164,8 @@ class Extractor:
 
     ``layer_ids`` are the layers whose outputs fill the slots, in slot order (``StateLayout.slot_layers``: the
     captured ids, then the last layer for the final state). ``storage_dtype="float8_e4m3fn"`` stores fp8 values and
-    adds ``hidden_states_scale`` [tokens, slots] to the tensors handed to ``on_batch``."""
+    adds ``hidden_states_scale`` [tokens, slots] to the tensors handed to ``on_batch``; ``target_topk=K`` adds the
+    target's top-k, ``target_topk_ids`` and ``target_topk_logprobs`` [tokens, K]."""
 
     def __init__(
         self,
@@ -153,6 +178,7 @@ class Extractor:
         pad_token_id: int,
         storage_dtype: str | None = None,
         check_states: bool = False,
+        target_topk: int | None = None,
     ):
         self.lm = lm
         self.layer_ids = tuple(layer_ids)
@@ -163,9 +189,11 @@ class Extractor:
         self.dtype = getattr(torch, storage_dtype) if self.scaled else next(lm.parameters()).dtype
         numel = max_tokens * len(self.layer_ids) * self.hidden
         scale_numel = max_tokens * len(self.layer_ids) if self.scaled else 0
+        self.target_topk = target_topk
+        topk_numel = max_tokens * (target_topk or 0)
         t0 = time.perf_counter()
         ahead, ahead_s = reserved()
-        self.slots = [Slot(numel, self.dtype, device, scale_numel) for _ in range(num_slots)]
+        self.slots = [Slot(numel, self.dtype, device, scale_numel, topk_numel) for _ in range(num_slots)]
         drop_reserved()
         log.info(
             "%d buffer slots of %.2f GB made in %.1f s%s",
@@ -208,16 +236,17 @@ class Extractor:
                         refuse_bad_states(slot.health, batch, self.layer_ids, self.lm.dtype)
                     n, slots = inputs.num_tokens, len(self.layer_ids)
                     states = slot.host_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
-                    scales = (
-                        {"hidden_states_scale": slot.host_scale[: n * slots].view(n, slots)}
-                        if self.scaled
-                        else {}
-                    )
+                    extra = {}  # the per-token tensors some runs store beside the states
+                    if self.scaled:
+                        extra["hidden_states_scale"] = slot.host_scale[: n * slots].view(n, slots)
+                    if k := self.target_topk:
+                        extra[TOPK_IDS] = slot.host_topk_ids[: n * k].view(n, k)
+                        extra[TOPK_LOGPROBS] = slot.host_topk_logprobs[: n * k].view(n, k)
                     on_batch(
                         batch,
                         {
                             "hidden_states": states,
-                            **scales,
+                            **extra,
                             "input_ids": inputs.tokens_ids,
                             "loss_mask": inputs.tokens_mask,
                             "cu_seqlens": inputs.cu_seqlens,
@@ -232,13 +261,19 @@ class Extractor:
         thread = threading.Thread(target=writer, name="batch-writer", daemon=True)
         thread.start()
         try:
-            with LayerCapture(self.lm, self.layer_ids) as cap, torch.inference_mode():
+            with (
+                LayerCapture(self.lm, self.layer_ids, self.target_topk) as cap,
+                torch.inference_mode(),
+            ):
                 for batch in batches:
                     slot = self._take(free, failure, stop)
                     inputs = build_batch(samples, batch, self.pad_token_id)
                     n, slots = inputs.num_tokens, len(self.layer_ids)
                     out = slot.device_buf[: n * slots * self.hidden].view(n, slots, self.hidden)
                     scale = slot.device_scale[: n * slots].view(n, slots) if self.scaled else None
+                    k = self.target_topk or 0
+                    topk_ids = slot.device_topk_ids[: n * k].view(n, k) if k else None
+                    topk_logprobs = slot.device_topk_logprobs[: n * k].view(n, k) if k else None
                     cap.forward(
                         inputs.input_ids.to(self.device, non_blocking=True),
                         inputs.attention_mask.to(self.device, non_blocking=True),
@@ -246,9 +281,11 @@ class Extractor:
                             flat_index=inputs.flat_index.to(self.device, non_blocking=True),
                             out=out,
                             scale=scale,
+                            topk_ids=topk_ids,
+                            topk_logprobs=topk_logprobs,
                         ),
                     )
-                    health = state_health(out, scale) if self.check_states else None
+                    health = state_health(out, scale, topk_logprobs) if self.check_states else None
                     slot.health = health
                     if self.copy_stream is not None:
                         # The copy waits for this forward only; the next forward starts at once on the main stream.
@@ -266,6 +303,13 @@ class Extractor:
                             slot.host_buf[: out.numel()].copy_(out.view(-1), non_blocking=True)
                             if scale is not None:
                                 slot.host_scale[: scale.numel()].copy_(scale.view(-1), non_blocking=True)
+                            if topk_ids is not None:
+                                slot.host_topk_ids[: topk_ids.numel()].copy_(
+                                    topk_ids.view(-1), non_blocking=True
+                                )
+                                slot.host_topk_logprobs[: topk_logprobs.numel()].copy_(
+                                    topk_logprobs.view(-1), non_blocking=True
+                                )
                             slot.copied.record(self.copy_stream)
                     work.put((slot, batch, inputs))
         except BaseException as e:

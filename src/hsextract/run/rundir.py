@@ -249,14 +249,25 @@ class RunInfo:
     """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
     presets: dict = field(default_factory=dict)
     """Each preset the layers name -> its layer ids (layers.py); empty for explicit ids."""
+    target_topk: int | None = None
+    """K of the target's top-k stored beside the states (``--target-topk``), or None."""
 
     @property
     def layout(self):
         """What the run's batch files hold, slot by slot (output.StateLayout)."""
-        return StateLayout(self.layer_ids, self.num_layers, self.final_state, self.storage_dtype)
+        return StateLayout(
+            self.layer_ids, self.num_layers, self.final_state, self.storage_dtype, self.target_topk
+        )
+
+    def to_json(self) -> dict:
+        """Every field; ``target_topk`` only when set, so that a run without it writes run.json as before."""
+        d = asdict(self)
+        if d["target_topk"] is None:
+            del d["target_topk"]
+        return d
 
     def save(self, run_dir: RunDir) -> None:
-        write_json(run_dir.info_file, asdict(self))
+        write_json(run_dir.info_file, self.to_json())
 
     @classmethod
     def load(cls, run_dir: RunDir) -> RunInfo:

@@ -178,6 +178,7 @@ class ShardRun:
             pad_token_id=self.info.pad_token_id,
             storage_dtype=layout.storage_dtype,
             check_states=cfg.check_states,
+            target_topk=layout.target_topk,
         )
         self.monitor.running("running")
         self.monitor.save()
