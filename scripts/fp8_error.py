@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from benchlib import realistic_samples
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from hsextract.format.fp8 import dequantize_fp8, quantization_error, quantize_fp8  # noqa: E402
+from hsextract.format.fp8 import dequantize_fp8, quantization_error, quantize_fp8
 
 
 def tiny_model_errors(num_conversations: int = 40) -> list[dict]:
@@ -91,8 +89,6 @@ def synthetic_errors(tokens: int = 4096, hidden: int = 5120, seed: int = 0) -> l
 
 
 def gpu_errors(config: str, layers: str = "dflash", tokens: int = 16_384) -> list[dict]:
-    from bench import realistic_samples
-
     from hsextract.format.batch import StateLayout
     from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model
