@@ -147,13 +147,3 @@ def best_of(repeat: int, fn) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def print_figures(prefix: str, result: dict) -> None:
-    """One ``figure NAME VALUE`` line per entry (a dict's entries one level down), what the GPU suites grep."""
-    for key, value in result.items():
-        if isinstance(value, dict):
-            for k, v in value.items():
-                print(f"figure {prefix}{key}.{k} {json.dumps(v)}", flush=True)
-        else:
-            print(f"figure {prefix}{key} {json.dumps(value)}", flush=True)
