@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import ClockSampler, cuda_ms, realistic_samples
+from benchlib import ClockSampler, cuda_ms, extractor, realistic_samples
 
 from hsextract.format.batch import StateLayout
 from hsextract.layers import resolve_layer_ids
@@ -55,7 +55,7 @@ from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import LayerCapture, _StopForward
 from hsextract.model.load import decoder_layers, load_model
 from hsextract.prepare.plan import make_plan
-from hsextract.run.pipeline import Extractor, build_batch
+from hsextract.run.pipeline import build_batch
 from hsextract.run.writer import write_batch_file
 
 
@@ -90,14 +90,25 @@ def save_report(args, report: dict) -> None:
 
 
 # -- the forward alone, and inside a loop -------------------------------------------------------------------------
-def bench_forward_only(lm, layer_ids, batches, samples, device, pad):
-    deepest = max(layer_ids)
+def bench_forward_only(lm, layer_ids, batches, samples, device, pad, captured=None, on_batch=None) -> float:
+    """Seconds of one pass over ``batches``, each forward stopped after the deepest of ``layer_ids``. With
+    ``captured`` (a dict), those layers' outputs land in it for ``on_batch(batch, inputs)`` after each forward."""
     layers = decoder_layers(lm)
+    deepest = max(layer_ids)
 
-    def stop(*_):
-        raise _StopForward
+    def hook_for(k):
+        def hook(module, args, out):
+            if captured is not None:
+                captured[k] = out[0] if isinstance(out, tuple) else out
+            if k == deepest:
+                raise _StopForward
 
-    h = layers[deepest].register_forward_hook(stop)
+        return hook
+
+    handles = [
+        layers[k].register_forward_hook(hook_for(k))
+        for k in (layer_ids if captured is not None else (deepest,))
+    ]
     decoder = LayerCapture(lm, layer_ids).decoder
     try:
         sync()
@@ -113,24 +124,19 @@ def bench_forward_only(lm, layer_ids, batches, samples, device, pad):
                     )
                 except _StopForward:
                     pass
+                if on_batch is not None:
+                    on_batch(b, x)
         sync()
         return time.perf_counter() - t0
     finally:
-        h.remove()
+        for h in handles:
+            h.remove()
 
 
 def bench_hsextract(
     lm, layer_ids, batches, samples, device, pad, staging: Path, slots: int, storage_dtype=None
 ):
-    ext = Extractor(
-        lm,
-        layer_ids,
-        device=device,
-        max_tokens=max(b.num_tokens for b in batches),
-        num_slots=slots,
-        pad_token_id=pad,
-        storage_dtype=storage_dtype,
-    )
+    ext = extractor(lm, layer_ids, batches, device, slots, storage_dtype)
     written = []
 
     def on_batch(b, tensors):
@@ -148,44 +154,21 @@ def bench_hsextract(
     return dt, sum(written)
 
 
-def bench_naive(lm, layer_ids, batches, samples, device, pad, staging: Path):
+def bench_naive(lm, layer_ids, batches, samples, device, pad, staging: Path) -> float:
+    """(c): the captured layers' outputs gathered on the GPU, one blocking ``.cpu()`` per layer, ``save_file``."""
     from safetensors.torch import save_file
 
-    layers = decoder_layers(lm)
-    deepest = max(layer_ids)
-    captured = {}
+    captured: dict = {}
 
-    def make(k):
-        def hook(m, a, out):
-            captured[k] = out[0] if isinstance(out, tuple) else out
-            if k == deepest:
-                raise _StopForward
+    def save(b, x):
+        mask = x.attention_mask.to(device).bool()
+        tensors = {f"layer_{k}": captured[k][mask].cpu() for k in layer_ids}  # blocks per layer
+        tensors["input_ids"] = x.tokens_ids
+        path = staging / f"naive-{b.batch_id:06d}.safetensors"
+        save_file(tensors, str(path))
+        path.unlink()
 
-        return hook
-
-    handles = [layers[k].register_forward_hook(make(k)) for k in layer_ids]
-    decoder = LayerCapture(lm, layer_ids).decoder
-    try:
-        sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for b in batches:
-                x = build_batch(samples, b, pad)
-                mask = x.attention_mask.to(device).bool()
-                try:
-                    decoder(input_ids=x.input_ids.to(device), attention_mask=mask.long(), use_cache=False)
-                except _StopForward:
-                    pass
-                tensors = {f"layer_{k}": captured[k][mask].cpu() for k in layer_ids}  # blocks per layer
-                tensors["input_ids"] = x.tokens_ids
-                path = staging / f"naive-{b.batch_id:06d}.safetensors"
-                save_file(tensors, str(path))
-                path.unlink()
-        sync()
-        return time.perf_counter() - t0
-    finally:
-        for h in handles:
-            h.remove()
+    return bench_forward_only(lm, layer_ids, batches, samples, device, pad, captured, save)
 
 
 # -- variants: the forward against the capped GEMM rate ----------------------------------------------------------
@@ -818,14 +801,7 @@ def shapes(args) -> None:
     t0 = time.perf_counter()
     lm = load_model_for(cfg, device)
     print(f"figure load_s {time.perf_counter() - t0:.1f}", flush=True)
-    ext = Extractor(
-        lm,
-        layers,
-        device=device,
-        max_tokens=max(b.num_tokens for b in plan.batches),
-        num_slots=3,
-        pad_token_id=0,
-    )
+    ext = extractor(lm, layers, plan.batches, device, num_slots=3)
     passes = []
     for p in range(2):
         seen: list[tuple[int, float]] = []

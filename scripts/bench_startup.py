@@ -159,6 +159,18 @@ def steady_state(run_dir: Path, since: float, skip: int = 2) -> dict:
     return got
 
 
+def hsextract_cli(argv: list, stdout, env: dict, start_new_session: bool = False) -> subprocess.Popen:
+    """``hsextract ARGV...`` in a child process, its stderr with its stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=start_new_session,
+    )
+
+
 def attempt(
     name: str,
     argv: list,
@@ -182,14 +194,7 @@ def attempt(
             timeline.append(f"{time.time() - t0:6.2f} {line.rstrip()[:160]}")
 
     with open(out_path, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
+        proc = hsextract_cli(argv, subprocess.PIPE, env, start_new_session=True)
         reader = threading.Thread(target=collect, args=(proc.stdout, out), daemon=True)
         reader.start()
         result: dict = {"first_durable_s": None}
@@ -277,12 +282,7 @@ def shard_job(
     sampler = TreeSampler(staging)
     t0 = time.time()
     with open(log, "a") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        proc = hsextract_cli(argv, out, env)
         sampler.pid = proc.pid
         sampler.start()
         while proc.poll() is None and not durable(output):
@@ -290,8 +290,8 @@ def shard_job(
         result["first_durable_batch_s"] = round(time.time() - t0, 2) if durable(output) else None
         if kill_shard is not None:
             prefix = f"shard-{kill_shard:05d}/"
+            mine = [b for b in Plan.load(run_dir / "plan.json").batches if b.shard == kill_shard]
             while proc.poll() is None:
-                mine = [b for b in Plan.load(run_dir / "plan.json").batches if b.shard == kill_shard]
                 done = [k for k in durable(output) if k.startswith(prefix)]
                 if len(done) >= max(1, len(mine) // 3):
                     pid = ShardProgress.load(run_dir, kill_shard).pid
@@ -308,12 +308,7 @@ def shard_job(
         result["first_attempt_s"] = round(time.time() - t0, 2)
         if kill_shard is not None:
             t1 = time.time()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+            proc = hsextract_cli(argv, out, env)
             sampler.pid = proc.pid
             result["resume_rc"] = proc.wait()
             result["resume_s"] = round(time.time() - t1, 2)

@@ -85,6 +85,21 @@ def realistic_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
     )
 
 
+def extractor(lm, layer_ids, batches, device, num_slots: int, storage_dtype: str | None = None):
+    """The worker's ``Extractor`` for ``batches`` (its buffers sized for the largest), padding with id 0."""
+    from hsextract.run.pipeline import Extractor
+
+    return Extractor(
+        lm,
+        layer_ids,
+        device=device,
+        max_tokens=max(b.num_tokens for b in batches),
+        num_slots=num_slots,
+        pad_token_id=0,
+        storage_dtype=storage_dtype,
+    )
+
+
 class ClockSampler:
     """SM clock (MHz) and board power (W) of the current GPU every 50 ms through NVML while a block runs: whether a
     denser stream of matrix products runs the GPU at lower clocks (the power cap) shows here, no setting touched."""
