@@ -338,6 +338,8 @@ def shards_step(job_args, shards: int, gpus: str, rows: int, work: Path, env: di
         kill = shards - 1 if job == "multi" else None
         report[job] = shard_job(argv, run_dir, output, staging, work / f"{job}.out", env, kill)
         print(f"figure shards.{job} {json.dumps(report[job])}", flush=True)
+        if job == "single":  # only its rate is needed: its output goes, to keep /dev/shm free
+            shutil.rmtree(output, ignore_errors=True)
     m = report["multi"]
     single = report["single"]["tokens_per_s_per_shard"][0]
     aggregate = sum(m["tokens_per_s_per_shard"])
