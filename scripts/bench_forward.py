@@ -757,18 +757,18 @@ def prewarm(cfg, plan, work: Path) -> None:
     import shutil
     import subprocess
 
-    from hsextract.run.rundir import RunDir
+    from hsextract.run.launcher import warmup_spec
 
     shutil.rmtree(work, ignore_errors=True)
-    run_dir = RunDir(work / "run")
-    run_dir.root.mkdir(parents=True)
-    cfg.save(run_dir.config_file)
-    plan.save(run_dir.plan_file)
+    work.mkdir(parents=True)
+    warmup_spec(cfg, plan).save(work / "warmup.json")
     os.environ["TRITON_CACHE_DIR"] = str(work / "kernels")
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     t0 = time.perf_counter()
     r = subprocess.run(
-        [sys.executable, "-m", "hsextract.model.warmup", str(run_dir.root)], capture_output=True, text=True
+        [sys.executable, "-m", "hsextract.model.warmup", str(work / "warmup.json")],
+        capture_output=True,
+        text=True,
     )
     print(f"figure prewarm_s {time.perf_counter() - t0:.1f}", flush=True)
     print(f"figure prewarm_exit {r.returncode}", flush=True)

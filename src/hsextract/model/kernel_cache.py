@@ -1,11 +1,22 @@
 """The kernel cache: Triton's compiled kernels and autotune results, shared by every job of a user on a machine.
 
-Compiling and autotuning flash-linear-attention's kernels costs a minute or two and gives the same result for every
-job with the same GPU and software, so they live per user (``--kernel-cache``, ``$HSEXTRACT_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/hsextract/triton``), under a key naming the GPU model, driver, torch, Triton and FLA versions: another
-setup never reuses an entry. A ``TRITON_CACHE_DIR`` already set is used as it is; the run dir keeps a pointer to the
-directory a run used. The stamp (``WarmSet``) lists the token-count buckets and shape classes the warm-up has run; a
-job whose plan needs nothing more skips the warm-up. No torch here: the launcher uses it.
+Compiling flash-linear-attention's kernels and autotuning them costs one to two minutes, and they are the same for
+every job on a machine with the same GPU and software. So they live in a per-user directory, not in the run dir:
+
+    <root>/<key>/            TRITON_CACHE_DIR of every process of every job with this setup
+    <root>/<key>/key.json    what the key stands for
+    <root>/<key>/hsextract-warm/<model signature>.json   the stamp: what the warm-up has compiled (``WarmSet``)
+
+``root`` is ``--kernel-cache``, else ``$HSEXTRACT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/hsextract/triton``
+(``~/.cache/hsextract/triton``). ``key`` names the GPU model(s), the driver, torch (with its CUDA build), Triton
+and flash-linear-attention versions, so another GPU or another version never reuses an entry made for a different
+one; it is ``cpu`` on CPU. A ``TRITON_CACHE_DIR`` already set in the environment (and no ``--kernel-cache``) is
+used as it is. The run dir keeps a pointer, ``kernel-cache.json``, naming the directory a run used.
+
+The stamp lists the token-count buckets and the shape classes the warm-up has run (``plan_needs``): FLA autotunes
+``l2norm_fwd_kernel`` and ``layer_norm_gated_fwd_kernel`` per ``NB = cdiv(rows, 2048)`` of the rows they see
+(tokens x heads), and Triton compiles a kernel again for integer arguments equal to 1 or divisible by 16. A job
+whose plan needs nothing the stamp lacks skips the warm-up. Nothing here imports torch: the launcher uses it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,20 @@
 """Pre-warm flash-linear-attention's Triton kernels into the kernel cache, while the shards load their weights.
 
-FLA compiles on first use and autotunes some kernels per token count: minutes over a plan, and N shards compiling
-the same kernels at once starve the CPU. So, unless the cache's stamp covers the plan, the launcher (run/prewarm.py)
-runs this once (``python -m hsextract.model.warmup RUN_DIR``) beside the shards' load, and they wait for it before
-their first batch. It builds a shallow random-weight copy of the target (every layer type, no real weights: seconds),
-runs a forward on the plan's missing shapes largest first, then the token-count-keyed norm kernels alone for the
-missing buckets until ``HSEXTRACT_WARMUP_BUCKET_S``, and adds what it warmed to the stamp.
+FLA compiles its Triton kernels on first use and autotunes some per token count: minutes over a realistic plan,
+and N shards compiling the same kernels at once starve the CPU. So the launcher (run/prewarm.py) points every
+process at one per-user kernel cache (model/kernel_cache.py) and, unless the cache's stamp already covers the
+plan, runs this module once (``python -m hsextract.model.warmup RUN_DIR``) on the first GPU, beside the shards'
+weight load; the shards wait for it before their first batch. It
+
+1. builds a shallow random-weight copy of the target (the first few layers, enough to contain every layer type,
+   so every kernel is met) with the run's kernels and the pinned autotune keys (model/autotune.py);
+2. runs a forward on a spread of the plan's batch shapes that the stamp lacks, the largest first (the tuning of
+   the pinned kernels happens there), with one shape of every missing shape class;
+3. runs the token-count-keyed norm kernels alone (no forward) for every token-count bucket still missing, largest
+   first, until ``HSEXTRACT_WARMUP_BUCKET_S`` seconds have passed (what is left is compiled by the run);
+4. adds what it warmed to the stamp, so the next job with these shapes skips the warm-up.
+
+Nothing here touches the real weights, so the warm-up costs seconds of loading, not minutes.
 """
 
 from __future__ import annotations
