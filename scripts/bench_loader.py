@@ -1,21 +1,24 @@
-"""What a trainer's data loader delivers, side by side on one output: samples/s and GB/s of states with 1, 2 and 4
-DataLoader workers, for (i) the trainer's own loader on ``hsextract export`` (SpecForge's ``load_feature_file`` of
-one ``data_I.ckpt`` per sample, a ``torch.utils.data`` map dataset, shuffled), (ii) ``StatesDataset`` of
-``hsextract.training`` on the local output, (iii) the same from a real S3 server on loopback (SeaweedFS, the tests'
-server from tests/support/s3server.py, started here). All feed the same DataLoader with ``batch_size=None`` and the
-DFlash schema; the states cross from the workers into this process as the trainer would get them. Also the bytes
-each variant read against the bytes of states delivered, and what the server takes for a ranged GET of 1 byte of a
-batch file (its per-request cost).
+"""What a trainer's data loader delivers from an output: GB/s of states, side by side.
 
-The output is synthetic and shaped like the default target's (Qwen3.6-27B, DFlash: 5 layers x 5120 hidden, bf16:
-51,200 bytes of states per token), sample lengths drawn around the realistic mix (median ~220 tokens), written under
-``--dir`` (/dev/shm by default). Each figure is the best of ``--repeat`` epochs (the fastest), and the least CPU
-seconds per GB of states an epoch took (main process and workers together: a second view, less at the mercy of
-other work); the variants take turns within each repeat, so on a shared machine they see the same load.
-``--in-file-order`` turns the shuffle off (every variant); ``--unverified`` adds (ii) without checksums.
+    python scripts/bench_loader.py workers --files 6 --tokens 16384 --workers 1,2,4 --repeat 2
+    python scripts/bench_loader.py gpu --files 6 --tokens 16384 --threads 1,4,8 --repeat 2
 
-    python scripts/bench_loader.py                    # 4 files x 4096 tokens, ~0.84 GB of states
-    python scripts/bench_loader.py --files 8 --tokens 16384 --workers 1,2,4,8 --no-s3 --json
+The output is synthetic, shaped like the default target's (Qwen3.6-27B, DFlash: 5 layers x 5120 hidden, bf16:
+51,200 bytes of states per token; the realistic length mix), written as a run writes one under ``--dir``
+(/dev/shm by default).
+
+``workers``: samples/s and GB/s with 1, 2 and 4 DataLoader workers for (i) the trainer's own loader on
+``hsextract export`` (SpecForge's ``load_feature_file`` of one ``data_I.ckpt`` per sample, shuffled), (ii)
+``StatesDataset`` on the local output, (iii) the same from SeaweedFS on loopback (the tests' server, started here),
+all with ``batch_size=None`` and the DFlash schema; also the bytes read against the bytes of states delivered, the
+CPU seconds per GB (main process and workers: less at the mercy of other work than seconds), and the server's time
+for a ranged GET of 1 byte. Each figure is the best of ``--repeat`` epochs; the variants take turns within each
+repeat, so on a shared machine they see the same load. ``--in-file-order`` turns the shuffle off; ``--unverified``
+adds (ii) without checksums.
+
+``gpu``: one loader process (``StatesDataset``, ``--threads`` read threads) into a pinned host buffer and on to the
+GPU (non-blocking, one stream), as a training loop's ``pin_memory`` + ``.cuda()``: GB/s, and how many such
+processes ~3 GB/s of states per GPU needs. Without CUDA, plain memory only.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import random
 import resource
 import shutil
 import sys
@@ -35,19 +37,14 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import realistic_output
 from torch.utils.data import DataLoader, Dataset
 
 from hsextract.export.runner import export
-from hsextract.format.batch import batch_metadata, header_checksum, read_file_head
-from hsextract.format.manifest import MANIFEST, OUTPUT_FORMAT, OUTPUT_FORMAT_VERSION
-from hsextract.run.writer import write_batch_file
-from hsextract.storage.base import read_with_crc32
 from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-LAYERS, HIDDEN = (1, 16, 31, 46, 61), 5120
+NEED_GBPS = 3.0  # a 1B-parameter drafter on an H200 (docs/PERFORMANCE.md, "Training loader")
 
 _read_bytes = mp.Value("q", 0)
 _inside = threading.local()  # LocalSink.read_range reads through read_range_into: count the bytes once
@@ -74,70 +71,6 @@ def _count_reads(sink_class) -> None:
     sink_class.read_range = counting(sink_class.read_range, len)
     if hasattr(sink_class, "read_range_into"):  # not in hsextract before 2026-12-01 (a run of older code)
         sink_class.read_range_into = counting(sink_class.read_range_into, int)
-
-
-def make_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
-    """``files`` batch files of ``tokens`` tokens each, random bf16 states, and their manifest."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    batches, n_samples = [], 0
-    for b in range(files):
-        lengths = []
-        while sum(lengths) < tokens:
-            lengths.append(max(2, min(int(rng.lognormvariate(5.4, 0.8)), 4096)))
-        lengths[-1] -= sum(lengths) - tokens
-        lengths = [n for n in lengths if n > 1]
-        n = sum(lengths)
-        ids = [f"s{n_samples + i:06d}" for i in range(len(lengths))]
-        n_samples += len(lengths)
-        tensors = {
-            "hidden_states": torch.randn(n, len(LAYERS), HIDDEN, generator=gen).to(torch.bfloat16),
-            "input_ids": torch.randint(0, 150_000, (n,), generator=gen, dtype=torch.int32),
-            "loss_mask": torch.ones(n, dtype=torch.uint8),
-            "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
-            "sample_index": torch.arange(len(lengths), dtype=torch.int64),
-        }
-        key = f"shard-00000/batch-{b:06d}.safetensors"
-        path = out / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = batch_metadata(
-            run_meta={"layer_ids": json.dumps(list(LAYERS)), "dtype": "bfloat16"},
-            batch_id=b,
-            shard=0,
-            sample_ids=ids,
-        )
-        write_batch_file(path, tensors, meta)
-        size, crc = read_with_crc32(path)
-        head = read_file_head(path)
-        batches.append(
-            {
-                "key": key,
-                "batch_id": b,
-                "shard": 0,
-                "num_tokens": n,
-                "sample_ids": ids,
-                "size": size,
-                "crc32": f"{crc:08x}",
-                "header_size": len(head),
-                "header_xxh3": header_checksum(head),
-            }
-        )
-    manifest = {
-        "format": OUTPUT_FORMAT,
-        "format_version": OUTPUT_FORMAT_VERSION,
-        "layer_ids": list(LAYERS),
-        "num_layers": 64,
-        "slot_layer_ids": list(LAYERS),
-        "final_state": None,
-        "storage_dtype": None,
-        "hidden_size": HIDDEN,
-        "vocab_size": 248_320,
-        "num_samples": n_samples,
-        "num_tokens": files * tokens,
-        "batches": batches,
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest))
-    return manifest
 
 
 class ExportFiles(Dataset):
@@ -193,27 +126,7 @@ def s3_get_seconds(client, key: str, repeat: int = 5) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--files", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per batch file (51,200 B each)")
-    parser.add_argument("--workers", default="1,2,4")
-    parser.add_argument("--threads", type=int, default=4, help="StatesDataset read threads per worker")
-    parser.add_argument("--dir", default="/dev/shm")
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--no-s3", action="store_true")
-    parser.add_argument(
-        "--unverified", action="store_true", help="also (ii) with verify=False: what the checksums cost"
-    )
-    parser.add_argument(
-        "--in-file-order",
-        action="store_true",
-        help="no shuffle: samples in manifest order (as export reads them)",
-    )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def workers_bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",")]
 
     _count_reads(LocalSink)
@@ -222,8 +135,8 @@ def main() -> int:
     stack = contextlib.ExitStack()  # the S3 server, stopped and its data deleted whatever happens
     try:
         out = work / "out"
-        manifest = make_output(out, args.files, args.tokens)
-        r["samples"] = manifest["num_samples"]
+        made = realistic_output(out, args.files, args.tokens)
+        r["samples"] = len(made["sample_ids"])
         dest = work / "export"
         t0 = time.perf_counter()
         export(str(out), str(dest), "specforge-dflash", num_proc=2, show_progress=False, echo=lambda *_: None)
@@ -269,7 +182,7 @@ def main() -> int:
             for p in sorted(out.rglob("*")):
                 if p.is_file():
                     client.upload_file(str(p), "bench", f"out/{p.relative_to(out).as_posix()}")
-            r["s3_get_s"] = s3_get_seconds(client, f"out/{manifest['batches'][0]['key']}")
+            r["s3_get_s"] = s3_get_seconds(client, f"out/{made['plan'].batches[0].key}")
             variants["hsextract_s3_loopback"] = lambda w: DataLoader(
                 StatesDataset(
                     "s3://bench/out",
@@ -326,6 +239,78 @@ def main() -> int:
             f"the S3 server takes {r['s3_get_s'] * 1e3:.1f} ms for a ranged GET of 1 byte of one batch file"
         )
     return 0
+
+
+def deliver(out: Path, threads: int, cuda: bool) -> tuple[float, int]:
+    """GB/s of states from ``StatesDataset`` in this process into a pinned buffer (and on to the GPU with
+    ``cuda``), and the bytes delivered."""
+    data = StatesDataset(str(out), schema="specforge-dflash", shuffle=True, seed=0, threads=threads)
+    stream = torch.cuda.Stream() if cuda else None
+    pinned: torch.Tensor | None = None
+    nbytes = 0
+    t0 = time.perf_counter()
+    for item in data:
+        states = item["hidden_states"]
+        if pinned is None or pinned.numel() < states.numel():
+            pinned = torch.empty(states.numel() * 2, dtype=states.dtype, pin_memory=cuda)
+        host = pinned[: states.numel()].view_as(states)
+        if stream is not None:
+            stream.synchronize()  # the last copy out of the buffer is done before it is refilled
+        host.copy_(states)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                host.to("cuda", non_blocking=True)
+        nbytes += states.numel() * states.element_size()
+    if stream is not None:
+        stream.synchronize()
+    return nbytes / (time.perf_counter() - t0) / 1e9, nbytes
+
+
+def gpu_bench(args) -> int:
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="hsx-loader-") as tmp:
+        out = Path(tmp) / "out"
+        realistic_output(out, args.files, args.tokens)
+        print(
+            f"figure output {args.files} files x {args.tokens} tokens in {args.dir}; cuda {cuda}", flush=True
+        )
+        for threads in map(int, args.threads.split(",")):
+            for target in ("host", "gpu") if cuda else ("host",):
+                best, nbytes = 0.0, 0
+                for _ in range(args.repeat):
+                    rate, nbytes = deliver(out, threads, cuda and target == "gpu")
+                    best = max(best, rate)
+                print(
+                    f"figure threads_{threads}.{target}_gbps {best:.2f} ({nbytes / 1e9:.2f} GB; "
+                    f"processes for {NEED_GBPS:g} GB/s: {-(-NEED_GBPS // best):.0f})",
+                    flush=True,
+                )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    w = sub.add_parser("workers", help="DataLoader workers: the export, the local output, the output over S3")
+    g = sub.add_parser("gpu", help="one loader process into pinned memory and the GPU")
+    for p in (w, g):
+        p.add_argument("--files", type=int, default=4)
+        p.add_argument("--tokens", type=int, default=4096, help="tokens per batch file (51,200 B each)")
+        p.add_argument("--dir", default="/dev/shm")
+        p.add_argument("--repeat", type=int, default=2)
+    w.add_argument("--workers", default="1,2,4")
+    w.add_argument("--threads", type=int, default=4, help="StatesDataset read threads per worker")
+    w.add_argument("--no-s3", action="store_true")
+    w.add_argument(
+        "--unverified", action="store_true", help="also (ii) with verify=False: what the checksums cost"
+    )
+    w.add_argument("--in-file-order", action="store_true", help="no shuffle: samples in manifest order")
+    w.add_argument("--json", action="store_true")
+    g.add_argument("--threads", default="1,4,8", help="read threads of the one process, each count in turn")
+    args = parser.parse_args()
+    return workers_bench(args) if args.what == "workers" else gpu_bench(args)
 
 
 if __name__ == "__main__":

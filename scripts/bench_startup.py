@@ -1,6 +1,8 @@
-"""Start-up of the real command: time from ``hsextract run`` to the first durable batch, cold, warm and on resume.
+"""The real command, ``hsextract run``, timed as users meet it: to its first durable batch cold, warm and on resume;
+to its end (steady state); with several shards, one killed and resumed.
 
     python scripts/bench_startup.py --model CKPT --work /tmp/bs [--tokens 300000] [--step-timeout 240]
+    python scripts/bench_startup.py --model CKPT --steps shards --shards 4 --gpus 0,1,2,3 --layers 1,4,6
     python scripts/bench_startup.py --device cpu --work /tmp/bs-cpu      # dry run: the demo's tiny model
 
 Steps, each a real ``hsextract run`` subprocess stopped (SIGTERM, a clean stop) once its first batch is
@@ -19,13 +21,19 @@ durable, each under ``--step-timeout`` seconds:
           uploader's seconds per file;
   load    (only when asked) ``load_model`` alone in a fresh process per variant (--load-variants): the fast reader
           (HSEXTRACT_FAST_LOAD=1) and a reader thread count (HSEXTRACT_LOAD_THREADS); the runs above load with
-          transformers' 4 threads.
+          transformers' 4 threads;
+  shards  (only when asked) a 1-shard job to its end (the single-shard rate), then a ``--shards`` job on ``--gpus``
+          (``0,0,0,0`` shares one GPU: the ratio then measures multi-process overhead, not scaling) whose last
+          worker is SIGKILLed once a third of its batches are durable, then resumed: tokens/s per shard, the
+          aggregate against N x single, peak host memory of the process tree, the staging high-water mark, and
+          exactly-once through the reader (every sample once, every planned batch once, nothing left staged).
 
-For each step: seconds to the first durable batch (its marker) and to the first batch computed in that attempt,
+For each step: seconds to the first durable batch (its completion record in the output) and to the first batch
+computed in that attempt,
 and the phases parsed from the launcher's output and the run's logs: preparation, pre-warm (or skipped), model
 load, the wait for the warm-up, first batch written after the load, first upload. Every figure is printed on one
 line (``figure STEP.NAME VALUE``) and all of them go to ``--json-out``. The data is a pre-tokenized file of the
-realistic length mix (median 221, mean ~330 tokens), ``--tokens`` long.
+realistic length mix (scripts/benchlib.py), ``--tokens`` long.
 """
 
 from __future__ import annotations
@@ -44,9 +52,9 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+from benchlib import ROOT, write_token_rows
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-sys.path.insert(0, str(SRC))
+SRC = ROOT / "src"
 
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -60,24 +68,10 @@ UPLOADED = re.compile(r"uploaded \S+: (\d+) bytes in ([0-9.]+) s")
 """The uploader's line for each file it made durable: bytes, seconds."""
 
 
-def write_data(path: Path, tokens: int, vocab: int, max_length: int, seed: int = 0) -> int:
-    """Pre-tokenized rows of the realistic length mix; the number of rows."""
-    rng = np.random.default_rng(seed)
-    n = total = 0
-    with open(path, "w") as f:
-        while total < tokens:
-            length = int(np.clip(rng.lognormal(np.log(221), 0.9), 2, max_length))
-            f.write(
-                json.dumps({"id": f"s{n:07d}", "input_ids": rng.integers(1, vocab, length).tolist()}) + "\n"
-            )
-            n += 1
-            total += length
-    return n
-
-
-def markers(run_dir: Path) -> set[str]:
-    root = run_dir / "markers"
-    return {str(p.relative_to(root)) for p in root.rglob("*.done")} if root.exists() else set()
+def durable(output: Path) -> set[str]:
+    """The batches the output records done (its completion records: the one ledger of a finished batch)."""
+    root = output / "hsextract" / "done"
+    return {str(p.relative_to(root)) for p in root.rglob("*.json")} if root.exists() else set()
 
 
 def log_lines(path: Path, since: float) -> list[tuple[float, str]]:
@@ -165,12 +159,31 @@ def steady_state(run_dir: Path, since: float, skip: int = 2) -> dict:
     return got
 
 
+def hsextract_cli(argv: list, stdout, env: dict, start_new_session: bool = False) -> subprocess.Popen:
+    """``hsextract ARGV...`` in a child process, its stderr with its stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=start_new_session,
+    )
+
+
 def attempt(
-    name: str, argv: list, run_dir: Path, work: Path, timeout: float, env: dict, to_the_end: bool = False
+    name: str,
+    argv: list,
+    run_dir: Path,
+    output: Path,
+    work: Path,
+    timeout: float,
+    env: dict,
+    to_the_end: bool = False,
 ) -> dict:
     """One ``hsextract run``, stopped once a batch it made durable appears (or, ``to_the_end``, left to finish);
     its figures."""
-    before = markers(run_dir)
+    before = durable(output)
     out_path = work / f"{name}.out"
     t0 = time.time()
     timeline: list[str] = []  # the launcher's lines, each with the second it arrived after t0
@@ -181,19 +194,12 @@ def attempt(
             timeline.append(f"{time.time() - t0:6.2f} {line.rstrip()[:160]}")
 
     with open(out_path, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hsextract.cli", *map(str, argv)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
+        proc = hsextract_cli(argv, subprocess.PIPE, env, start_new_session=True)
         reader = threading.Thread(target=collect, args=(proc.stdout, out), daemon=True)
         reader.start()
         result: dict = {"first_durable_s": None}
         while time.time() - t0 < timeout:
-            if result["first_durable_s"] is None and markers(run_dir) - before:
+            if result["first_durable_s"] is None and durable(output) - before:
                 result["first_durable_s"] = round(time.time() - t0, 2)
                 if not to_the_end:
                     break
@@ -215,7 +221,7 @@ def attempt(
         reader.join(timeout=10)
     result["exit_code"] = proc.returncode
     result["stopped_by_bench"] = stopped
-    result["new_durable_batches"] = len(markers(run_dir) - before)
+    result["new_durable_batches"] = len(durable(output) - before)
     text = out_path.read_text(errors="replace")
     result.update(
         {k: round(v, 2) if isinstance(v, float) else v for k, v in phases(run_dir, text, t0).items()}
@@ -234,6 +240,134 @@ def attempt(
     if result["first_durable_s"] is None:
         result["launcher_tail"] = text[-1500:]
     return result
+
+
+class TreeSampler(threading.Thread):
+    """Peak RSS of a process tree and peak bytes in a staging directory, sampled every 0.2 s."""
+
+    def __init__(self, staging: Path):
+        super().__init__(daemon=True)
+        self.pid, self.staging = None, staging
+        self.peak_rss = self.peak_staging = 0
+        self.done = threading.Event()
+
+    def run(self):
+        import psutil
+
+        while not self.done.wait(0.2):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+                self.peak_rss = max(self.peak_rss, sum(p.memory_info().rss for p in procs if p.is_running()))
+            except (psutil.Error, ValueError):
+                pass
+            staged = 0
+            for p in self.staging.rglob("*.safetensors"):
+                try:
+                    staged += p.stat().st_size
+                except FileNotFoundError:
+                    pass
+            self.peak_staging = max(self.peak_staging, staged)
+
+
+def shard_job(
+    argv: list, run_dir: Path, output: Path, staging: Path, log: Path, env: dict, kill_shard: int | None
+):
+    """One job to its end; with ``kill_shard``, that shard's worker is SIGKILLed once a third of its batches are
+    durable and the same command run again (the resume)."""
+    from hsextract.prepare.plan import Plan
+    from hsextract.run.progress import ShardProgress
+
+    result: dict = {}
+    sampler = TreeSampler(staging)
+    t0 = time.time()
+    with open(log, "a") as out:
+        proc = hsextract_cli(argv, out, env)
+        sampler.pid = proc.pid
+        sampler.start()
+        while proc.poll() is None and not durable(output):
+            time.sleep(0.1)
+        result["first_durable_batch_s"] = round(time.time() - t0, 2) if durable(output) else None
+        if kill_shard is not None:
+            prefix = f"shard-{kill_shard:05d}/"
+            mine = [b for b in Plan.load(run_dir / "plan.json").batches if b.shard == kill_shard]
+            while proc.poll() is None:
+                done = [k for k in durable(output) if k.startswith(prefix)]
+                if len(done) >= max(1, len(mine) // 3):
+                    pid = ShardProgress.load(run_dir, kill_shard).pid
+                    os.kill(pid, signal.SIGKILL)
+                    result["killed"] = {
+                        "shard": kill_shard,
+                        "pid": pid,
+                        "batches_done": len(done),
+                        "of": len(mine),
+                    }
+                    break
+                time.sleep(0.05)
+        result["first_attempt_rc"] = proc.wait()
+        result["first_attempt_s"] = round(time.time() - t0, 2)
+        if kill_shard is not None:
+            t1 = time.time()
+            proc = hsextract_cli(argv, out, env)
+            sampler.pid = proc.pid
+            result["resume_rc"] = proc.wait()
+            result["resume_s"] = round(time.time() - t1, 2)
+    sampler.done.set()
+    sampler.join()
+    result["wall_s"] = round(time.time() - t0, 2)
+    result["peak_host_rss_gb"] = round(sampler.peak_rss / 1e9, 2)
+    result["staging_high_water_gb"] = round(sampler.peak_staging / 1e9, 2)
+    plan = Plan.load(run_dir / "plan.json")
+    result["tokens_per_s_per_shard"] = [
+        round(ShardProgress.load(run_dir, s).tokens_per_s, 1) for s in range(plan.shards)
+    ]
+    return result
+
+
+def shards_step(job_args, shards: int, gpus: str, rows: int, work: Path, env: dict) -> dict:
+    """A 1-shard job for the single-shard rate, then a ``shards`` job with one worker killed and resumed; the
+    scaling ratio and exactly-once through the reader. Both run to their end (no step timeout)."""
+    from hsextract.prepare.plan import Plan
+    from hsextract.reader import open_output
+
+    env = {**env, "TRITON_CACHE_DIR": str(work / "kernels")}  # both jobs share one kernel cache
+    report: dict = {}
+    for job, n, job_gpus in (("single", 1, gpus.split(",")[0]), ("multi", shards, gpus)):
+        argv, run_dir, output = job_args(job, n, job_gpus)
+        staging = Path(argv[argv.index("--staging") + 1])
+        kill = shards - 1 if job == "multi" else None
+        report[job] = shard_job(argv, run_dir, output, staging, work / f"{job}.out", env, kill)
+        print(f"figure shards.{job} {json.dumps(report[job])}", flush=True)
+        if job == "single":  # only its rate is needed: its output goes, to keep /dev/shm free
+            shutil.rmtree(output, ignore_errors=True)
+    m = report["multi"]
+    single = report["single"]["tokens_per_s_per_shard"][0]
+    aggregate = sum(m["tokens_per_s_per_shard"])
+    report["scaling_ratio"] = round(aggregate / (shards * single), 3) if single else None
+    # Exactly once: every sample id once across the output, every planned batch once, nothing left staged.
+    ids = open_output(str(output)).sample_ids()
+    check = {
+        "samples": len(ids),
+        "unique": len(set(ids)),
+        "rows": rows,
+        "batch_files": len(list(output.glob("shard-*/*.safetensors"))),
+        "planned": len(Plan.load(run_dir / "plan.json").batches),
+        "left_in_staging": len(list(staging.rglob("*.safetensors"))),
+    }
+    report["check"] = check
+    report["exactly_once"] = (
+        check["samples"] == check["unique"] == rows
+        and check["batch_files"] == check["planned"]
+        and check["left_in_staging"] == 0
+        and m.get("resume_rc") == 0
+    )
+    print(
+        f"single shard {single:,.0f} tok/s; {shards} shards aggregate {aggregate:,.0f} tok/s; aggregate / "
+        f"({shards} x single) = {report['scaling_ratio']}; exactly once after kill + resume: "
+        f"{'yes' if report['exactly_once'] else 'NO'} {check}",
+        flush=True,
+    )
+    return report
 
 
 LOAD_PROBE = """
@@ -364,8 +498,12 @@ def main():
         "--staging-max-gb", type=float, default=8.0, help="small: staging shares RAM with the page cache"
     )
     ap.add_argument(
-        "--steps", default="cold,warm,resume", help="of untuned, cold, warm, fresh, resume, steady, load"
+        "--steps",
+        default="cold,warm,resume",
+        help="of untuned, cold, warm, fresh, resume, steady, load, shards",
     )
+    ap.add_argument("--shards", type=int, default=4, help="shards step: the shards of its second job")
+    ap.add_argument("--gpus", default="0,1,2,3", help="shards step: its second job's --gpus")
     ap.add_argument(
         "--ship-table",
         help="after the untuned step, copy the autotune table its warm-up recorded here (the shipped table)",
@@ -398,7 +536,7 @@ def main():
     max_length = args.max_length or min(batch, 512 if cpu else 4096)
     tokens = args.tokens or (20_000 if cpu else 300_000)
     data = work / "data.jsonl"
-    rows = write_data(data, tokens, vocab, max_length)
+    rows = write_token_rows(data, tokens, vocab, max_length)
     out_root = Path(args.output_root or (work if cpu else "/dev/shm")) / "hsextract-bench-startup"
     shutil.rmtree(out_root, ignore_errors=True)
     kernels = work / "kernels"  # empty: the cold start
@@ -417,12 +555,12 @@ def main():
 
     fresh_data = work / "fresh-data.jsonl"
     if "fresh" in args.steps.split(","):
-        write_data(fresh_data, tokens, vocab, max_length, seed=1)  # other lengths: other batch shapes
+        write_token_rows(fresh_data, tokens, vocab, max_length, seed=1)  # other lengths: other batch shapes
 
-    def job_args(job: str) -> tuple[list, Path]:
-        run_dir = work / f"{job}-run"
+    def job_args(job: str, shards: int = 1, gpus: str | None = None) -> tuple[list, Path, Path]:
+        run_dir, output = work / f"{job}-run", out_root / f"{job}-out"
         job_data = fresh_data if job == "fresh" else data
-        argv = ["run", "--model", model, "--data", job_data, "--output", out_root / f"{job}-out"]
+        argv = ["run", "--model", model, "--data", job_data, "--output", output]
         job_kernels = work / "kernels-untuned" if job == "untuned" else kernels
         argv += [
             "--run-dir",
@@ -441,8 +579,10 @@ def main():
             "float32" if cpu else "bfloat16",
         ]
         argv += ["--max-tokens-per-batch", batch, "--max-length", max_length, "--no-progress"]
-        argv += ["--staging-max-gb", args.staging_max_gb]
-        return argv, run_dir
+        argv += ["--staging-max-gb", args.staging_max_gb, "--shards", shards]
+        if gpus and not cpu:
+            argv += ["--gpus", gpus]
+        return argv, run_dir, output
 
     # the job each step runs
     steps = {
@@ -467,10 +607,14 @@ def main():
             report[step] = result = time_loads(model, args.device, dtype, variants, limit, env)
             print_figures(step, result)
             continue
-        argv, run_dir = job_args(steps[step])
+        if step == "shards":
+            report[step] = result = shards_step(job_args, args.shards, args.gpus, rows, work, env)
+            print_figures(step, result)
+            continue
+        argv, run_dir, output = job_args(steps[step])
         step_env = {**env, "HSEXTRACT_TUNED": "0"} if step == "untuned" else env
         t_step = time.time()
-        result = attempt(step, argv, run_dir, work, limit, step_env, to_the_end=step == "steady")
+        result = attempt(step, argv, run_dir, output, work, limit, step_env, to_the_end=step == "steady")
         if step == "steady":
             result.update(steady_state(run_dir, t_step))
         report[step] = result
@@ -495,6 +639,10 @@ def main():
             "fresh-staging",
             "steady-out",
             "steady-staging",
+            "single-out",
+            "single-staging",
+            "multi-out",
+            "multi-staging",
         ):
             shutil.rmtree(out_root / leftover, ignore_errors=True)
         if args.json_out:  # after every step: a later one cut short keeps the earlier figures
@@ -504,8 +652,9 @@ def main():
     shutil.rmtree(out_root, ignore_errors=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
-    jobs = [s for s in args.steps.split(",") if s != "load"]
+    jobs = [s for s in args.steps.split(",") if s not in ("load", "shards")]
     ok = all(report.get(s, {}).get("first_durable_s") is not None for s in jobs)
+    ok = ok and report.get("shards", {}).get("exactly_once", True)
     sys.exit(0 if ok else 1)
 
 

@@ -3,7 +3,7 @@
     python3 scripts/bench_topk.py --tokens 200000 --k 64
 
 Builds the target from its config with random bf16 weights and the realistic, length-sorted batches of
-scripts/bench.py, sets the fused kernels up as a run does, and times the worker's own pipeline (run/pipeline.py's
+scripts/bench_forward.py's loop mode, sets the fused kernels up as a run does, and times the worker's own pipeline (run/pipeline.py's
 ``Extractor``: hooks, on-device gather, pinned copies on a side stream, a writer thread that drops the tensors)
 over the same batches for:
 
@@ -29,8 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench import model_and_batches, sync  # noqa: E402
-from bench_forward import Variant, measure  # noqa: E402
+from bench_forward import Variant, measure, model_and_batches, sync  # noqa: E402
 
 from hsextract.format.batch import StateLayout  # noqa: E402
 from hsextract.layers import resolve_layer_ids  # noqa: E402

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from benchlib import extractor, realistic_samples
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from hsextract.format.fp8 import dequantize_fp8, quantization_error, quantize_fp8  # noqa: E402
+from hsextract.format.fp8 import dequantize_fp8, quantization_error, quantize_fp8
 
 
 def tiny_model_errors(num_conversations: int = 40) -> list[dict]:
@@ -91,13 +89,10 @@ def synthetic_errors(tokens: int = 4096, hidden: int = 5120, seed: int = 0) -> l
 
 
 def gpu_errors(config: str, layers: str = "dflash", tokens: int = 16_384) -> list[dict]:
-    from bench import realistic_samples
-
     from hsextract.format.batch import StateLayout
     from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model
     from hsextract.prepare.plan import make_plan
-    from hsextract.run.pipeline import Extractor
 
     lm = load_model(config, dtype="bfloat16", device="cuda", random_weights=True)
     n = lm.config.num_hidden_layers
@@ -105,14 +100,7 @@ def gpu_errors(config: str, layers: str = "dflash", tokens: int = 16_384) -> lis
     samples = realistic_samples(tokens, lm.config.vocab_size, 4096)
     plan = make_plan(samples.lengths.tolist(), max_tokens_per_batch=16_384, max_rows=512, shards=1)
     device = torch.device("cuda", 0)
-    ext = Extractor(
-        lm,
-        slots,
-        device=device,
-        max_tokens=max(b.num_tokens for b in plan.batches),
-        num_slots=2,
-        pad_token_id=0,
-    )
+    ext = extractor(lm, slots, plan.batches, device, num_slots=2)
     captured: list[torch.Tensor] = []
     ext.run(plan.batches, samples, lambda b, t: captured.append(t["hidden_states"].clone()))
     states = torch.cat(captured)  # [tokens, slots, H] bfloat16

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The measurements behind docs/PERFORMANCE.md, one named suite per call of the GPU machine (repo root, a CUDA host):
 #
-#   suite      what it measures                                                         script                 ~min
-#   forward    the forward of the 27B shape against the power-capped GEMM rate, fused   bench_forward.py          9
+#   suite      what it measures                                                        command                    ~min
+#   forward    the forward of the 27B shape against the power-capped GEMM rate, fused  bench_forward.py variants     9
 #              and stock, with the profile by kernel family
-#   capture    the forward's cost of what is captured: a preset alone, a union of       bench_forward.py          6
-#              presets, the final state (FORWARD_LAYERS, FORWARD_VARIANTS)
-#   topk       the forward's cost of --target-topk 64 (lm_head, log-softmax, top-k on    bench_topk.py             7
+#   capture    the worker loop against the forward: DFlash alone, then a union of      bench_forward.py loop         6
+#              presets with the final state (CAPTURE_LAYERS)
+#   topk       the forward's cost of --target-topk 64 (lm_head, log-softmax, top-k on   bench_topk.py                 7
 #              the device) and of the final state, against the DFlash preset alone
-#   startup    `hsextract run` to its first durable batch: cold, warm, resume           bench_startup.py          9
-#   steady     the real command run to its end: steady real tokens/s, upload seconds    bench_startup.py          5
-#   loader     a trainer's loader on an export against hsextract's dataset; one loader  bench_loader{,_gpu}.py    5
+#   startup    `hsextract run` to its first durable batch: cold, warm, resume          bench_startup.py              9
+#   steady     the real command run to its end: steady real tokens/s, upload seconds   bench_startup.py              5
+#   loader     a trainer's loader on an export against hsextract's dataset; one loader bench_loader.py workers, gpu 5
 #              process into GPU-ready tensors
-#   scale      preparation of a large mix on this host's cores (no GPU)                 bench_scale.py           10
-#   gputests   the GPU tests: fused kernels against float32, a real two-shard run       tests/gpu                 8
-#   fp8        fp8 storage: the worker loop bf16 against fp8, the error per layer       bench.py, fp8_error.py    9
-#   shards     N shards on the GPUs there are (GPUS=0,0,0,0 shares one), kill + resume  multi_shard.py            8
+#   scale      preparation of a large mix on this host's cores (no GPU)                bench_scale.py               10
+#   gputests   the GPU tests: fused kernels against float32, a real two-shard run      tests/gpu                     8
+#   fp8        fp8 storage: the worker loop bf16 against fp8, the error per layer      bench_forward.py loop,        9
+#                                                                                      fp8_error.py
+#   shards     N shards on the GPUs there are (GPUS=0,0,0,0 shares one), kill + resume bench_startup.py --steps shards 8
 #
 # Each suite runs under a time limit (seconds, SUITE_S) and writes its raw output under $OUT. flash-linear-attention
 # and liger-kernel come from wheels in .whl/ when the machine lacks them (docs/DEVELOPMENT.md says how to fetch them).
@@ -45,14 +46,16 @@ suite=${1:?usage: gpu_session.sh SUITE (see the table at the top)}
 case "$suite" in
   forward)
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-forward}
-    timeout "${SUITE_S:-540}" python3 scripts/bench_forward.py --tokens "${FORWARD_TOKENS:-200000}" --repeat 2 \
+    timeout "${SUITE_S:-540}" python3 scripts/bench_forward.py variants --tokens "${FORWARD_TOKENS:-200000}" --repeat 2 \
       --variants "${FORWARD_VARIANTS:-fused,stock}" --json-out "$OUT/forward.json" 2>&1 | grep -v Warning | tee "$OUT/forward.log"
     ;;
   capture)
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-forward}
-    timeout "${SUITE_S:-360}" python3 scripts/bench_forward.py --tokens "${FORWARD_TOKENS:-200000}" --repeat 2 \
-      --layers "${FORWARD_LAYERS:-dflash}" --variants "${FORWARD_VARIANTS:-fused}" --no-profile \
-      --json-out "$OUT/capture.json" 2>&1 | grep -v Warning | tee "$OUT/capture.log"
+    timeout 150 python3 scripts/bench_forward.py loop --layers dflash --tokens 120000 --max-tokens 32768 --modes af,bf \
+      --json-out "$OUT/capture-dflash.json" 2>&1 | grep -v Warning | tee "$OUT/capture-dflash.log"
+    timeout 200 python3 scripts/bench_forward.py loop --layers "${CAPTURE_LAYERS:-dflash,dflash2,dspark,eagle3}" \
+      --final-state --tokens 120000 --max-tokens 32768 --modes af,bf --json-out "$OUT/capture-union.json" 2>&1 \
+      | grep -v Warning | tee "$OUT/capture-union.log"
     ;;
   topk)
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-forward}
@@ -74,8 +77,8 @@ case "$suite" in
     grep -E "^figure (setup|steady\.(first_durable|wall|steady|batches|tokens_written|upload))" "$OUT/steady.log"
     ;;
   loader)
-    timeout 150 python3 scripts/bench_loader_gpu.py --files 6 --tokens 16384 --threads 1,4,8 --repeat 2 2>&1 | tee "$OUT/loader_gpu.log"
-    timeout 170 python3 scripts/bench_loader.py --files 6 --tokens 16384 --workers 1,2,4 --repeat 2 2>&1 | tee "$OUT/loader.log"
+    timeout 150 python3 scripts/bench_loader.py gpu --files 6 --tokens 16384 --threads 1,4,8 --repeat 2 2>&1 | tee "$OUT/loader_gpu.log"
+    timeout 170 python3 scripts/bench_loader.py workers --files 6 --tokens 16384 --workers 1,2,4 --repeat 2 2>&1 | tee "$OUT/loader.log"
     ;;
   scale)
     timeout "${SUITE_S:-580}" python3 scripts/bench_scale.py ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log"
@@ -86,16 +89,16 @@ case "$suite" in
     ;;
   fp8)
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-fused}
-    timeout 360 python3 scripts/bench.py --final-state --tokens 300000 --max-tokens 32768 --modes af,bf,bf8 \
+    timeout 360 python3 scripts/bench_forward.py loop --final-state --tokens 300000 --max-tokens 32768 --modes af,bf,bf8 \
       --json-out "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
     timeout 200 python3 scripts/fp8_error.py --gpu-config configs/qwen3.6-27b --json-out "$OUT/fp8_error.json" 2>&1 \
       | tee "$OUT/fp8_error.log"
     ;;
   shards)
     python3 scripts/make_checkpoint.py configs/qwen3.6-27b /tmp/ckpt --layers "${CKPT_LAYERS:-8}" | tee "$OUT/ckpt.json"
-    timeout "${SUITE_S:-480}" python3 scripts/multi_shard.py --model /tmp/ckpt --work /tmp/ms \
-      --staging-root /dev/shm/hsextract-ms --shards "${SHARDS:-4}" --gpus "${GPUS:-0,0,0,0}" \
-      --tokens "${MS_TOKENS:-400000}" --layers 1,4,6 --json-out "$OUT/multishard.json" 2>&1 | tee "$OUT/multishard.log"
+    timeout "${SUITE_S:-480}" python3 scripts/bench_startup.py --model /tmp/ckpt --work /tmp/ms --steps shards \
+      --shards "${SHARDS:-4}" --gpus "${GPUS:-0,0,0,0}" --tokens "${MS_TOKENS:-400000}" --layers 1,4,6 \
+      --max-tokens-per-batch 32768 --staging-max-gb 4 --json-out "$OUT/multishard.json" 2>&1 | tee "$OUT/multishard.log"
     ;;
   *)
     echo "unknown suite: $suite (see the table at the top of $0)" >&2

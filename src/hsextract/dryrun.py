@@ -1,29 +1,13 @@
 """``hsextract dry-run``: prove the captured layers are the intended ones, check their health, estimate the job.
 
-The proof runs a few real samples through the production path (the worker's ``Extractor``: padded batch, hooks,
-early exit, on-device gather, host copy) and, one sample at a time, through a plain HF forward with
-``output_hidden_states``. For each requested id k it reports the difference to HF index k+1, and also to the
-neighbours k and k+2: the capture must match k+1 within the dtype's tolerance AND be clearly farther from its
-neighbours, so an off-by-one cannot pass. HF's last entry has the final norm applied; for the model's last layer
-the reference is that entry with the norm undone by comparing against the norm of the capture.
-
-With ``--final-state`` the last layer is one more row of the map: its stored slot is the raw output, and the
-proof applies the norm the reader will apply (states.FinalNorm, read from the model's own norm module) and compares
-with HF's last entry, so both the stored state and the derived ``final_hidden_state`` are proven. With fp8 storage
-the same batch also runs through the fp8 pipeline, and each row reports the fp8 states' relative L2 error and
-lowest cosine similarity against the unquantized capture (the proof of identity itself runs unquantized: fp8's
-~2.6% error is of the order of the distance between adjacent layers of a deep model).
-
-With ``--target-topk K`` the same batch's stored top-k is proven against the reference forward's own logits
-(``logits.log_softmax(-1)``, unbatched): the stored log-probabilities equal HF's at the stored ids within the
-dtype's tolerance, and every stored id is among HF's top K up to that error (ties and near-ties may order
-differently). The report adds the top-k's storage per token and for the job.
-
-Health per layer: mean, std, absmax, NaN/Inf counts and all-zero token vectors (seen in the wild on hybrid models).
-The estimate uses the same plan ``run`` would make: tokens, batches per shard, padding waste, bytes per token,
-total bytes, and an ETA from the throughput measured on this machine. Its lengths are the whole data's when the
-token cache holds them, else those of a sample (the first rows of each source, in proportion to its rows, ~2,000 in
-all) repeated to the data's row count: a verdict in seconds at a million rows, and the output says which.
+The proof runs a few real samples through the production path (the worker's ``Extractor``) and, one at a time,
+through a plain HF forward: each id k must match HF index k+1 within the dtype's tolerance AND be clearly farther from
+k and k+2, so an off-by-one cannot pass. The final state is checked through the norm the reader applies; with fp8
+storage each row also reports the fp8 error against the unquantized capture (the identity proof runs unquantized:
+fp8's error is of the order of adjacent layers' distance). Health per layer: mean, std, absmax, NaN/Inf and all-zero
+vectors. With ``--target-topk K`` the stored top-k is proven against the reference forward's
+``logits.log_softmax(-1)`` (values within tolerance; ids among HF's top K up to that error). The estimate uses the plan ``run`` would make and the throughput measured here, on the whole data's lengths
+when the token cache holds them, else on ~2,000 sampled rows repeated to the data's size (the output says which).
 """
 
 from __future__ import annotations

@@ -2,25 +2,13 @@
 
 Every id is the OUTPUT of decoder layer k (0-based) = HF ``output_hidden_states[k + 1]``, the convention of DFlash,
 SpecForge, ModelOpt, NeMo Automodel and DeepSpec (vLLM and speculators count the input of layer k: ours + 1).
-
-A preset names what one drafter family reads, computed from the model's depth:
-
-- ``dflash``: DFlash (z-lab ``build_target_layer_ids``, NeMo Automodel ``dflash/draft_qwen3.py``): 5 ids evenly
-  spaced from 1 to N-3, rounded; [1, 16, 31, 46, 61] for 64 layers.
-- ``dflash2``: DFlash 2. No source computes its ids: the published drafters carry them in their config
-  (``dflash_config.target_layer_ids``). Those configs fit one rule, 5 ids ending at N-3, ``round(N / 4.5)`` apart:
-  z-lab/Qwen3.8-27B-DFlash2 and NeMo Automodel's ``examples/speculative/dflash/qwen3_8_27b_dflash2.yaml``,
-  [5, 19, 33, 47, 61] for 64 layers; z-lab/dflash ``tests/fixtures/dflash2-config.json``, [1, 13, 25, 37, 49] for a
-  52-layer target; NeMo Automodel ``qwen3_dflash2.yaml``, [1, 9, 17, 25, 33] for Qwen3-8B's 36. Where that would
-  start below layer 1 (shallow models) it is DFlash's rule, which those last two equal.
-- ``dspark``: DSpark (deepseek-ai/DeepSpec ``config/dspark/dspark_qwen3_8b.py``: [1, 9, 17, 25, 33] for 36 layers,
-  DFlash's rule; its ``scripts/data/prepare_target_cache.py`` hooks those layers' outputs and stores the model's
-  ``last_hidden_state`` beside them; NeMo Automodel ``datasets/llm/dspark_cache.py``, the same two tensors): DFlash's
-  ids plus the final state after the norm, so it implies ``--final-state``.
-- ``eagle3``: EAGLE-3's low, middle and high layers [1, N//2 - 1, N - 4], plus the final state after the norm.
-
-A union (``dflash,dflash2,eagle3``) captures every id any of them needs once, in one forward; the output records
-each preset's ids so that a reader can serve one drafter's layers from it.
+Presets, from the model's depth N and the sources that fix them:
+- ``dflash``: 5 ids evenly from 1 to N-3 (z-lab ``build_target_layer_ids``; NeMo Automodel ``draft_qwen3.py``);
+- ``dflash2``: 5 ids ending at N-3, ``round(N / 4.5)`` apart: the rule every published config fits (z-lab
+  Qwen3.8-27B-DFlash2, z-lab ``dflash2-config.json``, NeMo Automodel's ``qwen3*_dflash2.yaml``);
+- ``dspark``: DFlash's ids and the final state (DeepSpec ``dspark_qwen3_8b.py``, ``prepare_target_cache.py``);
+- ``eagle3``: [1, N//2 - 1, N - 4] and the final state.
+A union captures every id any of them needs once, in one forward; the output records each preset's ids.
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """What trainers call: ``open_output(path)`` over a local directory or ``s3://bucket/prefix``.
 
     from hsextract.reader import open_output
-    out = open_output("s3://bucket/run1")
-    len(out); out.layer_ids
-    for s in out: ...            # batch by batch, in plan order
-    s = out["conv-00042"]       # by sample id
-    s["hidden_states"]           # [T, len(layer_ids) * hidden], the layers concatenated in id order (DFlash)
-    s["layers"][16]              # [T, hidden], the output of decoder layer 16
-    s["input_ids"], s["loss_mask"]
-    s["final_hidden_state"]      # [T, hidden], after the final norm = HF output_hidden_states[-1] (--final-state)
-    s["final_hidden_state_prenorm"]  # [T, hidden], the last decoder layer's raw output
-    s["target_topk_ids"]         # [T, K] int32, the target's K likeliest next tokens after each token (--target-topk)
-    s["target_topk_logprobs"]    # [T, K] float32, their log-probabilities over the full vocabulary
-    dflash2 = open_output("s3://bucket/union", layers="dflash2")  # one preset of a union, or ids: [5, 19, 33]
+    out = open_output("s3://bucket/run1")          # layers="dflash2" or [5, 19, 33]: a subset, in that order
+    s = out["conv-00042"]                          # by sample id; ``for s in out`` goes batch by batch
+    s["hidden_states"], s["layers"][16], s["input_ids"], s["loss_mask"], s["final_hidden_state"]
+    s["target_topk_ids"], s["target_topk_logprobs"]  # [T, K] with --target-topk
 
-A complete output has ``manifest.json`` (written last by the launcher), which maps sample ids to batch files.
-Reading a sample costs one ranged read of its states (they are contiguous in the file, token-major), never a whole
-batch file; neighbouring samples of one file can share one read (``BatchFile.samples``). Each file's header is read
-once, and its index tensors, token ids, loss masks and fp8 scales together in one more read, and held.
-
-Verification is on by default and costs no extra read: when a file is opened its header must match the checksum
-the manifest recorded, its index tensors their checksum, and its sample ids the manifest's; when a sample is read,
-its rows must match the sample's checksum (format/batch.py defines the checksums). ``open_output(..., verify=False)``
-skips the checksums for speed (docs/PERFORMANCE.md has the cost); the structure is checked either way. Whatever is
-wrong with a file (missing, empty, truncated, a garbled or oversized header, a missing tensor, a checksum
-mismatch) raises ``CorruptOutputError`` naming the file and the problem; ``hsextract verify`` checks every file.
-
-fp8 outputs (``--storage-dtype float8_e4m3fn``) are dequantized to bfloat16 (``dtype=``) by default;
-``open_output(path, dequantize=False)`` gives the stored fp8 values instead, with ``s["scales"][k]`` [T] float32
-per layer (value = fp8 * scale), ``s["hidden_states_scale"]`` [T, layers] and
-``s["final_hidden_state_prenorm_scale"]`` [T]; ``final_hidden_state`` is still derived from the dequantized state.
-The final state's slot is part of the sample's states (the same read); the normed final state is computed here from
-the stored one with the model's own norm rule (format/final_norm.py).
-
-``layers=`` serves a subset of the stored layers in the order given (ids, or a preset the output records: one
-drafter's layers from a union of presets): ``s["hidden_states"]`` and ``s["layers"]`` hold those only. The file is
-token-major, so a sample's read still brings every slot of its tokens (its checksum covers them all); the subset
-saves the trainer's memory and copies, not the bytes read (docs/FORMAT.md says what a layout change would save).
+A sample costs one ranged read of its states (contiguous, token-major), never a whole batch file; each file's
+header and index tensors are read once and held. Verification costs no extra read and is on by default: a file's
+header against the manifest's checksum when it is opened, a sample against its own when it is read; anything wrong
+raises ``CorruptOutputError`` naming the file. fp8 outputs are dequantized unless ``dequantize=False``. What a sample
+holds: docs/FORMAT.md and docs/TRAINING.md.
 """
 
 from __future__ import annotations

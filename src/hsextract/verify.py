@@ -35,7 +35,7 @@ from hsextract.storage.base import Sink
 CHUNK = 8 << 20
 
 """Bytes per ranged read: S3's advice for ranged GETs is 8-16 MB; on a local disk larger reads were slower here
-(a fresh 32 MB buffer per read: 0.30 GB/s against 0.59 GB/s at 8 MB, scripts/bench_verify.py)."""
+(a fresh 32 MB buffer per read: 0.30 GB/s against 0.59 GB/s at 8 MB, scripts/bench_io.py checks)."""
 
 
 @dataclass

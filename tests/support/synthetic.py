@@ -53,17 +53,23 @@ def make_output(
     seed: int = 0,
     threads: int = 8,
     finalize: bool = True,
+    planned: tuple | None = None,
+    layout: StateLayout = LAYOUT,
+    hidden: int = HIDDEN,
+    full_loss: bool = False,
 ) -> dict:
     """Write a synthetic output of ``batches`` batch files to ``output`` (a directory or ``s3://bucket/prefix``)
-    and finalize it. Returns what a test compares against: ``plan``, ``lengths``, ``sample_ids``, ``masks``."""
-    plan, lengths, ids = synthetic_plan(batches, samples_per_batch, seed=seed)
+    and finalize it. Returns what a test compares against: ``plan``, ``lengths``, ``sample_ids``, ``masks``.
+    ``planned`` (a plan, its samples' lengths and ids), ``layout``, ``hidden`` and ``full_loss`` (every token
+    supervised) give the benches outputs of a real target's shape."""
+    plan, lengths, ids = planned or synthetic_plan(batches, samples_per_batch, seed=seed)
     plan_hash = plan.plan_hash
     sink = open_sink(output, endpoint_url)
     info = RunInfo(
-        layer_ids=LAYOUT.layer_ids,
-        layer_types=("full_attention",) * len(LAYOUT.layer_ids),
-        num_layers=LAYOUT.num_layers,
-        hidden_size=HIDDEN,
+        layer_ids=layout.layer_ids,
+        layer_types=("full_attention",) * len(layout.layer_ids),
+        num_layers=layout.num_layers,
+        hidden_size=hidden,
         pad_token_id=0,
         plan_hash=plan_hash,
         file_metadata={},
@@ -72,13 +78,13 @@ def make_output(
     claim_output(sink, job_record(plan=plan, nodes=1, run_dir="synthetic", host="synthetic"))
     publish_job_files(sink, {"plan": plan.to_json(), "info": asdict(info), "samples": ids, "data_report": {}})
     run_meta = run_file_metadata(
-        layout=LAYOUT,
+        layout=layout,
         presets={},
         model="synthetic",
         model_revision="",
         model_config_hash="",
         dtype="bfloat16",
-        hidden_size=HIDDEN,
+        hidden_size=hidden,
         tokenizer_hash="",
         chat_template_hash="",
         plan_hash=plan_hash,
@@ -92,10 +98,10 @@ def make_output(
         lens = [lengths[i] for i in spec.sample_indices]
         n = sum(lens)
         # Sample i of the batch supervises its last 2 tokens, or 0 or 1 for every tenth (DFlash leaves those out).
-        loss = [{0: 0, 1: 1}.get(i % 10, 2) for i in range(len(lens))]
+        loss = lens if full_loss else [{0: 0, 1: 1}.get(i % 10, 2) for i in range(len(lens))]
         mask = torch.cat([torch.tensor([0] * (m - k) + [1] * k) for m, k in zip(lens, loss, strict=True)])
         tensors = {
-            "hidden_states": torch.randn(n, len(LAYOUT.slot_layers), HIDDEN, generator=gen).to(
+            "hidden_states": torch.randn(n, len(layout.slot_layers), hidden, generator=gen).to(
                 torch.bfloat16
             ),
             "input_ids": torch.randint(0, 1000, (n,), generator=gen, dtype=torch.int32),

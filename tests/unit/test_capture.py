@@ -1,3 +1,6 @@
+"""Layer ids and the capture (layers.py, model/capture.py, model/load.py): presets, bad ids, hooks against an
+unbatched HF forward, early exit, fp8 on the device, multimodal and other causal LM checkpoints."""
+
 import pytest
 import torch
 from support.faults import ShiftedCapture

@@ -1,4 +1,6 @@
-"""Tests for data.py: formats, bad-row policy, loss masks under several chat templates, parallelism and cache."""
+"""Tokenizing rows (prepare/tokenize.py, prepare/chat.py, prepare/rows.py, prepare/tokenfile.py): formats, the bad-row
+policy, loss masks under several chat templates, process pools, the token cache.
+"""
 
 from __future__ import annotations
 

@@ -1,3 +1,5 @@
+"""The plan (prepare/plan.py): both bounds, every sample once, stable hash, balanced shards, little padding."""
+
 import numpy as np
 import pytest
 
@@ -5,7 +7,7 @@ from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 
 
 def realistic_lengths(n=20000, seed=0):
-    """Median 221, mean ~332, p99 ~1800 tokens: the mix FACTS.md measured on chat data."""
+    """Median 221, mean ~332, p99 ~1800 tokens: the realistic chat mix (scripts/benchlib.py)."""
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(np.log(221), 0.9, n).astype(int), 1, 8192).tolist()
 

@@ -1,3 +1,6 @@
+"""Batch files and the staging writer (run/writer.py): standard safetensors, byte-identical, checksummed, and
+staged within the budget."""
+
 import json
 import time
 import zlib

@@ -1,20 +1,12 @@
 """NeMo Automodel's DSpark offline cache written from an output (``--format nemo-dspark``).
 
-Its reader (``nemo_automodel/components/datasets/llm/offline_cache.py``: ``CachedTensorDataset``; ``dspark_cache.py``:
-``CachedDSparkDataset``, ``build_cached_dspark_dataloader``; NVIDIA-NeMo/Automodel 36044ad, nemo-automodel 0.7.0)
-reads ``manifest.json`` (``format_version`` 1, ``num_samples``, ``shard_size``, ``complete``) and the shards
-``shard-NNNNNN.safetensors`` numbered 0..N-1 without gaps, each holding ``shard_size`` samples (the last one fewer)
-stacked on the first dimension, every tensor padded to the manifest's ``seq_length``: sample i is row
-``i % shard_size`` of shard ``i // shard_size``. Its DSpark recipe (``recipes/llm/train_dspark.py``,
-``_validate_cached_dspark_manifest``) checks ``target_model`` (a warning), ``target_model_type``,
-``target_vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``seq_length``, ``dtype``, ``target_hidden_dim``,
-``target_last_hidden_dim`` and ``target_layer_ids`` against its own configuration, then loads the target's
-embedding and ``lm_head`` from ``target_weights.safetensors`` (``write_target_weights``), which holds model weights,
-not states: docs/EXPORT.md shows the three lines that write it.
-
-Shards are written in sample order, each under its final name at once (a local rename, one S3 PUT), so a rerun
-skips the shards already there; ``manifest.json`` comes last with ``complete: true``. A shard is built in memory:
-``shard_size`` x ``seq_length`` x (k+1) x H values (16 x 4096 x 6 x 5120 bf16 is 4 GB), hence the small default.
+Its reader (``CachedTensorDataset``, ``CachedDSparkDataset``; nemo-automodel 0.7.0) reads ``manifest.json`` and
+shards ``shard-NNNNNN.safetensors`` numbered without gaps, each ``shard_size`` samples stacked and padded to
+``seq_length``; its recipe checks the manifest's model fields against its own configuration and loads the target's
+embedding and ``lm_head`` from ``target_weights.safetensors`` (weights, not states: docs/EXPORT.md shows the lines
+that write it). Shards are written in sample order, each under its final name at once, so a rerun skips those there;
+``manifest.json`` comes last with ``complete: true``. A shard is built in memory (16 x 4096 x 6 x 5120 bf16 is
+4 GB), hence the small default ``shard_size``.
 """
 
 from __future__ import annotations

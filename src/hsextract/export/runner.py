@@ -1,44 +1,13 @@
 """``hsextract export OUTPUT DEST --format F``: a finished output rewritten as the files a drafter trainer reads.
 
-Each format is what the trainer's own offline loader reads (docs/EXPORT.md cites the source file and commit):
-
-- ``specforge-dflash``: one ``torch.save`` dict per sample, ``rows_G-G+2000/data_I.ckpt`` as SpecForge's own
-  ``prepare_hidden_states.py`` names them: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_states`` [T, k*H] (the
-  captured layers in id order). SpecForge's loader raises on a sample without two consecutive supervised tokens:
-  such samples are left out and counted.
-- ``specforge-eagle3``: the same files with ``aux_hidden_state`` [1, T, 3H] and ``hidden_state`` [1, T, H], the
-  final state AFTER the norm (SpecForge applies only the frozen lm_head). Exactly 3 captured layers.
-- ``speculators``: a ``datasets.save_to_disk`` directory (``input_ids``, ``loss_mask``, ``seq_len``, torch format)
-  and ``hidden_states/hs_I.safetensors`` with ``token_ids`` [T] and ``hidden_states`` [T, k+1, H] whose last slot
-  is the final state BEFORE the norm (speculators applies the verifier norm itself). Row I of the dataset is
-  sample I of the output, in manifest order.
-  With ``--index-only`` only the table is written (KB per sample): speculators then reads the states from the
-  output itself through ``hsextract.training.speculators.OutputTransfer`` (docs/TRAINING.md).
-- ``modelopt``: one ``.pt`` per conversation under ``conversations/``: ``input_ids`` [T], ``hidden_states`` [T, H]
-  (final state after the norm), ``aux_hidden_states`` [T, k*H], ``loss_mask`` [T], ``conversation_id``.
-
-Every format also gets ``token_freq.pt`` (speculators' layout: ``{token_id: count}`` over the loss-masked tokens of
-the exported samples) and, with ``--draft-vocab N``, the draft-vocabulary mapping each trainer reads: SpecForge's
-``vocab_mapping.pt`` (``d2t`` int64 [N], ``t2d`` bool [V]), speculators' ``d2t-N.npy``/``t2d-N.npy``, ModelOpt's
-``d2t.pt``. The N most frequent loss-masked tokens are kept, ties to the lower id, padded with the lowest unused
-ids when fewer than N occur: the rule of both SpecForge and speculators. States are written in the output's dtype;
-fp8 outputs are dequantized to bfloat16 (no trainer reads hsextract's per-layer scales).
-
-An export is the training dataset plus a file writer: which samples it holds is the dataset's index of the output
-for the format's schema (training/index.py), each sample is read by the dataset's own read path (``SampleReader``),
-and what its files hold is the schema's record (training/schemas.py), from which the dataset makes its items. So an
-export and ``hsextract.training`` cannot disagree.
-
-How it runs. One unit of work is one batch file of the output: its samples are read in file order, neighbouring
-rows in one ranged read of at most 64 MiB (never a whole batch file at once), checked, turned into the format's
-files by a few threads, and each file is written under its final name atomically (a local temporary name renamed
-after fsync; one S3 PUT). A unit's marker ``.hsextract-export/done/batch-B.json`` is
-written after its last file, so a rerun skips marked units and rewrites the files of unmarked ones with the same
-bytes: nothing half-written survives an interruption. Units run in ``--num-proc`` processes. Files that describe
-the whole export (token frequencies, vocabulary mapping, the speculators dataset) are written once every unit is
-done, from a second pass over the output's token ids and loss masks (5 bytes per token), and ``export.json`` last:
-an export with it is complete. ``.hsextract-export/spec.json``, written first, records the format, the source
-output and the options; an export into a DEST holding a different export, or files of something else, is refused.
+Each format is what the trainer's own offline loader reads (docs/EXPORT.md: the files, their layout, the trainer's
+source each follows). An export is the training dataset plus a file writer: its samples are the dataset's index for
+the format's schema (training/index.py), read by the dataset's read path and made into the schema's record
+(training/schemas.py), so an export and ``hsextract.training`` cannot disagree. One unit of work is one batch file
+(``--num-proc`` processes); each file is written under its final name atomically and the unit's marker
+(``.hsextract-export/done/``) after its last file, so a rerun skips marked units and rewrites the others with the
+same bytes. The files about the whole export come once every unit is done, ``export.json`` last: an export with it
+is complete. ``.hsextract-export/spec.json``, written first, makes a DEST holding anything else refused.
 """
 
 from __future__ import annotations

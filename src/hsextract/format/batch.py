@@ -1,40 +1,13 @@
-"""The output format: what a batch file's metadata says, and the manifest that makes an output complete.
+"""A batch file's format: its metadata, its checksums, its header, and which layer each slot of its states holds.
 
-An output (a local directory or ``s3://bucket/prefix``) holds:
-
-- ``shard-SSSSS/batch-BBBBBB.safetensors``: one file per batch (key format in keys.py, bytes by run/writer.py);
-- ``hsextract/job.json``: the claim. Created only if absent (a conditional put on S3), before any batch is
-  written; it names the job (plan hash, fingerprint, shards, nodes) and who started it. A run whose plan differs is
-  refused, and every uploader checks it before each upload, so two jobs can never mix in one output;
-- ``hsextract/plan.json``, ``run.json``, ``sample_ids.json``, ``data_report.json``: what finishing the output
-  needs, so that any node, or ``hsextract finalize OUTPUT``, can write the manifest without a run dir;
-- ``hsextract/done/<batch key>.json``: one completion record per durable batch (size, CRC32), written by the
-  uploader after the upload is verified. Progress and completion are visible from the output alone;
-- ``manifest.json``: written last, once every planned batch has a completion record AND its object was checked to
-  exist with that size and checksum: an output with a manifest is complete. docs/FORMAT.md describes it all.
-
-Each batch file carries run-wide metadata (layer ids and their convention, model, dtype, tokenizer and plan
-hashes) and its own identity (batch id, shard, sample ids), so a file read alone still says what it holds. The
-manifest lists every batch with its sample ids in plan order; the reader maps sample ids to files through it.
-
-Integrity (format 2): every batch file's metadata holds one checksum per sample, over that sample's rows of
-every per-token tensor, and one over the index tensors (``checksums``, built by run/writer.py in the writer
-thread from the tensors it is about to write). The uploader records each file's size, CRC32 and header
-checksum in its completion record, and the manifest copies them per batch. So a reader checks a file's header
-against the manifest when it opens the file and a sample against its own checksum when it reads it (one ranged
-read still fetches one sample), and ``hsextract verify`` (verify.py) checks whole files. xxh3_64 runs at 5-11
-GB/s on one core, 3-4 times zlib's CRC32; docs/PERFORMANCE.md has the measured costs.
-
-A file's ``hidden_states`` tensor is ``[tokens, slots, hidden]`` (``StateLayout``): one slot per captured layer in
-id order, then, with the final state, one for the last decoder layer's output unless that layer is captured
-already. With fp8 storage, ``hidden_states_scale`` [tokens, slots] float32 follows it. With the final state, the
-output also holds ``final_norm.safetensors`` (the norm's weight; its epsilon and rule in the metadata), written by
-the workers once the model is loaded and named in the manifest.
-
+An output holds one safetensors file per batch (``shard-SSSSS/batch-BBBBBB.safetensors``), the claim and job files
+under ``hsextract/``, one completion record per durable batch (records.py) and ``manifest.json``, written last
+(manifest.py): docs/FORMAT.md describes every file. Each batch file carries run-wide metadata and its own identity,
+so a file read alone says what it holds, and one xxh3 per sample (over its rows of every per-token tensor) and one
+over the index tensors: a reader checks a sample with the one ranged read that fetches it. ``StateLayout`` says
+which captured layer each slot of ``hidden_states`` [tokens, slots, hidden] holds.
 With ``--target-topk K``, ``target_topk_ids`` [tokens, K] int32 and ``target_topk_logprobs`` [tokens, K] float32
-hold the target's K most likely next tokens after every token: all tokens, not only the supervised ones, so that the
-per-token layout, ``cu_seqlens`` and the per-sample checksums serve them unchanged; K * 8 bytes a token, ~1% of five
-bf16 layers of Qwen3.6 at K = 64. ``target_topk`` (K) is in the metadata and the manifest only when they are stored.
+cover every token (not only the supervised ones), so the per-token layout and checksums serve them unchanged.
 """
 
 from __future__ import annotations

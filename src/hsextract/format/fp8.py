@@ -1,22 +1,13 @@
 """What a stored state means beyond its bytes: fp8 storage with a scale per vector, and the final norm.
 
-fp8 (``--storage-dtype float8_e4m3fn``). Every stored vector (one token of one captured layer, ``H`` values) gets
-its own float32 scale ``absmax / 448`` (448 is float8_e4m3fn's largest finite value) and is stored as
-``x / scale`` in float8_e4m3fn, so its largest entry lands on 448 and the 3-bit mantissa gives every entry about
-2^-4 relative precision. One scale per token per layer, not per token: the layers of one token differ by orders of
-magnitude in norm (the last ones are large), and a shared scale would flush the small layers' entries to zero.
-The scales cost 4 bytes per vector (0.08% of a 5120-wide state). Quantizing runs on the device inside the capture
-hooks, so only fp8 bytes and scales cross the host link. An all-zero vector gets scale 0 and stays all zeros; a
-NaN or Inf in a vector makes its scale non-finite, so the dequantized vector is non-finite too and the health checks
-still see it.
-
-The final norm (``--final-state``). hsextract stores the last decoder layer's raw output (before the final norm)
-and, once per output, the norm's weight, epsilon and scaling rule, so that HF's ``output_hidden_states[-1]`` (the
-normed state that EAGLE-3 trainers feed to the frozen lm_head) is derived exactly, in the stored dtype, the way the
-model's own norm class computes it. Two RMSNorm rules exist among transformers' decoders: Llama-style
-``weight * normed.to(dtype)`` and Qwen3.5/Gemma-style ``(normed_f32 * (1 + weight_f32)).to(dtype)``. Which one a
-model uses is not guessed from its class name: ``FinalNorm.from_module`` runs the model's own norm module on a
-probe and keeps the rule that reproduces it; a norm that follows neither (a LayerNorm with a bias, say) is refused.
+fp8 (``--storage-dtype float8_e4m3fn``): every stored vector (one token of one layer) gets its own float32 scale
+``absmax / 448``, so its largest entry lands on fp8's largest value. One scale per token per layer, since a token's
+layers differ by orders of magnitude; quantized on the device in the capture hooks, so only fp8 bytes and scales
+cross the host link. An all-zero vector stays zero; a NaN or Inf makes its scale non-finite, so the health checks
+still see it. The final norm (``--final-state``): the last layer's raw output is stored with the norm's weight,
+epsilon and rule, so HF's ``output_hidden_states[-1]`` is derived exactly. Of the two RMSNorm rules (Llama's and
+Qwen3.5/Gemma's ``1 + weight``), ``FinalNorm.from_module`` keeps the one that reproduces the model's own norm on a
+probe, and refuses a norm that follows neither.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """``sample_index.safetensors``: every sample of a finished output in one file, so a trainer indexes the output
 with one read instead of two per batch file.
 
-Written at finalize, beside the manifest and before it (the manifest records its ``size`` and ``xxh3``). A standard
-safetensors file of flat numpy arrays, each aligned to its item size in the file, so a reader maps it and every
-DataLoader worker of a node shares the same pages instead of a copy each. Sample ``i`` is the ``i``-th of the
-manifest (files in manifest order, rows in file order):
-
-- ``file`` I32 [N] its batch file (position in ``keys``), ``row`` I32 [N] its row there, ``start`` I32 [N] its first
-  token in the file, ``length`` I32 [N] its tokens;
-- ``file_first`` I64 [F+1]: file ``f`` holds samples ``file_first[f]:file_first[f+1]``;
-- ``ids`` U8 and ``id_offsets`` I64 [N+1]: the sample ids, UTF-8, one after the other;
-- ``skip.<schema>`` U8 [N]: for each schema that leaves samples out, 0 for a sample it serves, else ``k``: the
-  ``k``-th reason of ``skip_reasons[<schema>]`` (metadata);
-- metadata: ``format``, ``format_version``, ``keys`` (JSON), ``token_bytes`` (the states' bytes per token),
-  ``skip_reasons`` (JSON).
-
-No torch here: numpy only (finalize runs it in light processes too).
+Written at finalize, before the manifest, which records its size and xxh3. Flat numpy arrays in a standard
+safetensors file, each aligned to its item size, so a reader maps it and every DataLoader worker of a node shares
+its pages: per sample its batch file, row, first token, length and id, per file its first sample, and for each
+schema that leaves samples out the reason per sample (docs/FORMAT.md lists the tensors). No torch here: finalize
+runs in light processes too.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""Layer ids, model loading, forward hooks with early exit, and the on-device gather of valid tokens.
+"""Forward hooks with early exit, and the on-device gather of valid tokens.
 
-One convention, everywhere in hsextract: layer id ``k`` is the OUTPUT of decoder layer ``k`` (0-based), before
-the final norm. That is DFlash's, SpecForge's and ModelOpt's convention, and equals HF
-``output_hidden_states[k + 1]`` (index 0 is the embedding output) for every layer but the last, whose HF entry has
-the final norm applied. vLLM/speculators count the INPUT of layer ``k``: their id is ours plus one. Ids are checked
-against the model config before any weight is loaded.
-
-The forward runs on the bare decoder stack (no lm_head). A hook on each wanted layer gathers the valid (unpadded)
-tokens of its output straight into one preallocated buffer laid out as the batch file stores it,
-``[tokens, slots, hidden]``; the hook on the deepest wanted layer then raises ``_StopForward``, so later layers,
-the final norm and the lm_head never run. The final state (``--final-state``) is one more wanted layer, the last
-one: its slot holds the raw output, before the final norm. With fp8 storage the hooks quantize what they gather
-(format/fp8.py), so the buffer holds fp8 values and a float32 scale per token per slot.
-
-The target's top-k (``--target-topk K``) makes the last decoder layer the deepest hooked one: its hook applies the
-model's final norm and ``lm_head`` to the valid tokens only, a chunk of tokens at a time (``target_topk_``), so the
-full-vocabulary logits exist for one chunk at once, on the device; only the K-wide ids and log-probabilities are
-kept, in the batch's buffers beside the states.
+Layer id ``k`` is the output of decoder layer ``k`` before the final norm (layers.py). The forward runs on the bare
+decoder stack (no lm_head); a hook on each wanted layer gathers the valid (unpadded) tokens of its output straight
+into one preallocated buffer laid out as the batch file stores it, ``[tokens, slots, hidden]``, and the hook on the
+deepest wanted layer raises ``_StopForward``, so later layers, the final norm and the lm_head never run. The final
+state is the last layer's slot, before the norm; with fp8 storage the hooks quantize what they gather (format/fp8.py).
+With ``--target-topk K`` the last layer's hook applies the final norm and ``lm_head`` to the valid tokens a chunk
+at a time (target_topk.py) and keeps only the K-wide ids and log-probabilities.
 """
 
 from __future__ import annotations

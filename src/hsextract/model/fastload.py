@@ -1,16 +1,11 @@
 """Reading a safetensors checkpoint straight onto a GPU: large parallel reads into pinned buffers, async copies.
 
-transformers 5.17 reads each tensor from the file's mmap into fresh host memory, then copies it to the GPU from
-that pageable memory, in 4 threads: ~2 GB/s from the page cache for the 54 GB of Qwen3.6-27B (FACTS.md).
-``read_state_dict`` instead reads each file in ``CHUNK`` pieces with ``os.preadv`` into pinned buffers (one per
-thread, reused) and copies each piece into the tensors it overlaps with non-blocking copies on the thread's own
-stream. transformers then builds the model from that state dict (its key renaming and dtype handling unchanged),
-so the bytes that land are the file's, whichever path read them.
-
-The default on CUDA since ``scripts/bench_startup.py --steps load`` measured it faster on an H200 (19.0 s against
-24.1 s for the 54 GB; docs/PERFORMANCE.md); ``HSEXTRACT_FAST_LOAD=0`` uses transformers' reader. Any failure falls
-back to transformers' own reader (model/load.py). On CPU it is never used by a run; the tests read
-into CPU tensors to check every byte against the file.
+transformers 5.17 copies each tensor from the file's mmap into fresh pageable memory and then to the GPU, in 4
+threads (~2 GB/s from the page cache). ``read_state_dict`` reads each file in ``CHUNK`` pieces with ``os.preadv``
+into pinned buffers (one per thread, reused) and copies them on with non-blocking copies on the thread's own
+stream; transformers then builds the model from that state dict, so the bytes that land are the file's either way.
+The default on CUDA (19.0 s against 24.1 s for Qwen3.6-27B's 54 GB on an H200, ``scripts/bench_startup.py --steps
+load``); ``HSEXTRACT_FAST_LOAD=0``, or any failure, uses transformers' reader (model/load.py).
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
 """Fused CUDA kernels for the ``qwen3_5`` decoder, swapped into a loaded model in place of transformers' forwards.
 
-    from hsextract import kernels
-    swapped = kernels.apply(lm, mode="fused")   # list[str]: what was swapped; [] on CPU, for "stock", or for
-                                                # an architecture this module does not know
-    kernels.restore(lm)                         # transformers' own forwards again (same weights)
-    with kernels.stock_forward(lm): ...         # the same, for the duration of a block (the dry run's reference)
+    from hsextract.model import qwen3_5 as kernels
+    kernels.apply(lm, mode="fused")       # what was swapped: [] on CPU, for "stock", or an unknown architecture
+    kernels.restore(lm)                   # transformers' own forwards again (same weights)
+    with kernels.stock_forward(lm): ...   # the same for a block: where a dry run's HF reference must run
 
-Call ``apply`` once, after the model is on its GPU and in eval mode, before the first forward. It patches module
-instances (an instance ``forward`` attribute and one forward pre-hook), never transformers' classes or files, so a
-second model in the same process is untouched and ``restore`` undoes it.
-
-Why: on an H200 the stock forward of Qwen3.6-27B spends ~40% of its time outside matrix products, in memory-bound
-elementwise kernels and copies (``docs/PERFORMANCE.md``). Each swap below removes passes over the activations:
-
-- ``rms_norm``: ``Qwen3_5RMSNorm`` (x / rms(x) * (1 + w), float32 compute) -> liger-kernel's RMSNorm, offset 1.0,
-  "gemma" casting (everything in float32, one rounding), instead of five torch kernels.
-- ``residual_add_rms_norm``: in each decoder layer, ``h = x + mixer(x); norm2(h)`` -> liger-kernel's fused
-  add + RMSNorm (same rounding as stock: the bf16 sum is normalised), and the layer's last add folded into the
-  down projection's GEMM (``addmm_`` with beta = 1 on that sum: one rounding instead of two, no extra pass).
-- ``silu_mul``: the MLP's ``silu(gate) * up`` -> liger-kernel's fused SiLU-and-multiply (silu in float32, as stock),
-  with the gate and up projections run as one GEMM (their weights become views of one tensor, as for b and a).
-- ``causal_conv1d``: the Gated-DeltaNet depthwise conv, which transformers runs as a padded torch ``conv1d`` on a
-  transposed copy when the ``causal-conv1d`` package is absent -> flash-linear-attention's Triton causal conv with
-  SiLU fused, reading q, k and v straight out of the projection's output in [B, T, D] layout (no transposes, no
-  split copies; float32 accumulation, one rounding).
-- ``gated_delta_rule``: FLA's chunked kernel called grouped (GVA: 16 q/k heads serve 48 value heads) instead of
-  on q and k repeated 3x, with the decay ``-exp(A_log) * softplus(a + dt_bias)`` and ``sigmoid(b)`` computed
-  inside FLA's kernels; the b and a projections run as one GEMM (their weights become views of one tensor).
-- ``gated_rms_norm``: ``Qwen3_5RMSNormGated`` -> FLA's fused RMSNorm * silu(z) (float32 throughout).
-- ``attention``: full-attention layers: q/k RMSNorm and partial RoPE in one Triton kernel (float32, one rounding)
-  writing the layout SDPA reads, SDPA on the grouped k/v (no ``repeat_kv`` copies) with ``is_causal`` when the
-  batch is right-padded (cuDNN's or flash's causal kernel instead of a masked one), and ``attn * sigmoid(gate)``
-  in one kernel.
-- ``right_padding``: a pre-hook on the text model drops a 2-D attention mask whose rows are right-padded. For
-  every valid token that is exact: with right padding all earlier positions are valid, and the conv, the
-  Gated-DeltaNet recurrence and causal attention only look back, so padding after a row's last token can never
-  reach it. Padded positions then hold finite values of no meaning (hsextract never reads them). Any other mask
-  (left padding, holes) is kept and honoured as in the stock forward.
-
-Numerics: every fused kernel computes in float32 and rounds once, where the stock bf16 forward rounds after each
-torch op, so its states should sit at least as close to a float32 forward; ``tests/gpu/test_kernels_gpu.py`` checks
-that per module and per layer. Forwards with a KV cache (generation) keep the stock path. A proof that compares a
-capture against "a plain HF forward" must run that reference inside ``stock_forward(lm)``, or it compares the
-fused forward with itself.
-
-Requirements on CUDA: flash-linear-attention (fla-core) >= 0.6.0 and liger-kernel >= 0.8.5 (the ``gpu`` extra);
-missing or older ones are an ``HsextractError`` naming the fix. ``causal-conv1d`` is not used. Measurements, and
-the profile behind each swap: ``docs/PERFORMANCE.md``.
+Module instances are patched (an instance ``forward``, one pre-hook), never transformers' classes, so another model
+in the process is untouched. Why: the stock forward spends ~40% of an H200's time outside matrix products; each swap
+removes passes over the activations and computes in float32 with one rounding. The swaps, their numerics and what
+they need: docs/ARCHITECTURE.md ("The fused forward").
 """
 
 from __future__ import annotations

@@ -1,49 +1,14 @@
 """One row -> token ids and a loss mask, for any chat template.
 
-A row is pre-tokenized (``input_ids`` with an optional ``loss_mask``, kept exactly as given), chat
-(``messages`` with optional row-level ``tools``), ShareGPT (``conversations``, mapped onto chat roles, with an
-optional row-level ``system``), or plain ``text`` (tokenized without a template, no special tokens added, every
-token supervised unless a ``loss_mask`` of the same length is given). ``RowEncoder.encode`` never raises: a row
-that cannot be encoded comes back with its skip kind (malformed, empty, too long) and the reason, and
-tokenize.py counts it.
-
-Chat messages as OpenAI writes them work too: ``content`` as a list of ``{"type": "text", "text": ...}`` parts
-(joined; a part of another type makes the row malformed, since this is a text model), ``tool`` turns, and
-``reasoning_content`` on assistant turns, passed to the template as they are: Qwen's templates render it as a
-``<think>`` block (and drop it from turns before the last user message), others ignore it, and the ids are always
-the template's own rendering.
-
-The loss mask is 1 on what the assistant writes: the content of its turns (``<think>`` blocks and tool calls
-included) and the end-of-turn token (``<|im_end|>``), 0 on system, user and tool turns and on the assistant header
-(``<|im_start|>assistant\\n``), which the generation prompt supplies. Nothing about a template is hard-coded; the
-mask is derived by rendering:
-
-1. Render the whole conversation once and tokenize the text with character offsets. These are the ids the model
-   sees, identical to ``apply_chat_template(tokenize=True)``.
-2. For assistant message ``i``, the turn starts where ``render(messages[:i], add_generation_prompt=True)`` ends
-   and stops where ``render(messages[:i + 1])`` ends, when both are prefixes of the full text; the end is then
-   cut back to just after the end-of-turn marker, so a trailing newline is not learned.
-3. Templates may rewrite history: Qwen's (and the demo's) drop ``<think>`` from assistant turns before the last
-   user message, so a partial render is no longer a prefix of the full one. Such a turn is located in the full
-   text instead: it starts after the next assistant header (or at the prefix end, when that one still matched)
-   and ends at the end of the longest tail of its rendering that appears there (binary search on the tail
-   length; a rewrite that drops the beginning of a turn keeps its tail). A turn that cannot be found makes the
-   row malformed rather than giving it a wrong mask.
-4. A token gets mask 1 when its character span overlaps an assistant span.
-
-The assistant header and the end-of-turn marker used in steps 2 and 3 are themselves found by rendering a probe
-conversation once per tokenizer (``ChatMarkers``).
-
-Long rows are not tokenized whole when only their start is kept (``RowEncoder.tokenize``). No token covers more
-characters than the tokenizer's longest vocabulary entry (L), so the first ``(max_length + PREFIX_MARGIN_TOKENS) * L``
-characters hold more than ``max_length`` tokens. A cut changes only the tokens near it (for BPE with a
-pre-tokenizer: those of the piece it falls in), so the prefix's first ``max_length`` tokens are the whole text's; they
-are taken only when a second cut, twice as far, gives the same ones (ids and offsets), else the whole text is
-tokenized. Spans and mask come from the whole rendered text as before, so ids and mask equal tokenizing the
-whole row and cutting (a 50 MB row: 87 s before, under a second now; docs/PERFORMANCE.md). With ``skip``, a row
-that cannot fit is dropped untokenized: with a byte-level tokenizer a token covers at most L bytes of the text, so
-a text of over ``FAR_TOO_LONG * max_length * L`` characters has more than ``max_length`` tokens (the factor covers
-Unicode normalization, which shrinks a text's bytes by at most 3x).
+A row is pre-tokenized (kept as given), chat (``messages``, OpenAI's forms included), ShareGPT or plain ``text``;
+``RowEncoder.encode`` never raises: a row it cannot encode comes back with its skip kind and reason. The mask is 1
+on what the assistant writes (its turns' content, ``<think>`` and tool calls included, and the end-of-turn token),
+and nothing about a template is hard-coded: the conversation is rendered once and tokenized with offsets (the ids
+``apply_chat_template`` gives), and each assistant turn is located by rendering the messages before it with the
+generation prompt and through it; a turn the template rewrote in later history (Qwen drops old ``<think>``) is
+found by the longest tail of its rendering, and one that cannot be found makes the row malformed, never mis-masked.
+A long row is tokenized only as far as ``max_length`` needs: a prefix of ``(max_length + PREFIX_MARGIN_TOKENS) *``
+the longest token's characters, taken only when a cut twice as far gives the same tokens.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Data sources: where a run's rows come from, how several are mixed, and what identifies each.
 
-A source spec is a string, optionally with options as a query string (``convs/*.jsonl?limit=500&name=chat``), or a
-YAML mapping (``{path: ..., limit: 500, name: chat}``). Its location is one of:
-
-- a file (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.json``, ``.parquet``), a glob of such files, or a directory
-  of them (read recursively, in sorted order);
-- a ``datasets.save_to_disk`` directory, or a local dataset directory in Hub layout (``data/*.parquet`` beside a
-  README with ``configs:``), the latter read with ``datasets.load_dataset`` like the Hub would;
-- ``hf:org/name``: ``datasets.load_dataset`` with its cache, ``HF_DATASETS_OFFLINE``, ``split``, ``config`` and
-  ``revision``;
-- ``s3://bucket/key-or-prefix``: fetched once into the run dir's cache (re-fetched only when the ETag or size
-  changed), through the output's credential chain and endpoint handling (storage.s3).
-
-Options: ``limit`` (the first N rows) or ``fraction`` / ``sample`` (rows drawn without replacement, seeded by the
-run's seed and the source's name, kept in source order); ``name`` (prefixed to the sample ids as ``name/id``: with
-more than one source every source has a name, derived from its location when not given); ``columns``
-(``field:column,...``: which column holds messages, conversations, id, input_ids, loss_mask, text, tools or
-system). A row's id is its ``id`` field, else its position in the source (before any selection, so that a
-changed limit renames nothing).
-
-Everything here runs before any weight loads: a missing path, a glob that matches nothing, an unknown Hub id, a
-missing column or bucket, mixed row kinds across the files of one source, each is an ``HsextractError`` naming the
-source. Rows are streamed: a source is never held as Python objects. Each source's identity (content hash of local
-files, the Hub dataset's fingerprint, S3 ETags) and options go into the plan's fingerprint, so a changed source is
-refused on resume like any plan change.
+A source spec is a location (a file, glob or directory of JSONL/JSON/Parquet; a ``save_to_disk`` or Hub-layout
+directory; ``hf:org/name``; ``s3://bucket/key-or-prefix``, fetched once into the run dir's cache) with options
+(``limit``, ``fraction``/``sample``, ``name``, ``columns``); docs/DATA.md lists them. Rows are streamed, never held
+as Python objects. A row's id is its ``id`` field, else its position before any selection, so a changed limit
+renames nothing. Everything here runs before any weight loads and fails as an ``HsextractError`` naming the
+source; each source's identity (content hash, Hub fingerprint, S3 ETags) and options go into the plan's
+fingerprint, so a changed source is refused on resume like any plan change.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Prepare a run: every check and every cheap step before any weight loads, as a short sequence of named steps.
 
 Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
-it was. So ``prepare_run`` goes:
-
-1. ``check_inputs``: the run dir (a directory, with room) and that staging, output and run dir do not overlap
-   (``check_places``, no imports: the launcher starts its CUDA workers' imports then); the model config and layer
-   ids, the output (a probe object) and the staging directory's space (``check_model_and_output``);
-2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row
-   tokenized (parallel, cached in the run dir, bad rows counted per source), ids made unique;
-3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
-4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
-   the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
-   output is claimed for this plan (format/records.py): an output held by another job is refused, naming it;
-5. ``write_run_files``: data report, tokens, config, run info and, last, the plan.
+it was. ``prepare_run``: (1) ``check_inputs``: the places (no imports: the launcher starts its CUDA workers' imports
+then), the model config and layer ids, the output (a probe object), staging space; (2) ``resolve_data`` and
+``tokenize``: every source found and checked, every row tokenized (parallel, cached), ids made unique; (3)
+``make_fingerprint`` and ``make_plan``; (4) ``accept_plan``: a held plan is resumed only if identical, else the
+message says what changed (``--restart`` clears it), then the output is claimed for this plan; (5)
+``write_run_files``: data report, tokens, config, run info and, last, the plan.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Data sources -> tokenized samples with a loss mask: the first stage of the pipeline.
 
-The data is one source or a mix of several (sources.py: files, globs, dataset directories, Hub ids, S3 prefixes,
-with limits, fractions, names and column mappings). A row is one of four kinds, tried in this order:
-
-- pre-tokenized: ``input_ids`` (list of ints) with an optional ``loss_mask`` (0/1, same length, default all ones);
-  it is kept exactly as given, since it is what the user already tokenized;
-- chat: ``messages`` (``{role, content, tool_calls?, reasoning_content?...}``) with optional row-level ``tools``;
-- ShareGPT: ``conversations`` (``{from, value}``), mapped onto chat roles, with an optional row-level ``system``;
-- plain ``text`` (code, documents): tokenized without a template, every token supervised unless a mask is given.
-
-Bad rows never crash a run and are never dropped silently: each is counted per source in a ``DataReport``
-(report.py) with a few examples. A source where no row survives is an error naming it. With ``dedupe``, a row whose
-token ids equal an earlier row's (in any source) is dropped and counted.
-
-How one row becomes ids and a loss mask is chat.py's job.
-
-Rows are streamed from the sources into ``num_proc`` spawned processes (spawn, not fork: the caller may hold
-threads or CUDA), in chunks in source order with a bounded number in flight, so the result does not depend on
-``num_proc`` and the parent never holds more than a window of rows. Each chunk's tokens come back as two arrays and
-go straight into the token file (``TokenFileWriter``): the parent holds one int and one id per sample, never the
-tokens, so its memory does not grow with the data's. The token file is one safetensors file, written once; it is
-read back memory-mapped. With ``cache_dir`` it is stored there under a name that hashes the sources' identities and
-options, the tokenizer, the chat template, the length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever
-the encoding changes), with its report in the header; a later call with the same inputs maps that file instead of
-tokenizing again, and the run dir's copy is a hard link to it.
+A row is pre-tokenized (kept exactly as given), chat, ShareGPT or plain text (docs/DATA.md); how one becomes ids and
+a mask is chat.py's job. Bad rows never crash a run and are never dropped silently: each is counted per source in a
+``DataReport`` with examples. Rows stream into ``num_proc`` spawned processes (spawn: the caller may hold threads or
+CUDA) in chunks in source order, so the result does not depend on ``num_proc``; each chunk's tokens go straight into
+the token file (``TokenFileWriter``), so the parent holds one length and one id per sample, never the tokens. With
+``cache_dir`` that file is kept under a hash of every input of the encoding (bump ``FORMAT_VERSION`` when it
+changes), and a later call with the same inputs maps it instead of tokenizing again.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Workers started while the launcher prepares: their imports and CUDA start-up overlap the data's preparation.
 
-A GPU worker spends ~20 s importing torch, transformers' model code and flash-linear-attention before it reads a
-byte of weights (an H200 host, docs/PERFORMANCE.md), and the launcher spends ~12 s preparing the data; one after
-the other they were a third of a warm start. So on CUDA, once the run dir and the places are checked
-(``prepare.steps.check_places``, before the model's config is read: that imports transformers), the launcher starts
-one process per local shard that
-
-1. starts CUDA on its GPU and pins the pipeline's host buffers in a thread (run/hostmem.py; sized from the config
-   for the largest batch it allows), while it imports what the worker needs, including the model's own class (and
-   through it FLA and Triton) and hsextract's kernels;
-2. waits for its go file (``RunDir.prestart_file``): ``{"run": true, "env": {...}}`` once the plan is accepted
-   (the warm-up's flag, which only the plan decides, comes in ``env``), or ``{"run": false}``: its shard has
-   nothing to do, or the preparation failed;
-3. with ``run``, becomes the worker (``worker.main``) exactly as if the launcher had started it then.
-
-No weights are read before the go: bad data still fails before the 54 GB load, with the same message, and the
-started processes exit (they also die with the launcher). ``HSEXTRACT_PRESTART=0`` starts workers after the
-preparation, as on CPU by default, where a worker's imports are a few seconds; ``=1`` starts them early on CPU too.
+A GPU worker spends ~20 s importing torch, transformers and flash-linear-attention before it reads a weight, and the
+launcher ~12 s preparing the data: one after the other they were a third of a warm start. So on CUDA, once the places
+are checked, the launcher starts one process per local shard that starts CUDA, pins its host buffers (hostmem.py)
+and imports the model's code, then waits for its go file: ``{"run": true, "env": {...}}`` once the plan is accepted
+(it then becomes the worker, as if started then), or ``{"run": false}``. No weight is read before the go, so bad data
+still fails before the load with the same message. ``HSEXTRACT_PRESTART=0`` or ``=1`` overrides (off on CPU).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """What ``hsextract status`` reports, as one document: ``status --json``, ``/api/status``, the page and ``/metrics``
 all read ``status_document``, so they never disagree.
 
-Built on each call from the run directory and one listing of the output's completion records, without torch:
-
-- one row per shard: the rows of ``rows.shard_status`` (done counts from the output, state, stalls, rate,
-  ETA, how long ago it last progressed, a damaged progress file), plus what uploads look like: the bytes the worker
-  last saw in staging, the files waiting there and the age of the oldest (the upload lag; only where staging is on
-  this host);
-- totals, the plan summary (model, layer ids and what each means, the data report's counts);
-- on a node with NVML (``pip install nvidia-ml-py``; optional) each GPU's utilization and memory, matched to the
-  shard whose worker process it runs, else to the shard's configured GPU.
-
-``history`` returns each shard's rate history (``[time, tokens_done, staged_bytes]`` points the worker appends to
-its progress file) for the charts; it is kept out of the document so that ``status --json`` stays short.
+Built on each call from the run directory and one listing of the output's completion records, without torch: one
+row per shard (``rows.shard_status``: done counts from the output, state, stalls, rate, ETA, plus the upload lag
+where staging is on this host), totals, the plan summary, and on a node with NVML each GPU's use matched to its
+shard. ``history`` returns each shard's rate history for the charts, kept out of the document so that ``status
+--json`` stays short.
 """
 
 from __future__ import annotations

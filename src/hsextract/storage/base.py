@@ -1,23 +1,12 @@
 """Where output lives: a local directory or an S3 prefix, behind one small interface.
 
-A ``Sink`` stores objects under keys such as ``shard-00000/batch-000123.safetensors``. ``LocalSink(root)`` maps a
-key to ``root/key``; ``S3Sink(bucket, prefix)`` to ``s3://bucket/prefix/key``. ``open_sink`` picks one from the
-output string (``s3://...`` or a path) and ``preflight`` checks, before any model loads, that the output can be
-written, so that a typo in a bucket name costs seconds, not a model load.
-
-Durability contract: when ``put_file`` returns, the object is complete and verified under its final key, and
-it returns a ``StoredObject`` (key, size, CRC32) that the uploader records in the batch's completion record.
-Writing the same key again is allowed and replaces the object, so a rerun after a crash may upload a batch
-twice but never leaves half of one. Given the CRC32 the file's writer computed, ``put_file`` checks the bytes
-it sends against it, as it sends them (no second read of the file), and stores nothing under the key if they
-differ (``StagedFileChanged``).
-
-- Local: the file is copied to ``root/key.tmp-<pid>-<tid>`` while its CRC32 is computed, fsynced, renamed over the
-  final name (only if the CRC32 is the writer's) and the directory fsynced; a file under its final name is
-  complete. Leftover ``.tmp-`` files from a crash are invisible to ``list_keys``.
-- S3: see s3.py (multipart upload with a full-object CRC32, verified with head_object, retried).
-
-This module must not import torch: it runs in the light uploader process.
+A ``Sink`` stores objects under keys such as ``shard-00000/batch-000123.safetensors``; ``open_sink`` picks
+``LocalSink`` or ``S3Sink`` from the output string, and ``preflight`` checks that the output can be written before
+any model loads. Durability contract: when ``put_file`` returns, the object is complete and verified under its final
+key, and the returned ``StoredObject`` (key, size, CRC32) is what the uploader records. Given the writer's CRC32,
+``put_file`` checks the bytes it sends as it sends them and stores nothing if they differ (``StagedFileChanged``).
+Writing a key again replaces it: a rerun may upload a batch twice, never half of one. No torch here: the light
+uploader process runs it.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """A bounded local disk cache of an output's batch files, in blocks, for training many epochs from S3.
 
-``CachedSink(sink, cache_dir, ...)`` serves ``read_range`` and ``get_bytes`` of the objects it is told the version
-of (the manifest's batch files and final norm: ``version(key)`` gives a tag of their content and their size) from
-blocks of ``BLOCK_BYTES`` on local disk; everything else (the manifest, listings) goes to the sink. A read needs the
-blocks its range touches; the missing ones are fetched in one ranged read per run of consecutive blocks and stored,
-so the first epoch costs the reads it would cost anyway (rounded out to whole blocks) and later epochs read local
-files. Blocks, not exact ranges: a later epoch's reads need not be the same ranges as the first one's (another
-rank's share, or reads of several samples at once), yet any byte read once is there.
-
-Layout: ``cache_dir/<output id>/<key>/<tag>/<block>``, the output id a hash of the endpoint and URL, the tag the
-file's recorded size and CRC32: a file rewritten with other content has another tag and never meets the old blocks.
-``cache_dir`` may hold other things (a shared scratch folder): the cache owns only the folders it made, each a
-16-hex-digit name holding the marker file ``.hsextract-cache`` that names it, and its two files
-``.hsextract-cache-usage`` and ``.hsextract-cache-lock``. It removes nothing else, never a link, and never follows
-one: a user's folder, a link to elsewhere, or an older hsextract's folder without the marker is left alone.
-Each block file is the block's bytes followed by their xxh3_64 (8 bytes), written under a temporary name and renamed
-(storage/fileio.py): a block file is complete. A block whose bytes do not match its checksum, or of the wrong size,
-is deleted and fetched again (logged); the reader's own checks then run on the bytes as on any others, so nothing
-damaged on local disk reaches a trainer. No fsync: a block torn by a crash fails its checksum and is fetched again.
-
-The limit (``max_bytes``) is kept by a byte count in ``.hsextract-cache-usage`` that every process sharing the cache
-(ranks and their DataLoader workers) updates under a file lock before it stores a block. The count carries its own
-checksum: when the file is missing, or holds anything this cache did not write (a hand edit, a torn write), the
-count is made again by walking the cache's own folders, so no edit of it lets the cache grow past its limit. When a
-block does not fit, the blocks of other outputs and stale versions are removed, least recently used output first;
-this output's own blocks stay, and what does not fit is read through without being stored, as is everything once
-the disk is full (a warning says so; training goes on). For a shuffled multi-epoch run over more data than the cache
-holds, keeping the first blocks gives the hit rate LRU would (the cache's share of the data) without rewriting the
-cache every epoch.
-
-This module imports no torch (storage/ runs in the uploader too), only the sink it wraps.
+``CachedSink`` serves the reads of versioned objects (the manifest's batch files and final norm) from blocks of
+``BLOCK_BYTES`` on local disk, fetching the missing blocks of a range in one ranged read per run: the first epoch
+costs the reads it would anyway, later ones read local files, whatever ranges they ask for. A block lives under the
+file's recorded size and CRC32 (a rewritten file never meets old blocks) and carries its own xxh3, so a torn or
+damaged block is fetched again (no fsync needed). The limit is kept by a checksummed byte count that every process
+sharing the cache updates under a file lock; other outputs' blocks go first, least recently used, and what does
+not fit is read through. The cache removes only folders it made (a marker file names each), never follows a link.
+No torch here (storage/ runs in the uploader too). docs/TRAINING.md ("A local disk cache") has the user's side.
 """
 
 from __future__ import annotations

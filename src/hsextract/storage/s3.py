@@ -1,30 +1,11 @@
 """Output on S3 (or an S3-compatible store): the ``S3Sink`` behind base.py's ``Sink`` interface.
 
-A file under ``multipart_threshold`` is read into memory once, its CRC32 computed from those bytes and checked
-  against the writer's (``expected_crc32``), and those same bytes are sent with it (``put_object``). A larger one
-  goes through boto3's transfer manager (multipart, parts in parallel, each carrying its own CRC32) with the
-  writer's CRC32 as the *full-object* checksum (``ChecksumCRC32``, ``ChecksumType=FULL_OBJECT``): S3 computes the
-  full-object CRC32 of the parts it received and refuses, or reports, one that differs; without the writer's CRC32
-  the file is read once first for one. Then ``head_object`` must report the local size and, when the server
-  returns a full-object CRC32, that CRC32. A mismatch there is retried as damage in transit unless the file itself
-  no longer has the writer's CRC32 (read again only then): then the object is deleted and ``StagedFileChanged``
-  raised. Servers that reject checksum headers (some S3-compatible stores) are served by botocore's standard
-  switch ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``: then no checksum is sent and only the size is
-  verified (a large file is then read for its CRC32 before it is sent). AWS validates both checksums, and so does
-  SeaweedFS, the tests' server (it answers a wrong one with BadDigest).
-
-Retries: botocore retries a few times on its own ("standard" mode). Around that, every S3 operation runs in one
-loop (``S3Sink._retrying``) that retries transient failures (connection refused/reset, unreachable endpoint,
-timeouts, 5xx, throttling, a checksum or size mismatch) with exponential backoff and jitter, 0.5 s doubling up to
-30 s, until a deadline (``retry_deadline_s``, 30 min by default) counted from the start of the operation. Failures
-that waiting cannot fix (refused or missing credentials, access denied, missing bucket) raise ``HsextractError`` at
-once, with the same messages ``preflight`` gives. A multipart upload interrupted by an outage may leave orphaned
-parts on the server when its abort fails too; a bucket lifecycle rule ("abort incomplete multipart uploads after N
-days") cleans those up.
-
-The endpoint comes from the ``endpoint_url`` argument, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``
-(boto3 reads those too; resolving them here lets error messages name the endpoint); credentials and region come
-from boto3's standard chain. This module must not import torch: it runs in the light uploader process.
+Every upload carries the writer's CRC32 (the whole object's, for multipart uploads) and is checked by a HEAD after
+it: the store refuses a body that differs, so an object is durable only as it was written. Every operation runs in
+one retry loop to a deadline (``retry_deadline_s``, 30 min): outages are waited out, while what waiting cannot fix
+(credentials, access, a missing bucket) raises ``HsextractError`` at once. Hand-written on purpose: botocore's own
+retries give up within seconds. No torch here: the light uploader process runs it. The checksums, stores that
+refuse them, the retries and the endpoint: docs/ARCHITECTURE.md ("Uploads to S3").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Batches by token budget, grouped by length: a DataLoader ``batch_sampler`` over the map-style dataset.
 
-    data = StatesMapDataset("s3://bucket/run1", "speculators")
-    batches = TokenBudgetBatches(data, max_tokens=8192, seed=0)   # rank/world_size as for StatesDataset
-    loader = DataLoader(data, batch_sampler=batches, num_workers=4, collate_fn=...)
-    for epoch in range(E):
-        batches.set_epoch(epoch)
-        for batch in loader: ...
+    batches = TokenBudgetBatches(StatesMapDataset(out, "speculators"), max_tokens=8192, seed=0)
+    loader = DataLoader(data, batch_sampler=batches, collate_fn=...); batches.set_epoch(epoch)
 
-What speculators' multipack sampler does (a token budget per step and device), with three differences: every
-sample is served exactly once per epoch (nothing dropped at the end; a sample longer than the budget is refused when
-the sampler is made, not truncated), samples of similar length are batched together, and reads stay local.
-
-Each epoch is a pure function of the lengths, the seed and the epoch. The batch files are shuffled and cut into
-windows of ``window_files`` files, as order.py does; a window's samples are sorted by length (ties in a seeded
-random order) and packed longest first, each batch taking samples while their tokens fit in ``max_tokens`` (and
-``max_samples``, if given); the window's batches are then shuffled. A batch so holds samples of nearly one length,
-whose padding (for a padding collator) or leftover space (for a packing one) is small, and reads touch one window's
-files at a time. The epoch's batch count is then made a multiple of ``world_size`` by splitting the batches with the
-most samples in two, so that every rank takes the same number of steps (DDP needs that); rank ``r`` takes batches
-``r, r + world_size, ...``, so a step's batches come from one window and are alike in size. Lengths come from the
-index (index.py): no state is read to plan a batch.
+What speculators' multipack sampler does, except that every sample is served once per epoch (one longer than the
+budget is refused when the sampler is made), batches hold samples of nearly one length, and reads stay local. Each
+epoch is a pure function of the lengths (from the index: no state is read to plan), the seed and the epoch: batch
+files shuffled and cut into windows as order.py does, each window's samples packed longest first and its batches
+shuffled; the count is made a multiple of ``world_size`` by splitting the fullest batches, as DDP needs equal steps.
 """
 
 from __future__ import annotations

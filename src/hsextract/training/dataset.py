@@ -1,22 +1,13 @@
 """Training datasets over an hsextract output (a directory or ``s3://bucket/prefix``), no export needed.
 
-    from hsextract.training import StatesDataset
-    data = StatesDataset("s3://bucket/run1", schema="specforge-dflash", endpoint_url=URL, batch_size=1)
-    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=4, collate_fn=...)
-    for epoch in range(E):
-        data.set_epoch(epoch)
-        for sample in loader: ...
+    data = StatesDataset("s3://bucket/run1", schema="specforge-dflash", endpoint_url=URL)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=4); data.set_epoch(epoch)
 
-``StatesDataset`` is a torch ``IterableDataset``: each epoch serves every sample once across all ranks and
-DataLoader workers, in a deterministic order (order.py: shuffled batch files, then samples within a window of
-files); ``state_dict(consumed)`` and ``load_state_dict`` resume mid-epoch with nothing repeated or skipped.
-``StatesMapDataset`` gives index -> item for trainers that bring a sampler; both know every sample's length before
-reading any state (index.py). ``follow=True`` serves an output still being written, batch by batch as they complete,
-until its manifest (follow.py). Items are the schema's (schemas.py): exactly what the trainer's own dataset yields.
-
-Reads run in a bounded pool of threads per process, ``prefetch`` samples ahead of the consumer, so memory holds at
-most ``prefetch`` samples plus the cached headers. Every read is checked as the reader checks it: a damaged file
-raises ``CorruptOutputError`` naming it, never a silent skip.
+``StatesDataset`` (iterable) serves every sample once per epoch across ranks and workers in a deterministic order
+(order.py) and resumes mid-epoch from ``state_dict(consumed)``; ``StatesMapDataset`` gives index -> item for
+trainers with their own sampler; ``follow=True`` serves an output still being written (follow.py). Items are the
+schema's (schemas.py): what the trainer's own dataset yields. Reads run ``prefetch`` samples ahead in a bounded
+thread pool, each checked as the reader checks it: damage raises ``CorruptOutputError``, never a silent skip.
 """
 
 from __future__ import annotations

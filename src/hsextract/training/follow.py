@@ -1,29 +1,12 @@
 """Training on an output that is still being written: ``StatesDataset(output, follow=True)``.
 
-From its start an output holds the job files preparation published beside the claim (the plan: every batch and its
-sample ids; the run info; format/records.py), then one completion record per batch file once that file is durable,
-and the manifest last. A followed dataset therefore knows every sample of the job before any batch exists, and
-deals them up front, with no coordination between ranks or workers:
-
-- Sample ``p`` is the ``p``-th of the plan (the manifest's order). Each epoch permutes the positions (seeded; none
-  without ``shuffle``) and deals them to the ranks round-robin (order.rank_sequence), and a rank's share to its
-  DataLoader workers in chunks of ``batch_size`` (order.worker_share), as for a finished output. Every sample has
-  exactly one owner whatever order the batches complete in; shares differ by at most one sample (a chunk between
-  workers); every rank reads every batch file, ranged reads of its own rows only.
-- Each iterating process polls the output every ``poll_s`` seconds: the manifest's existence, then one listing of
-  the completion records and one small read of each new one (the file's size and header checksum, which its header
-  is then checked against, as against a manifest's entry). A new file's samples of this process join its queue;
-  files admitted together are shuffled, and samples are served at random from a window of ``window_files`` files
-  with samples left, so reads stay local as in order.py. With nothing left to serve it waits for the next poll.
-- The manifest ends it: it is checked before the listing, so that listing holds every batch; once they are served
-  the epoch is over. ``timeout_s`` seconds without a new batch and without the manifest raise ``HsextractError``.
-
-The order depends on when batches complete, so it is not reproducible and a count alone cannot resume it. Every
-iterating process appends the plan position of each sample it yields to its own journal file (in a temporary
-directory the dataset makes). ``state_dict(consumed=N)`` replays an in-order DataLoader's round robin over those
-journals to find the N samples it handed out, and records them by batch file (``consumed_samples``: key -> this
-rank's rows there, or ``"all"``); a resumed iteration deals the rank's other samples afresh and serves only those.
-Later epochs follow too (at once when the manifest is there), so one followed dataset can serve every epoch.
+From its start an output holds the plan (every batch and its sample ids), then a completion record per durable batch,
+and the manifest last; so a followed dataset deals every sample of the job to its rank and DataLoader worker up front,
+as for a finished output, with no coordination: each sample has one owner whatever order batches complete in. Each
+iterating process polls the completion records every ``poll_s``, admits the new files' samples of its own (their
+headers checked against the records) and serves them from a window of files; the manifest ends the epoch, and
+``timeout_s`` without either raises. The order depends on when batches complete, so each process journals what it
+served and ``state_dict(consumed=N)`` replays those journals to record what was handed out. docs/TRAINING.md.
 """
 
 from __future__ import annotations

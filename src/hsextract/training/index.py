@@ -1,19 +1,11 @@
 """Which samples an output serves to a schema, and reading them from any thread.
 
-``SampleIndex`` comes from the output's sample index (format/sample_index.py), written once when the output was
-finished: one read, verified against the checksum the manifest records, then memory-mapped (a local output's file
-itself; an S3 output's copied once to a temporary file, in /dev/shm where there is one), so every DataLoader worker
-of the node shares its pages instead of a copy each. The index pickles into a worker as a path and a few small
-arrays: the worker maps the same file. An output written before the index existed is indexed as it always was
-(``scan_files``: each batch file's header and index tensors, two small reads per file, in a pool of threads), with
-a log line; so is one whose index lacks a schema's verdicts (a schema added since).
-
-It holds no open connection, so it crosses into DataLoader workers, which open the output again themselves
-(``SampleReader``): a boto3 client must not cross a fork. Nor does it hold the manifest's sample ids: workers get
-the manifest without them and take each file's ids from the index when they open the file.
-
-``SampleReader`` keeps a bounded cache of open batch files (their parsed headers and index, a few KB each) shared by
-its threads; a sample is one checked ranged read of its rows (reader.BatchFile), dequantized if fp8.
+``SampleIndex`` is the output's sample index (format/sample_index.py), read once, checked against the manifest's
+checksum and memory-mapped (an S3 output's copied once to /dev/shm), so a node's DataLoader workers share its pages;
+it pickles into a worker as a path and a few small arrays, holds no connection (a boto3 client must not cross a
+fork) and no manifest sample ids. An output without the index, or without a schema's verdicts, is scanned as before
+(two small reads per batch file, logged). ``SampleReader`` keeps a bounded cache of open batch files shared by its
+threads; a sample is one checked ranged read of its rows, dequantized if fp8.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Reading a sequence of samples ahead of its consumer, several samples of one batch file in one ranged read.
 
-``plan_reads`` cuts a sequence (a worker's share of the epoch's order, or one batch file's samples for export) into
-reads. A sample joins an open read of its file when the read then still covers at most ``max_bytes`` and at most
-``1/GAP_RATIO`` of what it covers belongs to no sample asked for (rows between, left out or served elsewhere); a
-read stays open for ``horizon`` positions of the sequence after its first sample, so its samples are all due
-within that many of each other. Adjacent rows of one file cost one read; under the epoch's shuffle most reads hold
-one sample (a window of 8 files of ~100 samples rarely puts two neighbours within a worker's next 16 samples), in
-file order (``shuffle=False``, export) a read holds as many samples as fit ``max_bytes``.
-
-``read_ahead`` issues the reads in the order of their first sample in a pool of ``threads``, keeping at most
-``prefetch`` samples read and not yet consumed (plus the rest of one read), and yields the samples in sequence
-order. Each read fetches the states of its samples in one ranged read into memory from ``alloc``: in a DataLoader
-worker that is shared memory (``shared_memory``), so the states cross to the training process as a handle instead
-of being copied into new shared memory by the DataLoader. Every sample is checked against its own checksum; a
-sample that fails raises its ``CorruptOutputError`` when its turn comes, exactly as a read of it alone would.
+``plan_reads`` cuts a sequence into reads: a sample joins an open read of its file while the read stays under
+``max_bytes``, at most ``1/GAP_RATIO`` of it is rows nobody asked for, and its samples are due within ``horizon``
+positions of each other. Under the epoch's shuffle most reads hold one sample; in file order (export) a read holds
+as many as fit. ``read_ahead`` issues the reads in a pool of ``threads``, keeps at most ``prefetch`` samples read
+ahead, and yields them in order; in a DataLoader worker the states land in shared memory, so they cross to the
+training process as a handle, not a copy. A sample that fails its checksum raises when its turn comes, as a read of
+it alone would.
 """
 
 from __future__ import annotations
