@@ -6,13 +6,14 @@ it was. So ``prepare_run`` goes:
 1. ``check_inputs``: the run dir (a directory, with room) and that staging, output and run dir do not overlap
    (``check_places``, no imports: the launcher starts its CUDA workers' imports then); the model config and layer
    ids, the output (a probe object) and the staging directory's space (``check_model_and_output``);
-2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row
-   tokenized (parallel, cached in the run dir, bad rows counted per source), ids made unique;
+2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row tokenized
+   (parallel, cached in the run dir, bad rows counted per source; in a multi-node job by node 0 alone, whose
+   published tokens the others take: publish.py), ids made unique;
 3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
 4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
    the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
    output is claimed for this plan (format/records.py): an output held by another job is refused, naming it;
-5. ``write_run_files``: data report, tokens, config, run info and, last, the plan.
+5. ``write_run_files``: data report, tokens, config, run info and, last, the plan; node 0 then publishes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from hsextract.model.kernel_cache import KERNEL_CACHE_ENV, check_writable
 from hsextract.model.kernel_cache import resolve as resolve_kernel_cache
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
+from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
@@ -88,22 +90,24 @@ def prepare_run(
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(cfg.model)
-    samples, report, renamed = tokenize(
-        cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
-    )
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
-    plan = make_plan(
-        samples.lengths.tolist(),
-        max_tokens_per_batch=cfg.max_tokens_per_batch,
-        max_rows=cfg.max_rows,
-        shards=cfg.total_shards,
-        fingerprint=fingerprint,
-    )
-    check_output_space(cfg, plan, model)
-    accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe())
-    write_run_files(
-        cfg, run_dir, plan, model, tokenizer, samples, {**report.to_json(), "duplicate_ids_renamed": renamed}
-    )
+    with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
+        samples, report, renamed = tokenize(
+            cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
+        )
+        plan = make_plan(
+            samples.lengths.tolist(),
+            max_tokens_per_batch=cfg.max_tokens_per_batch,
+            max_rows=cfg.max_rows,
+            shards=cfg.total_shards,
+            fingerprint=fingerprint,
+        )
+        once.check_plan(plan)
+        check_output_space(cfg, plan, model)
+        accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe())
+        report_json = {**report.to_json(), "duplicate_ids_renamed": renamed}
+        write_run_files(cfg, run_dir, plan, model, tokenizer, samples, report_json)
+        once.publish(plan)
     echo(f"plan: {plan.summary()}")
     return plan
 
@@ -274,11 +278,7 @@ def tokenize(
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
 SAMPLES_PER_WEIGHT_FILE = 16
-
-
 SAMPLE_BYTES = 1 << 16
 
 
