@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import LEASE, RECORD, TOKENS, PreparedOnce
@@ -62,6 +63,13 @@ class Waiting:
         except HsextractError as e:
             self.error = e
 
+    def until_waiting(self, timeout=20):
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith("waiting for node 0") for line in self.lines):
+            assert self.thread.is_alive() and time.monotonic() < deadline, (self.error, self.lines)
+            time.sleep(0.01)
+        return self
+
     def join(self, timeout=20):
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the waiting node is still waiting"
@@ -70,7 +78,7 @@ class Waiting:
 
 def test_node_1_waits_for_node_0_and_takes_its_tokens_and_plan(tmp_path):
     sink = LocalSink(tmp_path / "out")
-    node1 = Waiting(node(sink, tmp_path, 1))
+    node1 = Waiting(node(sink, tmp_path, 1)).until_waiting()
     time.sleep(0.2)
     assert node1.thread.is_alive() and not node1.prepared.cache_path.exists()
     node0 = node(sink, tmp_path, 0)
@@ -136,8 +144,8 @@ def test_a_beating_preparer_is_waited_for(tmp_path):
     sink = LocalSink(tmp_path / "out")
     node0 = node(sink, tmp_path, 0, beat_s=0.1)
     with node0:
-        waiting = Waiting(node(sink, tmp_path, 1, stale_s=0.5))
-        time.sleep(1.5)  # three stale periods
+        waiting = Waiting(node(sink, tmp_path, 1, stale_s=1.0)).until_waiting()
+        time.sleep(2.5)  # longer than the stale period
         assert waiting.thread.is_alive()
         node0.publish(plan_of(write_tokens(node0.cache_path)))
     assert waiting.join() is None
@@ -146,8 +154,7 @@ def test_a_beating_preparer_is_waited_for(tmp_path):
 def test_node_0s_failure_ends_the_wait_with_its_message(tmp_path):
     sink = LocalSink(tmp_path / "out")
     node0 = node(sink, tmp_path, 0)
-    waiting = Waiting(node(sink, tmp_path, 1))
-    time.sleep(0.1)
+    waiting = Waiting(node(sink, tmp_path, 1)).until_waiting()
     with pytest.raises(HsextractError), node0:
         raise HsextractError("source chat: no row survives")
     error = waiting.join()
@@ -194,12 +201,18 @@ def test_restart_waits_for_the_new_preparation_instead_of_refusing_the_old_one(t
     with old:
         old.publish(plan_of(write_tokens(old.cache_path)))
     new_identity = identity(max_length=200)
-    waiting = Waiting(node(sink, tmp_path, 1, new_identity, restart=True))
-    time.sleep(0.2)
-    assert waiting.thread.is_alive()
+    waiting = Waiting(node(sink, tmp_path, 1, new_identity, restart=True)).until_waiting()
     node0 = node(sink, tmp_path, 0, new_identity, restart=True)
     node0.cache_path.unlink()
     with node0:
         node0.publish(plan_of(write_tokens(node0.cache_path, seed=1), {**FINGERPRINT, "max_length": 200}))
     assert waiting.join() is None
     assert waiting.prepared.cache_path.read_bytes() == node0.cache_path.read_bytes()
+
+
+def test_prepare_wait_must_be_a_positive_number_of_seconds(tmp_path):
+    base = {"model": "m", "data": "d.jsonl", "output": "o", "run_dir": str(tmp_path), "device": "cpu"}
+    assert RunConfig(**base).prepare_wait_s == 3600
+    for bad in (0, -5, float("inf")):
+        with pytest.raises(HsextractError, match="--prepare-wait must be a positive number of seconds"):
+            RunConfig(**base, prepare_wait_s=bad)
