@@ -12,7 +12,9 @@ from hsextract.errors import HsextractError
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import LEASE, RECORD, TOKENS, PreparedOnce
 from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
+from hsextract.storage.base import MiB
 from hsextract.storage.local import LocalSink
+from hsextract.storage.s3 import S3Sink
 
 FINGERPRINT = {"data": "abc123", "layer_ids": [0, 3, 7], "max_length": 300}
 SOURCES = [{"name": "chat", "source": "data.jsonl", "kind": "jsonl", "options": {}, "identity": {}}]
@@ -22,9 +24,9 @@ def identity(**changes) -> dict:
     return {"fingerprint": {**FINGERPRINT, **changes}, "shards": 4, "tokens": "tokens-0123.safetensors"}
 
 
-def write_tokens(path, n=40, seed=0) -> TokenizedSamples:
+def write_tokens(path, n=40, seed=0, longest=60) -> TokenizedSamples:
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 60, n)
+    lengths = rng.integers(1, longest, n)
     with TokenFileWriter(path) as writer:
         writer.add_block(
             [f"row-{i}" for i in range(n)],
@@ -216,3 +218,18 @@ def test_prepare_wait_must_be_a_positive_number_of_seconds(tmp_path):
     for bad in (0, -5, float("inf")):
         with pytest.raises(HsextractError, match="--prepare-wait must be a positive number of seconds"):
             RunConfig(**base, prepare_wait_s=bad)
+
+
+@pytest.mark.usefixtures("aws_test_env")
+def test_a_multipart_token_file_goes_through_s3_and_comes_back_checked(tmp_path, s3, s3_bucket):
+    sink = S3Sink(s3_bucket, "job", s3.url, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+    node0 = node(sink, tmp_path, 0)
+    with node0:
+        samples = write_tokens(node0.cache_path, n=20_000, seed=2, longest=250)
+        assert node0.cache_path.stat().st_size > 10 * MiB
+        node0.publish(plan_of(samples))
+    head = s3.client().head_object(Bucket=s3_bucket, Key=f"job/{TOKENS}")
+    assert head["ETag"].rstrip('"').split("-")[-1] == "3", "uploaded in 5 MiB parts"
+    with node(sink, tmp_path, 1) as node1:
+        assert node1.taken is not None
+    assert node1.cache_path.read_bytes() == node0.cache_path.read_bytes()
