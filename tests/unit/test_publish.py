@@ -132,14 +132,33 @@ def test_a_waiting_node_gives_up_at_its_time_limit_saying_what_and_where(tmp_pat
 
 def test_a_preparer_whose_lease_stops_beating_is_named_before_the_time_limit(tmp_path):
     sink = LocalSink(tmp_path / "out")
+    waiting = Waiting(node(sink, tmp_path, 1, stale_s=0.5, wait_s=60)).until_waiting()
+    start = time.monotonic()
     node0 = node(sink, tmp_path, 0, beat_s=3600)  # leads, then never beats: a dead node, as seen from outside
     with node0:
-        start = time.monotonic()
-        error = Waiting(node(sink, tmp_path, 1, stale_s=0.5, wait_s=60)).join()
+        error = waiting.join()
         assert time.monotonic() - start < 10
         node0.publish(plan_of(write_tokens(node0.cache_path)))  # (only to end it)
     assert error is not None and "node 0 stopped preparing" in str(error), error
     assert "died mid-preparation" in str(error) and "rerun every node's command" in str(error)
+
+
+def test_a_lease_left_by_a_dead_or_failed_attempt_waits_for_node_0s_rerun(tmp_path):
+    """A whole-job rerun: node 1 starts while the output holds the last attempt's lease (dead, or failed), and node
+    0's rerun is still in its checks for longer than a lease takes to go stale."""
+    sink = LocalSink(tmp_path / "out")
+    with pytest.raises(HsextractError), node(sink, tmp_path, 0):
+        raise HsextractError("source chat: no row survives")
+    assert b'"failed"' in sink.get_bytes(LEASE)
+    waiting = Waiting(node(sink, tmp_path, 1, stale_s=0.2, report_s=0.1)).until_waiting()
+    time.sleep(1.0)
+    assert waiting.thread.is_alive(), waiting.error
+    said = [line for line in waiting.lines if line.startswith("still waiting")]
+    assert "no row survives" in said[-1] and "unchanged since before this node started" in said[-1], said
+    node0 = node(sink, tmp_path, 0)
+    with node0:
+        node0.publish(plan_of(write_tokens(node0.cache_path)))
+    assert waiting.join() is None and waiting.prepared.taken is not None
 
 
 def test_a_beating_preparer_is_waited_for(tmp_path):

@@ -146,16 +146,16 @@ class PreparedOnce:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._seen_at_start: set[str] = set()
-        self._failed_at_start: str | None = None
+        self._lease_at_start: tuple | None = None
         self._mismatched: set[str] = set()
 
     # -- entering: take, lead, or wait and take ------------------------------------------------------------------
     def __enter__(self) -> PreparedOnce:
         record, lease = self._read(RECORD), self._read(LEASE)
-        # What is in the output before this node starts may be an earlier attempt's (a failed lease) or an earlier
-        # job's (which --restart replaces).
+        # What is in the output before this node starts may be an earlier attempt's (a dead or failed node 0, whose
+        # rerun may still be starting) or an earlier job's (which --restart replaces).
         self._seen_at_start = {r.get("attempt") for r in (record, lease) if r}
-        self._failed_at_start = lease.get("attempt") if lease and lease.get("state") == "failed" else None
+        self._lease_at_start = _beat_key(lease)
         if self._mine(record):
             self.taken = record
             if self.cache_path.exists():
@@ -269,16 +269,25 @@ class PreparedOnce:
             if not self._mine(record):
                 self._refuse_other_job(lease or record)
             mine = lease if lease is not None and lease.get("identity") == self.identity else None
-            if mine is not None:
-                if mine.get("state") == "failed" and mine.get("attempt") != self._failed_at_start:
+            key = _beat_key(mine)
+            if key != beat:
+                beat, beat_since = key, now
+            # Only a lease seen to change while this node waits can go stale: one unchanged since before it started
+            # may be a dead attempt whose rerun is still in its checks (then the time limit decides).
+            if mine is not None and key != self._lease_at_start:
+                if mine.get("state") == "failed":
                     raise HsextractError(
                         f"node 0 failed to prepare the job ({_who(mine)}): {mine.get('error')}\nThis node has "
                         "nothing to run without it: fix what node 0 says, then rerun every node's command."
                     )
-                if (mine.get("attempt"), mine.get("beat"), mine.get("state")) != beat:
-                    beat, beat_since = (mine.get("attempt"), mine.get("beat"), mine.get("state")), now
-                elif now - beat_since > self.stale_s:
-                    raise HsextractError(self._stale_message(mine, now - beat_since))
+                if now - beat_since > self.stale_s:
+                    raise HsextractError(
+                        f"node 0 stopped preparing ({_who(mine)}): its lease at {self.sink.url}/{LEASE} has not "
+                        f"changed for {now - beat_since:.0f} s (a live node renews it every "
+                        f"{mine.get('beat_s', BEAT_S):.0f} s), so it died mid-preparation. Nothing it left "
+                        "unfinished is used: rerun every node's command (the same commands) to prepare the job "
+                        "again."
+                    )
             if now - start > self.wait_s:
                 raise HsextractError(
                     f"node 0 did not publish the prepared tokens and plan at {self.sink.url}/{PREFIX} within "
@@ -298,24 +307,15 @@ class PreparedOnce:
     def _state(self, lease: dict | None, still_s: float) -> str:
         if lease is None:
             return "node 0 has not started preparing"
+        if _beat_key(lease) == self._lease_at_start:
+            said = f": {lease.get('error')}" if lease.get("state") == "failed" else ""
+            return (
+                f"node 0's lease says {lease.get('state')}{said} ({_who(lease)}), unchanged since before this "
+                "node started: if node 0 is not running, start it"
+            )
         if lease.get("state") == "preparing":
-            return f"node 0 is preparing ({_who(lease)}), its lease unchanged for {still_s:.0f} s"
-        return f"node 0's lease says {lease.get('state')} ({_who(lease)}), unchanged for {still_s:.0f} s"
-
-    def _stale_message(self, lease: dict, still_s: float) -> str:
-        if lease.get("state") == "failed":
-            what = (
-                f"node 0's last attempt failed ({_who(lease)}: {lease.get('error')}) and no new one started"
-            )
-        else:
-            what = (
-                f"node 0 stopped preparing ({_who(lease)}): its lease at {self.sink.url}/{LEASE} has not beaten "
-                f"for {still_s:.0f} s (a live node beats every {lease.get('beat_s', BEAT_S):.0f} s), so it died mid-preparation"
-            )
-        return (
-            f"{what}. Nothing it left unfinished is used: rerun every node's command (the same commands) to "
-            "prepare the job again."
-        )
+            return f"node 0 is preparing ({_who(lease)}), its lease renewed {still_s:.0f} s ago"
+        return f"node 0's lease says {lease.get('state')} ({_who(lease)}), {still_s:.0f} s ago"
 
     # -- leading: the lease, then the publication ----------------------------------------------------------------
     def _lead(self) -> None:
@@ -392,6 +392,11 @@ class PreparedOnce:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return None  # written whole or not at all: unreadable only by hand, and then not ours to trust
         return value if isinstance(value, dict) else None
+
+
+def _beat_key(lease: dict | None) -> tuple | None:
+    """What changes each time a preparing node renews its lease."""
+    return None if lease is None else (lease.get("attempt"), lease.get("beat"), lease.get("state"))
 
 
 def _by(rank: int) -> dict:
