@@ -6,14 +6,13 @@ it was. So ``prepare_run`` goes:
 1. ``check_inputs``: the run dir (a directory, with room) and that staging, output and run dir do not overlap
    (``check_places``, no imports: the launcher starts its CUDA workers' imports then); the model config and layer
    ids, the output (a probe object) and the staging directory's space (``check_model_and_output``);
-2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row tokenized
-   (parallel, cached in the run dir, bad rows counted per source; in a multi-node job by node 0 alone, whose
-   published tokens the others take: publish.py), ids made unique;
+2. ``resolve_data`` and ``tokenize``: every data source found and checked (sources.py), then every row
+   tokenized (parallel, cached in the run dir, bad rows counted per source), ids made unique;
 3. ``make_fingerprint`` and ``make_plan``: what shapes the output, and the batches dealt to shards;
 4. ``accept_plan``: a run dir that already holds a plan is resumed only if the new plan is identical; otherwise
    the message says what changed, and ``--restart`` clears the old plan's progress and output first; then the
    output is claimed for this plan (format/records.py): an output held by another job is refused, naming it;
-5. ``write_run_files``: data report, tokens, config, run info and, last, the plan; node 0 then publishes.
+5. ``write_run_files``: data report, tokens, config, run info and, last, the plan.
 """
 
 from __future__ import annotations
@@ -91,6 +90,7 @@ def prepare_run(
     mix = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(cfg.model)
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
+    # A multi-node job prepares once: node 0 publishes its tokens, the others take them (publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
         samples, report, renamed = tokenize(
             cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
