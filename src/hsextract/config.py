@@ -37,6 +37,7 @@ TOO_LONG_POLICIES = ("truncate", "skip")
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_MODES = ("fused", "stock")
 DEFAULT_STALL_TIMEOUT_S = 180.0
+DEFAULT_PREPARE_WAIT_S = 3600.0
 REQUIRED = ("model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -97,6 +98,11 @@ class RunConfig:
 
     node_rank: int = _opt(0, "run")
     """This node: it runs shards ``node_rank * shards`` .. ``node_rank * shards + shards - 1``."""
+
+    prepare_wait_s: float = _opt(DEFAULT_PREPARE_WAIT_S, "run", flag="--prepare-wait")
+    """Multi-node jobs: seconds a node other than node 0 waits for node 0 to publish the tokenized data and the plan
+    in the output (it takes them instead of tokenizing everything itself) before it gives up with an error; it says
+    every 30 s what it waits for. A node 0 that dies while preparing is noticed sooner, by its lease going stale."""
 
     gpus: tuple[int, ...] | None = _opt(None, "run")
     """GPU indices for the shards (default 0..shards-1)."""
@@ -228,6 +234,10 @@ class RunConfig:
             object.__setattr__(self, "device", resolve_device("auto")[0])
         if not (math.isfinite(self.staging_max_gb) and self.staging_max_gb > 0):
             raise HsextractError(f"--staging-max-gb must be a positive number, got {self.staging_max_gb}")
+        if not (math.isfinite(self.prepare_wait_s) and self.prepare_wait_s > 0):
+            raise HsextractError(
+                f"--prepare-wait must be a positive number of seconds, got {self.prepare_wait_s}"
+            )
         if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
             raise HsextractError(
                 f"--stall-timeout must be a positive number of seconds, got {self.stall_timeout_s}"

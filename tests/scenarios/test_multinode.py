@@ -11,9 +11,13 @@ import pytest
 from support.cli import TINY_LIMITS, cli_run_args, launched, wait_for, write_mixed_dataset
 from support.s3server import cli_env
 
+from hsextract.demo import make_conversations
 from hsextract.errors import HsextractError
 from hsextract.format.manifest import MANIFEST
 from hsextract.format.records import JOB
+from hsextract.prepare.publish import LEASE as PREPARE_LEASE
+from hsextract.prepare.publish import RECORD as PREPARE_RECORD
+from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.reader import open_output
 from hsextract.run.cluster import node_place
 
@@ -101,6 +105,9 @@ def test_two_nodes_one_killed_and_rerun_alone_give_the_one_node_output(
     node0_out = (tmp_path / "node0" / "launcher.out").read_text()
     assert "node 0 of 2 (--nodes/--node-rank): shards 0..1 of 4" in node0_out
     assert "still to do (shards [2, 3])" in node0_out
+    # Node 0 prepared once; node 1 took its tokens instead of tokenizing the data itself.
+    assert "published the tokens" in node0_out, node0_out
+    assert "took the tokens node 0 published" in (tmp_path / "node1" / "launcher.out").read_text()
 
     # Progress from the output alone, in a directory that holds nothing of the run.
     fresh = tmp_path / "elsewhere"
@@ -142,11 +149,13 @@ def test_two_nodes_one_killed_and_rerun_alone_give_the_one_node_output(
             tmp_path / "node2", tiny_model, dataset, output, endpoint, nodes=2, node_rank=1, layers="1,3,7"
         )
     )
-    assert other.returncode == 2 and "is held by another job" in other.stderr and "layer_ids" in other.stderr
+    assert other.returncode == 2 and "preparation of another job" in other.stderr, other.stderr
+    assert "layer_ids: [0, 3, 7] -> [1, 3, 7]" in other.stderr
     wider = hsextract(
         *node_args(tmp_path / "node3", tiny_model, dataset, output, endpoint, nodes=3, node_rank=2)
     )
-    assert wider.returncode == 2 and "held by another job" in wider.stderr and "shards" in wider.stderr
+    assert wider.returncode == 2 and "preparation of another job" in wider.stderr
+    assert "shards: 4 -> 6" in wider.stderr
 
     # `hsextract finalize OUTPUT` rebuilds the manifest from the output alone.
     s3.client().delete_object(Bucket=s3_bucket, Key=f"two/{MANIFEST}")
@@ -198,6 +207,69 @@ def test_a_truncated_batch_of_node_0_is_named_by_node_1_and_recomputed_by_node_0
     assert s3.get_object(s3_bucket, f"job/{key}") == original
     v = hsextract("verify", output, "--s3-endpoint-url", endpoint)
     assert v.returncode == 0 and "all good" in v.stdout, v.stdout + v.stderr
+
+
+def test_node_0_killed_while_preparing_ends_node_1s_wait_and_a_rerun_of_both_completes(
+    tmp_path, tiny_model, tiny_tokenizer, s3, s3_bucket
+):
+    """Node 0 SIGKILLed while it tokenizes: node 1, which waits for its published tokens, gives up within
+    --prepare-wait saying what to rerun; the rerun of both nodes finishes the job, node 1 tokenizing nothing."""
+    data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer, n_chat=20)
+    # Rows too long to keep, so that node 0 tokenizes for a few seconds while the job stays small.
+    with open(data, "a") as f:
+        for row in make_conversations(40, seed=7):
+            system = {"role": "system", "content": " ".join(["the weather is sunny today"] * 100)}
+            messages = [system] + [m for m in row["messages"] if m["role"] != "system"]
+            f.write(json.dumps({**row, "id": "long-" + row["id"], "messages": messages}) + "\n")
+    output, endpoint = f"s3://{s3_bucket}/job", s3.url
+    wait_s = 15
+    args = [
+        node_args(
+            tmp_path / f"node{r}",
+            tiny_model,
+            data,
+            output,
+            endpoint,
+            shards=1,
+            nodes=2,
+            node_rank=r,
+            too_long="skip",
+            prepare_wait=wait_s,
+            max_tokens_per_batch=600,
+            max_rows=16,
+        )
+        for r in (0, 1)
+    ]
+    for r in (0, 1):
+        (tmp_path / f"node{r}").mkdir()
+    cache0 = tmp_path / "node0" / "run" / "cache"
+    with launched(args[1], tmp_path / "node1", env=cli_env()) as p1:
+        with launched(args[0], tmp_path / "node0", env=cli_env()) as p0:
+            wait_for(
+                lambda: list(cache0.glob("tokens-*.tmp")),
+                "node 0 tokenizing",
+                proc=p0,
+                root=tmp_path / "node0",
+            )
+            p0.send_signal(signal.SIGKILL)
+            p0.wait(timeout=30)
+        in_output = objects(s3, s3_bucket, "job")
+        assert PREPARE_LEASE in in_output and PREPARE_RECORD not in in_output, sorted(in_output)
+        assert p1.wait(timeout=wait_s + 60) == 2
+    said = (tmp_path / "node1" / "launcher.out").read_text()
+    assert f"did not publish the prepared tokens and plan at {output}/hsextract/prepare/" in said, said
+    assert "node 0 is preparing" in said and "if it stopped, rerun every node's command" in said, said
+    assert "Traceback" not in said
+
+    with launched(args[1], tmp_path / "node1", env=cli_env()) as p1:
+        with launched(args[0], tmp_path / "node0", env=cli_env()) as p0:
+            assert p0.wait(timeout=300) == 0, (tmp_path / "node0" / "launcher.out").read_text()
+        assert p1.wait(timeout=300) == 0, (tmp_path / "node1" / "launcher.out").read_text()
+    said = (tmp_path / "node1" / "launcher.out").read_text()
+    assert "took the tokens node 0 published" in said and "done:" in said, said
+    prepared = TokenizedSamples.load(tmp_path / "node0" / "run" / "tokens.safetensors")
+    assert sorted(open_output(output, endpoint).sample_ids()) == sorted(prepared.sample_ids)
+    assert not any(i.startswith("long-") for i in prepared.sample_ids) and len(prepared) > 20
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
+from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
@@ -83,22 +84,25 @@ def prepare_run(
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(cfg.model)
-    samples, report, renamed = tokenize(
-        cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
-    )
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
-    plan = make_plan(
-        samples.lengths.tolist(),
-        max_tokens_per_batch=cfg.max_tokens_per_batch,
-        max_rows=cfg.max_rows,
-        shards=cfg.total_shards,
-        fingerprint=fingerprint,
-    )
-    check_output_space(cfg, plan, model)
-    accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe())
-    write_run_files(
-        cfg, run_dir, plan, model, tokenizer, samples, {**report.to_json(), "duplicate_ids_renamed": renamed}
-    )
+    # A multi-node job prepares once: node 0 publishes its tokens, the others take them (publish.py).
+    with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
+        samples, report, renamed = tokenize(
+            cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
+        )
+        plan = make_plan(
+            samples.lengths.tolist(),
+            max_tokens_per_batch=cfg.max_tokens_per_batch,
+            max_rows=cfg.max_rows,
+            shards=cfg.total_shards,
+            fingerprint=fingerprint,
+        )
+        once.check_plan(plan)
+        check_output_space(cfg, plan, model)
+        accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe())
+        report_json = {**report.to_json(), "duplicate_ids_renamed": renamed}
+        write_run_files(cfg, run_dir, plan, model, tokenizer, samples, report_json)
+        once.publish(plan)
     echo(f"plan: {plan.summary()}")
     return plan
 
@@ -272,11 +276,7 @@ def tokenize(
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
 SAMPLES_PER_WEIGHT_FILE = 16
-
-
 SAMPLE_BYTES = 1 << 16
 
 

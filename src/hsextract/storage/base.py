@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import base64
 import logging
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,6 +139,21 @@ class Sink(abc.ABC):
         if on_part is not None:
             on_part(0, len(data))
         return len(data)
+
+    def get_file(self, key: str, local_path: Path) -> None:
+        """Download the object to ``local_path`` (a temporary name, then renamed: a file under its final name is
+        complete); ``FileNotFoundError`` if there is none."""
+        local_path = Path(local_path)
+        local_path.parent.mkdir(parents=True, exist_ok=True)
+        part = local_path.with_name(f".{local_path.name}.part")
+        buffer = bytearray(_READ_CHUNK)
+        try:
+            with open(part, "wb") as f:
+                while n := self.read_range_into(key, f.tell(), buffer):
+                    f.write(memoryview(buffer)[:n])
+            os.replace(part, local_path)
+        finally:
+            part.unlink(missing_ok=True)
 
     @abc.abstractmethod
     def size(self, key: str) -> int:
