@@ -439,6 +439,8 @@ def load_tokenizer(model: str):
 def unique_sample_ids(samples: TokenizedSamples) -> tuple[TokenizedSamples, int]:
     """Rows sharing an id are all kept; repeats get ``#2``, ``#3``... so the reader can look each one up.
     Returns the samples and how many ids were renamed."""
+    if len(set(samples.sample_ids)) == len(samples.sample_ids):
+        return samples, 0  # the usual case, in one C-level pass
     seen: dict[str, int] = {}
     ids, renamed = [], 0
     for sid in samples.sample_ids:
