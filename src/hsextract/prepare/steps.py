@@ -50,10 +50,10 @@ from hsextract.prepare.tokenize import (
     DataReport,
     TokenizedSamples,
     load_samples,
-    load_tokenizer,
     tokenizer_fingerprint,
     unique_sample_ids,
 )
+from hsextract.prepare.tokenizer_record import WEIGHT_SUFFIXES, RecordedTokenizer
 from hsextract.run.rundir import RunDir, RunInfo
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
@@ -87,7 +87,7 @@ def prepare_run(
         on_checked()
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = RecordedTokenizer(cfg.model, run_dir.cache_dir)  # loaded only if something is tokenized
     samples, report, renamed = tokenize(
         cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
     )
@@ -271,9 +271,6 @@ def tokenize(
             f"(see {run_dir.data_report_file.name})"
         )
     return samples, report, renamed
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 SAMPLES_PER_WEIGHT_FILE = 16
