@@ -343,7 +343,8 @@ def accept_plan(
             if not restart:
                 raise
             old = None
-        if old is None or old.plan_hash != plan.plan_hash:
+        # An equal plan has the same hash: comparing spares hashing the old one (seconds at 1M samples).
+        if old is None or (old != plan and old.plan_hash != plan.plan_hash):
             if not restart:
                 changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
                 if data is not None and run_dir.data_report_file.is_file():
