@@ -5,7 +5,8 @@ sample: only the metadata paths are measured), local and on an S3 server on loop
 For each output and each code tree (``--before``: another checkout's ``src``, e.g. main's; ``after``: this one), a
 fresh process measures, one step after another:
 
-- ``open_output`` seconds (manifest read and checked);
+- ``open_output`` seconds (manifest read and checked), and the CPU seconds of this and the next two steps (what a
+  shared machine's load does not inflate);
 - ``status`` seconds (``hsextract status OUTPUT``'s document: ``status.rows.output_status``);
 - ``dataset`` seconds of ``StatesDataset(output, "specforge-dflash")`` and ``first item`` seconds from before it to
   the first item out of a ``DataLoader`` with ``--workers`` workers (fork, Linux's default);
@@ -97,17 +98,18 @@ def measure(output: str, endpoint: str | None, workers: int) -> None:
 
     s3 = endpoint is not None
     step("start", {}, s3)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     out = open_output(output, endpoint)
-    step("open_output", {"s": time.perf_counter() - t}, s3)
+    step("open_output", {"s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}, s3)
     del out
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     output_status(open_sink(output, endpoint))
-    step("status", {"s": time.perf_counter() - t}, s3)
-    t = time.perf_counter()
+    step("status", {"s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}, s3)
+    t, cpu = time.perf_counter(), time.process_time()
     data = StatesDataset(output, SCHEMA, endpoint_url=endpoint, batch_size=1)
     made = time.perf_counter() - t
-    step("dataset", {"s": made, "pickle_mb": len(pickle.dumps(data)) / 1e6}, s3)
+    values = {"s": made, "cpu_s": time.process_time() - cpu, "pickle_mb": len(pickle.dumps(data)) / 1e6}
+    step("dataset", values, s3)
     loader = DataLoader(data, batch_size=None, num_workers=workers)
     it = iter(loader)
     next(it)
@@ -216,8 +218,8 @@ def main() -> None:
         stores.append(("s3", endpoint))
     header = (
         f"{'code':6} {'store':5} {'batches':>7} {'samples':>8} {'open_output s':>13} {'status s':>8} "
-        f"{'dataset s':>9} {'first item s':>12} {'worker MB':>9} {'pickle MB':>9} "
-        f"{'GETs/batch: open':>16} {'status':>6} {'dataset':>7}"
+        f"{'dataset s':>9} {'first item s':>12} {'CPU s: open':>11} {'status':>6} {'dataset':>7} "
+        f"{'worker MB':>9} {'pickle MB':>9} {'GETs/batch: open':>16} {'status':>6} {'dataset':>7}"
     )
     print(header)
     for n, path in outputs.items():
@@ -231,10 +233,14 @@ def main() -> None:
                     f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
                     for x, w in zip(per, (16, 6, 7), strict=True)
                 )
+                cpu = " ".join(
+                    f"{r[s]['cpu_s']:>{w}.2f}"
+                    for s, w in zip(("open_output", "status", "dataset"), (11, 6, 7), strict=True)
+                )
                 print(
                     f"{code:6} {store:5} {n:>7} {samples:>8} {r['open_output']['s']:>13.2f} {r['status']['s']:>8.2f} "
-                    f"{r['dataset']['s']:>9.2f} {r['first_item']['s']:>12.2f} {r['memory']['worker_mb']:>9.0f} "
-                    f"{r['dataset']['pickle_mb']:>9.2f} {per_text}",
+                    f"{r['dataset']['s']:>9.2f} {r['first_item']['s']:>12.2f} {cpu} "
+                    f"{r['memory']['worker_mb']:>9.0f} {r['dataset']['pickle_mb']:>9.2f} {per_text}",
                     flush=True,
                 )
     if not args.no_s3:

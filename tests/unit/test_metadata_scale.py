@@ -17,6 +17,7 @@ from support.synthetic import synthetic_plan
 from hsextract.format.manifest import SAMPLE_INDEX, write_manifest
 from hsextract.format.records import claim_output, job_record, publish_job_files, write_done
 from hsextract.format.sample_index import checksum, encode, table_from_files
+from hsextract.prepare.plan import make_plan
 from hsextract.reader import open_output
 from hsextract.run.finalize import finalize_output, job_manifest, load_job_files
 from hsextract.status.rows import output_status
@@ -29,12 +30,18 @@ SMALL, LARGE = 500, 5000
 BOUND = 30
 
 
+LENGTHS: dict[str, list[int]] = {}
+
+"""Each metadata output's sample lengths, for planning them again."""
+
+
 def metadata_output(root, batches: int, *, done: bool) -> LocalSink:
     """An output's metadata for a synthetic plan of ``batches`` batches: with ``done``, every batch recorded
     complete and the manifest and index written; else the job files alone (every batch still to do)."""
     plan, lengths, ids = synthetic_plan(batches, samples_per_batch=10)
     plan_hash = plan.plan_hash  # a hash of the whole plan: once, not per batch
     sink = LocalSink(root)
+    LENGTHS[str(root)] = lengths
     info = {
         "layer_ids": [0, 1],
         "layer_types": ["full_attention"] * 2,
@@ -82,6 +89,10 @@ def dataset_order(root) -> None:
 
 
 STEPS = {
+    "planning the samples": (
+        False,
+        lambda sink: make_plan(LENGTHS[str(sink.root)], max_tokens_per_batch=64, max_rows=10, shards=8),
+    ),
     "finalize with every batch to do": (False, lambda sink: finalize_output(sink, echo=lambda line: None)),
     "status": (True, output_status),
     "open_output": (True, lambda sink: len(open_output(str(sink.root)).manifest["batches"])),

@@ -90,3 +90,45 @@ def test_plan_hash_is_the_documented_digest_and_computed_once(monkeypatch):
     assert [plan.plan_hash for _ in range(5)] == [expected] * 5
     assert len(dumps) == 1
     assert Plan.from_json(plan.to_json()).plan_hash == expected
+
+
+def reference_plan(lengths, *, max_tokens_per_batch, max_rows, shards):
+    """The planner as it was first written, one sample at a time (what the batch-at-a-time one must reproduce)."""
+    import heapq
+
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
+    groups, current = [], []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and ((len(current) + 1) * longest > max_tokens_per_batch or len(current) >= max_rows):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    load = [(0, s) for s in range(shards)]
+    heapq.heapify(load)
+    batches = []
+    for batch_id, group in enumerate(groups):
+        tokens, shard = heapq.heappop(load)
+        batches.append((batch_id, shard, tuple(group), lengths[group[0]], sum(lengths[i] for i in group)))
+        heapq.heappush(load, (tokens + len(group) * lengths[group[0]], shard))
+    return batches
+
+
+@pytest.mark.parametrize(
+    "samples, max_tokens, max_rows, shards",
+    [(1, 64, 1, 1), (7, 16, 3, 2), (5000, 4096, 64, 3), (20_000, 65536, 512, 8), (20_000, 8192, 7, 5)],
+)
+def test_the_plan_is_the_one_a_sample_at_a_time_planner_makes(samples, max_tokens, max_rows, shards):
+    rng = np.random.default_rng(samples)
+    lengths = (
+        np.clip(rng.lognormal(np.log(max_tokens / 16), 1.0, samples), 1, max_tokens).astype(int).tolist()
+    )
+    lengths[len(lengths) // 2] = max_tokens  # a sample that fills a batch alone
+    plan = make_plan(lengths, max_tokens_per_batch=max_tokens, max_rows=max_rows, shards=shards)
+    got = [(b.batch_id, b.shard, b.sample_indices, b.padded_length, b.num_tokens) for b in plan.batches]
+    assert got == reference_plan(lengths, max_tokens_per_batch=max_tokens, max_rows=max_rows, shards=shards)
+    assert all(
+        type(x) is int for b in plan.batches for x in (b.padded_length, b.num_tokens, *b.sample_indices)
+    )

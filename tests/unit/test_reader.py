@@ -116,6 +116,35 @@ def test_damaged_manifest_raises_the_same_error_naming_it(output, damage, says):
     assert says in caught.value.problem
 
 
+def edit_manifest_ids(out, edit) -> dict:
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest["batches"])
+    path.write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_a_sample_listed_twice_is_named_with_the_batch_that_lists_it_again(output):
+    """Within one batch and across two: the id and the batch named (ids are told apart by hashes first)."""
+
+    def across(batches):
+        batches[2]["sample_ids"][1] = batches[0]["sample_ids"][0]
+
+    manifest = edit_manifest_ids(output, across)
+    again, key = manifest["batches"][0]["sample_ids"][0], manifest["batches"][2]["key"]
+    with pytest.raises(CorruptOutputError, match=f"lists sample '{again}' twice \\(again in {key}\\)"):
+        open_output(output)
+
+    def within(batches):
+        batches[2]["sample_ids"][1] = batches[0]["sample_ids"][0] + "-"  # unique again
+        batches[1]["sample_ids"][-1] = batches[1]["sample_ids"][0]
+
+    manifest = edit_manifest_ids(output, within)
+    again, key = manifest["batches"][1]["sample_ids"][0], manifest["batches"][1]["key"]
+    with pytest.raises(CorruptOutputError, match=f"lists sample '{again}' twice \\(again in {key}\\)"):
+        open_output(output)
+
+
 class CountingSink:
     """A sink that counts the bytes its ranged reads return (the bytes a reader fetched)."""
 

@@ -444,3 +444,32 @@ def test_each_bad_source_is_an_error_naming_it(tmp_path, tokenizer):
         HsextractError, match=r"no usable samples in 'useless' \(.*useless\.jsonl\): 1 rows: 0 kept"
     ):
         load([good, str(useless)], tokenizer)
+
+
+def test_a_data_files_hash_is_kept_in_the_cache_under_its_stamp_and_found_again_only_for_the_same_file(
+    tmp_path,
+):
+    """A relaunch reads no data to hash it (the memo answers); a file rewritten with its size and mtime set back,
+    or a damaged memo, is hashed again from its bytes. The reference is the hash without a memo."""
+    import hashlib
+    import os
+
+    from hsextract.prepare.rows import tree_fingerprint
+
+    data, memo = tmp_path / "rows.jsonl", tmp_path / "cache"
+    data.write_text('{"text": "one"}\n')
+    first = tree_fingerprint(data, memo)
+    assert first == tree_fingerprint(data)
+    (kept,) = memo.glob("data-*.json")
+    stand_in = hashlib.blake2b(b"stand-in", digest_size=32).hexdigest()
+    kept.write_text(json.dumps({"blake2b": stand_in}))
+    assert tree_fingerprint(data, memo) == stand_in  # answered from the memo: the file was not read
+
+    st = data.stat()
+    data.write_text('{"text": "two"}\n')  # same size
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rewritten = tree_fingerprint(data, memo)
+    assert rewritten == tree_fingerprint(data) != first
+    (fresh,) = set(memo.glob("data-*.json")) - {kept}
+    fresh.write_text("{not json")
+    assert tree_fingerprint(data, memo) == rewritten

@@ -63,7 +63,7 @@ def test_a_read_is_bounded_in_tokens_and_in_how_far_its_samples_lie_apart():
 
 def test_every_sample_is_planned_once():
     files = [[sample("a", r) for r in range(10)], [sample("b", r) for r in range(10)]]
-    sequence = epoch_order(files, shuffle=True, seed=3, epoch=0, window_files=2)
+    sequence = epoch_order(files, shuffle=True, seed=3, epoch=0, window_files=2).tolist()
     reads = list(plan_reads(sequence, where, horizon=8, max_tokens=1000))
     positions = sorted(p for r in reads for p in r.positions)
     assert positions == list(range(len(sequence)))
@@ -95,7 +95,7 @@ def stream(sequence, fetch, prefetch=4, threads=2, horizon=None):
 
 def test_samples_come_in_sequence_order_and_each_is_fetched_once():
     files = [[sample("a", r) for r in range(10)], [sample("b", r) for r in range(10)]]
-    sequence = epoch_order(files, shuffle=True, seed=1, epoch=0, window_files=2)
+    sequence = epoch_order(files, shuffle=True, seed=1, epoch=0, window_files=2).tolist()
     fetch = Fetches()
     got = list(stream(sequence, fetch))
     assert [i for i, _ in got] == sequence

@@ -102,6 +102,19 @@ def test_a_state_without_a_checksum_resumes_on_its_field_checks(out):
     assert fresh.state_dict(0)["consumed"] == state["consumed"]
 
 
+def test_a_state_of_the_order_before_is_refused_naming_the_order(out):
+    """States saved before the order was recorded counted samples of another epoch order (Python's shuffle): the
+    same count would point elsewhere in this one, serving some samples twice and others never."""
+    data, state = taken(out)
+    before = {k: v for k, v in state.items() if k not in ("order", "checksum")}
+    fresh = StatesDataset(out, rank=0, world_size=2, seed=3)
+    for old in (before, {**before, "checksum": checksum(before)}):  # with the checksum its version wrote
+        error = refused(fresh, old, "order")
+        assert "another order" in str(error) and "set_epoch(epoch + 1)" in str(error)
+    refused(fresh, edited(state, order="python-random"), "order")
+    assert fresh.state_dict(0)["consumed"] == 0
+
+
 def test_token_budget_batches_refuse_a_state_that_does_not_fit(out):
     data = StatesMapDataset(out)
     budget = max(data.lengths)

@@ -170,42 +170,43 @@ def make_plan(
     fingerprint: dict | None = None,
 ) -> Plan:
     """Cut samples (given by their token counts) into padded, length-sorted batches dealt to ``shards``."""
-    if any(n < 1 for n in lengths):
+    counts = np.asarray(lengths, dtype=np.int64)
+    if len(counts) and counts.min() < 1:
         raise ValueError("every sample needs at least one token")
-    if lengths and max(lengths) > max_tokens_per_batch:
+    if len(counts) and counts.max() > max_tokens_per_batch:
         raise ValueError(
-            f"a sample of {max(lengths)} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
+            f"a sample of {counts.max()} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
         )
     # Longest first, ties by index: a stable sort of the negated lengths (numpy's, at a million samples).
-    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
-    groups: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and ((len(current) + 1) * longest > max_tokens_per_batch or len(current) >= max_rows):
-            groups.append(current)
-            current = []
-        current.append(i)
-    if current:
-        groups.append(current)
+    order = np.argsort(-counts, kind="stable")
+    sorted_counts = counts[order]
+    # A batch takes samples while rows x its first (longest) row fits and rows <= max_rows: from its first sample
+    # on, exactly min(max_rows, budget // longest) of them, or what is left. One step per batch, not per sample.
+    starts: list[int] = []
+    at = 0
+    while at < len(order):
+        starts.append(at)
+        at += min(max_rows, max_tokens_per_batch // int(sorted_counts[at]))
+    tokens_per_batch = np.add.reduceat(sorted_counts, starts).tolist() if starts else []
+    indices = order.tolist()
 
     # LPT: biggest batch to the least loaded shard; ties go to the lower shard id.
     load = [(0, s) for s in range(shards)]
     heapq.heapify(load)
     assigned = []
-    for batch_id, group in enumerate(groups):
+    for batch_id, (start, end) in enumerate(zip(starts, starts[1:] + [len(indices)], strict=True)):
         tokens, shard = heapq.heappop(load)
-        n = sum(lengths[i] for i in group)
+        longest = int(sorted_counts[start])
         assigned.append(
             BatchSpec(
                 batch_id=batch_id,
                 shard=shard,
-                sample_indices=tuple(group),
-                padded_length=lengths[group[0]],
-                num_tokens=n,
+                sample_indices=tuple(indices[start:end]),
+                padded_length=longest,
+                num_tokens=tokens_per_batch[batch_id],
             )
         )
-        heapq.heappush(load, (tokens + len(group) * lengths[group[0]], shard))
+        heapq.heappush(load, (tokens + (end - start) * longest, shard))
     return Plan(batches=tuple(assigned), shards=shards, fingerprint=dict(fingerprint or {}))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from hsextract.errors import HsextractError
 from hsextract.prepare.chat import UnreadableRow
+from hsextract.storage.fileio import write_json
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
 
@@ -268,15 +269,31 @@ def data_fingerprint(path: str | Path) -> str:
     return tree_fingerprint(path)
 
 
-def tree_fingerprint(path: Path) -> str:
-    """``data_fingerprint`` of any file or directory, whatever its format."""
+def tree_fingerprint(path: Path, memo_dir: Path | None = None) -> str:
+    """``data_fingerprint`` of any file or directory, whatever its format. With ``memo_dir`` (a run dir's cache)
+    the hash is also kept there under its files' stamp, so a relaunch does not read the data again."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    # ctime too: a file rewritten with its size and mtime set back (touch -d) still misses the memo.
+    # ctime too: a file rewritten with its size and mtime set back (touch -d) still misses the memo; the inode and
+    # device: another file moved into its place.
     stats = [f.stat() for f in files]
     stamp = tuple(
-        (str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns) for f, st in zip(files, stats, strict=True)
+        (str(f), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+        for f, st in zip(files, stats, strict=True)
     )
-    return _data_fingerprint(path.resolve(), stamp)
+    if memo_dir is None:
+        return _data_fingerprint(path.resolve(), stamp)
+    key = hashlib.sha256(repr((str(path.resolve()), stamp)).encode()).hexdigest()[:24]
+    memo = Path(memo_dir) / f"data-{key}.json"
+    try:
+        digest = json.loads(memo.read_text())["blake2b"]
+        if isinstance(digest, str) and len(digest) == 64:
+            return digest
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = _data_fingerprint(path.resolve(), stamp)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    write_json(memo, {"path": str(path), "blake2b": digest}, durable=False)
+    return digest
 
 
 @functools.lru_cache(maxsize=64)

@@ -253,7 +253,7 @@ def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, en
                 f"data source {label}: the glob matches no data file ({len(matches)} match(es) in all); "
                 f"data files end in {', '.join(rowio.DATA_SUFFIXES)}"
             )
-        return _files_source(spec, name, label, "files", files)
+        return _files_source(spec, name, label, "files", files, memo_dir=cache_dir)
     if not path.exists():
         raise HsextractError(
             f"data source {label} does not exist: give a {rowio.ACCEPTED_FORMATS}, a glob, a dataset directory, "
@@ -273,17 +273,24 @@ def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, en
                 f"data source {label}: the directory holds no data file (none ends in "
                 f"{', '.join(rowio.DATA_SUFFIXES)}) and is no saved or Hub-layout dataset"
             )
-        return _files_source(spec, name, label, "files", files)
+        return _files_source(spec, name, label, "files", files, memo_dir=cache_dir)
     try:
         rowio._data_format(path)
     except HsextractError as e:
         raise HsextractError(f"data source {label}: {e}") from None
-    return _files_source(spec, name, label, "files", [path])
+    return _files_source(spec, name, label, "files", [path], memo_dir=cache_dir)
 
 
 def _files_source(
-    spec: SourceSpec, name: str, label: str, kind: str, files: list[Path], identity: dict | None = None
+    spec: SourceSpec,
+    name: str,
+    label: str,
+    kind: str,
+    files: list[Path],
+    identity: dict | None = None,
+    memo_dir: Path | None = None,
 ) -> Source:
+    """``memo_dir``: where each file's content hash is kept under its stamp (``rows.tree_fingerprint``)."""
     kinds: dict[str, list[Path]] = {}
     for f in files:
         try:
@@ -299,7 +306,7 @@ def _files_source(
             f"data source {label} mixes row kinds across its files ({detail}): give each kind as its own source"
         )
     if identity is None:
-        hashes = [rowio.tree_fingerprint(f) for f in files]
+        hashes = [rowio.tree_fingerprint(f, memo_dir) for f in files]
         identity = {
             "kind": "files",
             "hash": hashes[0]

@@ -46,10 +46,10 @@ from hsextract.prepare.tokenize import (
     DataReport,
     TokenizedSamples,
     load_samples,
-    load_tokenizer,
     tokenizer_fingerprint,
     unique_sample_ids,
 )
+from hsextract.prepare.tokenizer_record import WEIGHT_SUFFIXES, RecordedTokenizer
 from hsextract.run.rundir import RunDir, RunInfo
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
@@ -83,7 +83,7 @@ def prepare_run(
         on_checked()
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = RecordedTokenizer(cfg.model, run_dir.cache_dir)  # loaded only if something is tokenized
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
@@ -275,7 +275,6 @@ def tokenize(
     return samples, report, renamed
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLES_PER_WEIGHT_FILE = 16
 SAMPLE_BYTES = 1 << 16
 
@@ -345,7 +344,8 @@ def accept_plan(
             if not restart:
                 raise
             old = None
-        if old is None or old.plan_hash != plan.plan_hash:
+        # An equal plan has the same hash: comparing spares hashing the old one (seconds at 1M samples).
+        if old is None or (old != plan and old.plan_hash != plan.plan_hash):
             if not restart:
                 changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
                 if data is not None and run_dir.data_report_file.is_file():

@@ -50,7 +50,10 @@ CHUNKS_IN_FLIGHT = 4
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """Hashes of what decides the token ids: the tokenizer (with its special tokens) and the chat template."""
+    """Hashes of what decides the token ids: the tokenizer (with its special tokens) and the chat template. A
+    ``RecordedTokenizer`` (tokenizer_record.py) answers from its record, without loading the tokenizer."""
+    if hasattr(tokenizer, "recorded_fingerprint"):
+        return tokenizer.recorded_fingerprint()
     # Templates render bos/eos by name, so the special-token map belongs to the tokenizer's identity.
     specials = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
     template = tokenizer.chat_template
@@ -313,6 +316,7 @@ def load_samples(
         log.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
 
     if cache_dir is None:
+        tokenizer = _loaded(tokenizer)
         # The token file is still the one place the tokens go; unlinked at once, it lives as long as its mapping.
         import tempfile
 
@@ -334,7 +338,12 @@ def load_samples(
         else:
             log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
             return samples, report
-    return _tokenize(mix, tokenizer, max_length, too_long, num_proc, progress, dedupe, cache_path)
+    return _tokenize(mix, _loaded(tokenizer), max_length, too_long, num_proc, progress, dedupe, cache_path)
+
+
+def _loaded(tokenizer):
+    """The tokenizer itself, for tokenizing (a ``RecordedTokenizer`` loads it now)."""
+    return tokenizer.load() if hasattr(tokenizer, "recorded_fingerprint") else tokenizer
 
 
 SAMPLE_ROWS = 2000
@@ -422,6 +431,8 @@ def load_tokenizer(model: str):
 def unique_sample_ids(samples: TokenizedSamples) -> tuple[TokenizedSamples, int]:
     """Rows sharing an id are all kept; repeats get ``#2``, ``#3``... so the reader can look each one up.
     Returns the samples and how many ids were renamed."""
+    if len(set(samples.sample_ids)) == len(samples.sample_ids):
+        return samples, 0  # the usual case, in one C-level pass
     seen: dict[str, int] = {}
     ids, renamed = [], 0
     for sid in samples.sample_ids:

@@ -89,6 +89,7 @@ class S3Sink(Sink):
         fails at once, naming the endpoint: that is a wrong endpoint far more often than an outage.
         """
         import boto3
+        import botocore.session
         from boto3.s3.transfer import S3Transfer, TransferConfig
         from botocore.config import Config
 
@@ -106,7 +107,11 @@ class S3Sink(Sink):
             tcp_keepalive=True,
         )
         # A session per sink: boto3's default session is shared module state, not meant for several threads.
-        session = boto3.session.Session()
+        # Timestamps stay the strings the server sent: nothing here reads one, and parsing them is most of the
+        # CPU of a listing (~1 ms an object: seconds for an output's thousands of completion records).
+        core = botocore.session.Session()
+        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=str)
+        session = boto3.session.Session(botocore_session=core)
         try:
             self._client = session.client("s3", endpoint_url=resolve_endpoint(endpoint_url), config=config)
         except Exception as e:  # credentials half set, a bad profile, a malformed endpoint: botocore's words

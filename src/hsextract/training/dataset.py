@@ -15,15 +15,17 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import HsextractError
 from hsextract.training.follow import Follow
 from hsextract.training.index import SampleIndex, SampleReader, Where, index_where
-from hsextract.training.order import epoch_order, rank_sequence, worker_share
+from hsextract.training.order import ORDER, epoch_order, rank_sequence, worker_share
 from hsextract.training.schemas import Schema, get_schema
 from hsextract.training.state import (
+    StateError,
     anything,
     as_state,
     check_state,
@@ -212,6 +214,9 @@ class StatesDataset(_Reading, IterableDataset):
 
     def rank_sequence(self) -> list[int]:
         """This rank's samples for the current epoch, in the order its DataLoader delivers them."""
+        return self._rank_order().tolist()
+
+    def _rank_order(self) -> np.ndarray:
         if self.follow is not None:
             raise HsextractError(
                 "a followed dataset's order depends on when batches complete: it has no sequence"
@@ -240,17 +245,7 @@ class StatesDataset(_Reading, IterableDataset):
             consumed = whole("consumed", consumed, 0)
         done = self._skip + self._served if consumed is None else self._skip + consumed
         return sealed(
-            {
-                "epoch": self.epoch,
-                "consumed": done,
-                "seed": self.seed,
-                "shuffle": self.shuffle,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "batch_size": self.batch_size,
-                "window_files": self.window_files,
-                "num_samples": len(self.index),
-            }
+            {"epoch": self.epoch, "consumed": done, "batch_size": self.batch_size, **self._identity()}
         )
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,14 +258,14 @@ class StatesDataset(_Reading, IterableDataset):
             return
         if state.get("follow"):
             raise HsextractError("this state was taken with follow=True: resume it with follow=True")
-        mine = {
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "window_files": self.window_files,
-            "num_samples": len(self.index),
-        }
+        if "order" not in state:
+            raise StateError(
+                "order",
+                f"missing: the state was saved by an hsextract that served another order (this one serves "
+                f"{ORDER!r}), so its place in epoch {state.get('epoch')!r} cannot be found here: call "
+                "set_epoch(epoch + 1) instead of loading it, or serve that epoch again from its start",
+            )
+        mine = self._identity()
         fields = {
             "epoch": count(0),
             "consumed": count(0, len(self)),  # this rank's share of the epoch
@@ -279,6 +274,19 @@ class StatesDataset(_Reading, IterableDataset):
         }
         check_state(state, fields, mine, "StatesDataset")
         self.epoch, self._skip, self._served = state["epoch"], state["consumed"], 0
+
+    def _identity(self) -> dict:
+        """The fields a state must share with the dataset that resumes it; ``order`` names the epoch order, so
+        that a state of another order is refused instead of resumed at the wrong place."""
+        return {
+            "order": ORDER,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "window_files": self.window_files,
+            "num_samples": len(self.index),
+        }
 
     # -- reading -------------------------------------------------------------------------------------------------
     def __iter__(self):
@@ -290,8 +298,8 @@ class StatesDataset(_Reading, IterableDataset):
             return
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        sequence = self.rank_sequence()[self._skip :]
-        mine = worker_share(sequence, worker, workers, self.batch_size)
+        # Only this worker's share is kept (the whole order is freed here): a few MB per worker at 1M samples.
+        mine = worker_share(self._rank_order()[self._skip :], worker, workers, self.batch_size)
         served = self.index.schema.served
         for item in self.reader().stream(
             mine, lambda i, s: served(s), threads=self.threads, prefetch=self.prefetch

@@ -109,7 +109,7 @@ class Follow:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         left = [p for p in self.rank_positions(ds.epoch, ds.seed, ds.shuffle) if p not in self.consumed]
-        mine = set(worker_share(left, worker, workers, ds.batch_size))
+        mine = set(worker_share(left, worker, workers, ds.batch_size).tolist())
         rng = random.Random(f"hsextract-follow:{ds.seed}:{ds.epoch}:{self.rank}:{worker}")
         live = _LiveOutput(self, window_files=ds.window_files)
         queue = _Queue(self, mine, rng if ds.shuffle else None, ds.window_files, live)
