@@ -49,14 +49,13 @@ from pathlib import Path
 import torch
 from benchlib import ClockSampler, cuda_ms, extractor, realistic_samples
 
-from hsextract.format.batch import StateLayout
 from hsextract.layers import resolve_layer_ids
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import LayerCapture, _StopForward
 from hsextract.model.load import decoder_layers, load_model
+from hsextract.output import StateLayout, write_batch_file
 from hsextract.prepare.plan import make_plan
 from hsextract.run.pipeline import build_batch
-from hsextract.run.writer import write_batch_file
 
 
 def sync():

@@ -35,10 +35,8 @@ def checks(args) -> dict:
     import torch
     import xxhash
 
-    from hsextract.reader import open_output
-    from hsextract.run import writer
+    from hsextract.output import open_output, verify_output, writer
     from hsextract.storage.base import read_with_crc32
-    from hsextract.verify import verify_output
 
     work = Path(tempfile.mkdtemp(prefix="hsextract-bench-io-", dir=args.dir))
     try:

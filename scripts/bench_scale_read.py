@@ -91,7 +91,7 @@ def measure(output: str, endpoint: str | None, workers: int) -> None:
     import torch
     from torch.utils.data import DataLoader, IterableDataset
 
-    from hsextract.reader import open_output
+    from hsextract.output import open_output
     from hsextract.status.rows import output_status
     from hsextract.storage import open_sink
     from hsextract.training import StatesDataset

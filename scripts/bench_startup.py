@@ -327,8 +327,8 @@ def shard_job(
 def shards_step(job_args, shards: int, gpus: str, rows: int, work: Path, env: dict) -> dict:
     """A 1-shard job for the single-shard rate, then a ``shards`` job with one worker killed and resumed; the
     scaling ratio and exactly-once through the reader. Both run to their end (no step timeout)."""
+    from hsextract.output import open_output
     from hsextract.prepare.plan import Plan
-    from hsextract.reader import open_output
 
     env = {**env, "TRITON_CACHE_DIR": str(work / "kernels")}  # both jobs share one kernel cache
     report: dict = {}

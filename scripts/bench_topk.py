@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_forward import Variant, measure, model_and_batches, sync  # noqa: E402
 
-from hsextract.format.batch import StateLayout  # noqa: E402
 from hsextract.layers import resolve_layer_ids  # noqa: E402
+from hsextract.output import StateLayout  # noqa: E402
 from hsextract.run.pipeline import Extractor  # noqa: E402
 
 

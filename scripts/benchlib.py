@@ -66,7 +66,7 @@ def realistic_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
     supervised, random bf16 states of the default target's DFlash shape); what ``synthetic.make_output`` returns."""
     from support.synthetic import make_output
 
-    from hsextract.format.batch import StateLayout
+    from hsextract.output import StateLayout
     from hsextract.prepare.plan import BatchSpec, Plan
 
     specs, lengths = [], []

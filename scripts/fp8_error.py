@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from benchlib import extractor, realistic_samples
 
-from hsextract.format.fp8 import dequantize_fp8, quantization_error, quantize_fp8
+from hsextract.output.fp8 import dequantize_fp8, quantization_error, quantize_fp8
 
 
 def tiny_model_errors(num_conversations: int = 40) -> list[dict]:
@@ -89,9 +89,9 @@ def synthetic_errors(tokens: int = 4096, hidden: int = 5120, seed: int = 0) -> l
 
 
 def gpu_errors(config: str, layers: str = "dflash", tokens: int = 16_384) -> list[dict]:
-    from hsextract.format.batch import StateLayout
     from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model
+    from hsextract.output import StateLayout
     from hsextract.prepare.plan import make_plan
 
     lm = load_model(config, dtype="bfloat16", device="cuda", random_weights=True)

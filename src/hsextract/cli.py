@@ -259,7 +259,7 @@ def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
 @_user_errors
 def finalize(output, s3_endpoint_url):
     """Write OUTPUT's manifest if every batch of the job is done; checks each batch in the output first."""
-    from hsextract.run.finalize import finalize_output
+    from hsextract.output import finalize_output
     from hsextract.storage import open_sink
 
     sink = open_sink(output, s3_endpoint_url, reading=True)
@@ -281,7 +281,7 @@ def verify(output, s3_endpoint_url, workers, as_json):
     """Check every file of a finished output against its manifest: size, CRC32, header and sample checksums.
 
     Prints each bad file with its problem and exits 1 if there is any."""
-    from hsextract.verify import verify_output
+    from hsextract.output import verify_output
 
     report = verify_output(output, s3_endpoint_url, workers=workers)
     if as_json:
@@ -389,8 +389,8 @@ def demo(root, shards, conversations):
     """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
     stop_on_signals()
     from hsextract.demo import build_demo, demo_config
+    from hsextract.output import open_output
     from hsextract.prepare.steps import prepare_run
-    from hsextract.reader import open_output
     from hsextract.run.launcher import launch
 
     root = Path(root).resolve()

@@ -21,14 +21,6 @@ import torch
 
 from hsextract.config import DTYPE_BYTES, STORAGE_DTYPES, RunConfig
 from hsextract.dryrun_report import format_report
-from hsextract.format.batch import (
-    TOPK_IDS,
-    TOPK_LOGPROBS,
-    StateLayout,
-    estimate_file_bytes,
-    topk_bytes_per_token,
-)
-from hsextract.format.fp8 import dequantize_fp8
 from hsextract.layers import (
     FINAL_STATE_PRESETS,
     describe_layer,
@@ -40,6 +32,14 @@ from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.model.target_topk import TopkAgreement, check_target_topk
+from hsextract.output import (
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    StateLayout,
+    dequantize_fp8,
+    estimate_file_bytes,
+    topk_bytes_per_token,
+)
 from hsextract.prepare.plan import BatchSpec, make_plan
 from hsextract.prepare.steps import resolve_data, run_layout
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer

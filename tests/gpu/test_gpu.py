@@ -84,7 +84,7 @@ def test_hooks_on_real_architecture_match_hf_in_bf16(real_shape_lm):
 
 def test_cli_run_two_shards_on_one_gpu_matches_hf(tmp_path, tiny_model, tiny_tokenizer):
     from hsextract.model.load import load_model
-    from hsextract.reader import open_output
+    from hsextract.output import open_output
 
     data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer)
     args = cli_run_args(
@@ -120,8 +120,8 @@ def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers
     exactly the quantization of the unquantized capture, with the final state as the last slot."""
     import numpy as np
 
-    from hsextract.format.batch import StateLayout
-    from hsextract.format.fp8 import quantize_fp8
+    from hsextract.output import StateLayout
+    from hsextract.output.fp8 import quantize_fp8
     from hsextract.prepare.plan import make_plan
     from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.pipeline import Extractor

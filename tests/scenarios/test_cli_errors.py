@@ -56,7 +56,7 @@ def test_new_run_dir_into_an_output_of_another_run_is_refused(base, tmp_path):
 def test_repeated_row_ids_are_kept_and_renamed(tmp_path, tiny_model):
     import json
 
-    from hsextract.reader import open_output
+    from hsextract.output import open_output
 
     data = tmp_path / "dup.jsonl"
     rows = [

@@ -19,8 +19,8 @@ from support.cli import E2E_LAYERS, TINY_LIMITS, cli_run_args, status_json
 from support.s3server import S3Endpoint, cli_env
 
 from hsextract.demo import make_conversations, write_jsonl
+from hsextract.output import open_output
 from hsextract.prepare.tokenize import load_samples
-from hsextract.reader import open_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env")]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.cli import TINY_LIMITS, cli_run_args, run_cli
 
-from hsextract.format.batch import read_file_head
+from hsextract.output import read_file_head
 from hsextract.training import StatesMapDataset
 from hsextract.training.schemas import NemoDSpark
 

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from support.cli import E2E_LAYERS, TINY_LIMITS, batch_bytes, cli_run_args, run_cli, write_mixed_dataset
 from support.output import write_output
 
-from hsextract.reader import open_output
+from hsextract.output import open_output
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +155,7 @@ def test_a_replaced_final_norm_is_refused_by_the_reader_and_named_by_verify(fp8_
     from safetensors.torch import load, save
 
     from hsextract.errors import CorruptOutputError
-    from hsextract.verify import verify_output
+    from hsextract.output import verify_output
 
     path = fp8_run / "final_norm.safetensors"
     manifest = json.loads((fp8_run / "manifest.json").read_text())

@@ -366,7 +366,7 @@ def test_export_from_s3_to_s3_equals_the_local_export(eagle3_run, s3: S3Endpoint
 
 def test_reader_final_state_is_hf_last_entry_and_the_last_layers_raw_output(eagle3_run, hf):
     """The EAGLE-3 run stores the last layer (7) as a 4th slot; the reader derives the normed state from it."""
-    from hsextract.reader import open_output
+    from hsextract.output import open_output
 
     out = open_output(eagle3_run, dtype=torch.float32)
     assert out.layout.slot_layers == (1, 3, 4, 7) and out.layout.final_slot == 3

@@ -13,12 +13,11 @@ from support.s3server import cli_env
 
 from hsextract.demo import make_conversations
 from hsextract.errors import HsextractError
-from hsextract.format.manifest import MANIFEST
-from hsextract.format.records import JOB
+from hsextract.output import JOB, open_output
+from hsextract.output.manifest import MANIFEST
 from hsextract.prepare.publish import LEASE as PREPARE_LEASE
 from hsextract.prepare.publish import RECORD as PREPARE_RECORD
 from hsextract.prepare.tokenfile import TokenizedSamples
-from hsextract.reader import open_output
 from hsextract.run.cluster import node_place
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aws_test_env"), pytest.mark.timeout(900)]

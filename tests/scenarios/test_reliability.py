@@ -31,8 +31,8 @@ from support.damage import flip
 from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
-from hsextract.format.manifest import MANIFEST
-from hsextract.format.records import done_key
+from hsextract.output.manifest import MANIFEST
+from hsextract.output.records import done_key
 from hsextract.prepare.plan import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

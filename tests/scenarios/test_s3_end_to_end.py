@@ -39,9 +39,8 @@ from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
 from hsextract.errors import CorruptOutputError
-from hsextract.format.records import DONE_PREFIX, JOB
+from hsextract.output import DONE_PREFIX, JOB, open_output
 from hsextract.prepare.plan import Plan
-from hsextract.reader import open_output
 from hsextract.run.progress import ShardProgress
 
 # aws_test_env: fake credentials for the boto3 clients of this process (the reader); the CLI gets its own (cli_env).

@@ -17,7 +17,7 @@ from support.procs import freeze
 from support.s3server import cli_env
 
 from hsextract.config import run_staging_dir
-from hsextract.format.records import done_key
+from hsextract.output.records import done_key
 from hsextract.run.progress import ShardProgress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("aws_test_env")]

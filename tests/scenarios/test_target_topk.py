@@ -8,8 +8,7 @@ import torch
 from support.cli import cli_run_args, run_cli, write_mixed_dataset
 from support.compare import assert_topk_matches_hf
 
-from hsextract.reader import open_output
-from hsextract.verify import verify_output
+from hsextract.output import open_output, verify_output
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.export.runner import export
-from hsextract.reader import open_output
+from hsextract.output import open_output
 from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset, StatesMapDataset
 

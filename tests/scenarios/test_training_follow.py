@@ -26,9 +26,9 @@ from support.s3server import S3Endpoint, cli_env
 from torch.utils.data import DataLoader
 
 from hsextract.errors import HsextractError
-from hsextract.format.manifest import MANIFEST
-from hsextract.format.records import done_key
-from hsextract.reader import open_output
+from hsextract.output import open_output
+from hsextract.output.manifest import MANIFEST
+from hsextract.output.records import done_key
 from hsextract.training import StatesDataset
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Real damage to real batch files and manifests, for the tests of reader.py and verify.py.
+"""Real damage to real batch files and manifests, for the tests of output/reader.py and output/verify.py.
 
 Each damage changes a file on disk the way a bad disk, a cut-short copy or a stray write would: a byte flipped at
 a chosen place (inside one sample's states, inside its token ids, inside the header JSON), the file truncated or

@@ -13,17 +13,22 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     2 shards, ``E2E_LAYERS``, the tiny limits) under ``root`` (``out``, ``run``, ``staging``); returns
     ``root/out``. ``options`` replace RunConfig fields."""
     from hsextract.config import RunConfig
-    from hsextract.format.batch import batch_metadata, read_file_head
-    from hsextract.format.final_norm import write_final_norm
-    from hsextract.format.records import stored_record, write_done
     from hsextract.model.capture import model_final_norm
     from hsextract.model.load import load_model_for, torch_device
+    from hsextract.output import (
+        RunInfo,
+        batch_metadata,
+        finalize_output,
+        read_file_head,
+        stored_record,
+        write_batch_file,
+        write_done,
+        write_final_norm,
+    )
     from hsextract.prepare.steps import prepare_run
     from hsextract.prepare.tokenfile import TokenizedSamples
-    from hsextract.run.finalize import finalize_output
     from hsextract.run.pipeline import Extractor
-    from hsextract.run.rundir import RunDir, RunInfo
-    from hsextract.run.writer import write_batch_file
+    from hsextract.run.rundir import RunDir
     from hsextract.storage import open_sink
 
     fields = dict(

@@ -16,12 +16,21 @@ from pathlib import Path
 
 import torch
 
-from hsextract.format.batch import StateLayout, batch_metadata, read_file_head, run_file_metadata
-from hsextract.format.records import claim_output, job_record, publish_job_files, stored_record, write_done
+from hsextract.output import (
+    RunInfo,
+    StateLayout,
+    batch_metadata,
+    claim_output,
+    finalize_output,
+    job_record,
+    publish_job_files,
+    read_file_head,
+    run_file_metadata,
+    stored_record,
+    write_batch_file,
+    write_done,
+)
 from hsextract.prepare.plan import BatchSpec, Plan
-from hsextract.run.finalize import finalize_output
-from hsextract.run.rundir import RunInfo
-from hsextract.run.writer import write_batch_file
 from hsextract.storage import open_sink
 
 LAYOUT = StateLayout(layer_ids=(0, 1), num_layers=2)

@@ -188,7 +188,7 @@ def test_any_causal_lm_works_llama(tmp_path):
 
 
 def test_fp8_capture_quantizes_each_gathered_vector_on_the_device(tiny_lm):
-    from hsextract.format.fp8 import FP8, quantize_fp8
+    from hsextract.output.fp8 import FP8, quantize_fp8
 
     torch.manual_seed(2)
     seqs = [torch.randint(1, 500, (n,)) for n in (23, 4, 11)]

@@ -12,8 +12,7 @@ from support.s3server import S3Endpoint, free_port
 
 from hsextract.cli import main
 from hsextract.errors import HsextractError
-from hsextract.format.manifest import read_manifest
-from hsextract.reader import open_output
+from hsextract.output import open_output, read_manifest
 from hsextract.storage import open_sink
 
 pytestmark = pytest.mark.usefixtures("aws_test_env")

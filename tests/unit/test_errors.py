@@ -87,7 +87,7 @@ def test_log_records_and_tracebacks_of_any_process_are_redacted():
 IMPORT_PROBE = r"""
 import logging, sys, threading
 before = (logging.getLogRecordFactory(), sys.excepthook, threading.excepthook)
-import hsextract, hsextract.reader, hsextract.training, hsextract.errors
+import hsextract, hsextract.output.reader, hsextract.training, hsextract.errors
 after = (logging.getLogRecordFactory(), sys.excepthook, threading.excepthook)
 print([name for name, a, b in zip(("record factory", "excepthook", "threading.excepthook"), before, after) if a is not b])
 """

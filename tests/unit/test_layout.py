@@ -96,7 +96,7 @@ KNOWN_UPWARD = {
         "hsextract.prepare.source_spec",
     ): "RunConfig checks --data with the sources' own parser",
     (
-        "hsextract.verify",
+        "hsextract.output.verify",
         "hsextract.prepare.plan",
     ): "the output holds its plan; Plan's record lives in prepare/",
     (
@@ -105,7 +105,7 @@ KNOWN_UPWARD = {
     ): "preparation writes the run dir; RunDir and RunInfo live in run/",
     (
         "hsextract.training.follow",
-        "hsextract.run.finalize",
+        "hsextract.output.finalize",
     ): "a growing output's manifest is built with finalize's",
 }
 

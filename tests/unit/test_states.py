@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.format.fp8 import FP8, dequantize_fp8, quantization_error, quantize_fp8
 from hsextract.model.capture import probe_final_norm
+from hsextract.output.fp8 import FP8, dequantize_fp8, quantization_error, quantize_fp8
 
 
 def test_fp8_round_trip_keeps_each_vector_within_its_own_scale():
@@ -78,7 +78,7 @@ def test_final_state_and_storage_dtype_come_from_yaml_and_the_eagle3_preset(tmp_
 
 
 def test_state_layout_slots_and_bytes():
-    from hsextract.format.batch import StateLayout
+    from hsextract.output import StateLayout
 
     dflash = StateLayout((1, 16, 31, 46, 61), 64, final_state=True)
     assert dflash.slot_layers == (1, 16, 31, 46, 61, 63) and dflash.final_slot == 5

@@ -82,7 +82,7 @@ def topk_output(tmp_path_factory, tiny_model, tiny_tokenizer):
 
 
 def test_reader_and_datasets_serve_topk_equal_to_hf_on_supervised_tokens(topk_output, tiny_lm):
-    from hsextract.reader import open_output
+    from hsextract.output import open_output
     from hsextract.training import StatesDataset, StatesMapDataset
 
     _, _, out = topk_output
@@ -111,8 +111,7 @@ def test_reader_and_datasets_serve_topk_equal_to_hf_on_supervised_tokens(topk_ou
 
 
 def test_an_output_without_topk_is_as_before(written_output):
-    from hsextract.format.batch import read_file_head
-    from hsextract.reader import open_output
+    from hsextract.output import open_output, read_file_head
 
     manifest = json.loads((written_output / "manifest.json").read_text())
     assert "target_topk" not in manifest and "target_topk" not in manifest["fingerprint"]
@@ -123,8 +122,7 @@ def test_an_output_without_topk_is_as_before(written_output):
 
 
 def test_verify_and_the_reader_catch_a_flipped_byte_in_the_topk(topk_output, tmp_path):
-    from hsextract.reader import open_output
-    from hsextract.verify import verify_output
+    from hsextract.output import open_output, verify_output
 
     out = copy_output(topk_output[2], tmp_path / "out")
     key = manifest_batches(out)[0]["key"]

@@ -1,4 +1,4 @@
-"""The sample index a finished output carries (format/sample_index.py), on synthetic outputs written as a run writes
+"""The sample index a finished output carries (output/sample_index.py), on synthetic outputs written as a run writes
 them (support/synthetic.py): a trainer indexes the output with one read of it, the index crosses into DataLoader
 workers as a path to the same mapped file, a damaged index is refused naming it, and an output written before the
 index existed is indexed from its batch files exactly as before."""
@@ -18,10 +18,9 @@ from safetensors.numpy import load_file
 from support.synthetic import make_output
 
 from hsextract.errors import CorruptOutputError
-from hsextract.format.manifest import MANIFEST, SAMPLE_INDEX
-from hsextract.format.sample_index import checksum, decode, encode, map_file
+from hsextract.output import checksum, decode, encode, map_file, verify_output
+from hsextract.output.manifest import MANIFEST, SAMPLE_INDEX
 from hsextract.training import StatesMapDataset
-from hsextract.verify import verify_output
 
 pytestmark = pytest.mark.usefixtures("aws_test_env")
 

@@ -241,7 +241,7 @@ def export(
     (``nemo-dspark``; by default the output's --max-length and 16). Returns what ``export.json`` holds."""
     from tqdm import tqdm
 
-    from hsextract.reader import open_output, served_layers
+    from hsextract.output import open_output, served_layers
 
     if fmt_name not in FORMATS:
         raise HsextractError(f"--format {fmt_name!r} is not one of {', '.join(FORMATS)}")

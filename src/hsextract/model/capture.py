@@ -4,7 +4,7 @@ Layer id ``k`` is the output of decoder layer ``k`` before the final norm (layer
 decoder stack (no lm_head); a hook on each wanted layer gathers the valid (unpadded) tokens of its output straight
 into one preallocated buffer laid out as the batch file stores it, ``[tokens, slots, hidden]``, and the hook on the
 deepest wanted layer raises ``_StopForward``, so later layers, the final norm and the lm_head never run. The final
-state is the last layer's slot, before the norm; with fp8 storage the hooks quantize what they gather (format/fp8.py).
+state is the last layer's slot, before the norm; with fp8 storage the hooks quantize what they gather (output/fp8.py).
 With ``--target-topk K`` the last layer's hook applies the final norm and ``lm_head`` to the valid tokens a chunk
 at a time (target_topk.py) and keeps only the K-wide ids and log-probabilities.
 """
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.format.final_norm import RULES, FinalNorm
-from hsextract.format.fp8 import quantize_fp8_
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.load import base_model, decoder_layers, final_norm, output_embeddings
 from hsextract.model.target_topk import logits_chunk_tokens, target_topk_
+from hsextract.output import RULES, FinalNorm, quantize_fp8_
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hsextract.errors import HsextractError
-from hsextract.format.keys import batch_key
+from hsextract.output import batch_key
 from hsextract.storage.fileio import atomic_write, load_json
 
 PLAN_FORMAT = 1

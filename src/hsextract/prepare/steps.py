@@ -22,23 +22,28 @@ from pathlib import Path
 from hsextract.config import DTYPE_BYTES, RunConfig
 from hsextract.devices import check_device
 from hsextract.errors import HsextractError
-from hsextract.format.batch import StateLayout, estimate_file_bytes, run_file_metadata
-from hsextract.format.manifest import delete_manifest, has_manifest, read_manifest
-from hsextract.format.records import (
-    DONE_PREFIX,
-    JOB,
-    JOB_FILES,
-    claim_output,
-    describe_job,
-    job_record,
-    publish_job_files,
-    read_job,
-)
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
+from hsextract.output import (
+    DONE_PREFIX,
+    JOB,
+    JOB_FILES,
+    RunInfo,
+    StateLayout,
+    claim_output,
+    delete_manifest,
+    describe_job,
+    estimate_file_bytes,
+    has_manifest,
+    job_record,
+    publish_job_files,
+    read_job,
+    read_manifest,
+    run_file_metadata,
+)
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, changed_files, resolve_sources
@@ -50,7 +55,7 @@ from hsextract.prepare.tokenize import (
     unique_sample_ids,
 )
 from hsextract.prepare.tokenizer_record import WEIGHT_SUFFIXES, RecordedTokenizer
-from hsextract.run.rundir import RunDir, RunInfo
+from hsextract.run.rundir import RunDir
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
 

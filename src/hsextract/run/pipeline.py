@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.format.batch import TOPK_IDS, TOPK_LOGPROBS
 from hsextract.model.capture import GatherTarget, LayerCapture
+from hsextract.output import TOPK_IDS, TOPK_LOGPROBS
 from hsextract.prepare.plan import BatchSpec
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.hostmem import drop_reserved, host_buffer, reserved

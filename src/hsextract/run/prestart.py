@@ -126,9 +126,9 @@ def slot_bytes(spec: dict, model: str) -> int:
     """The bytes of one of the pipeline's host buffers for the largest batch the config allows (run/pipeline.py
     sizes them for the plan's largest, which is at most this)."""
     from hsextract.config import DTYPE_BYTES
-    from hsextract.format.batch import StateLayout
     from hsextract.layers import resolve_layer_ids
     from hsextract.model.load import load_model_config
+    from hsextract.output import StateLayout
 
     _, text, num_layers = load_model_config(model)
     layers = spec["layers"] if isinstance(spec["layers"], str) else tuple(spec["layers"])

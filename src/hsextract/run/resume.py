@@ -15,12 +15,9 @@ import os
 from pathlib import Path
 
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.format.keys import shard_name
-from hsextract.format.records import verified_done
+from hsextract.output import check_file, read_metadata, shard_name, verified_done
 from hsextract.prepare.plan import BatchSpec
-from hsextract.run.writer import read_metadata
 from hsextract.storage.local import LocalSink
-from hsextract.verify import check_file
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The run directory: every path in it (``RunDir``), what preparation learned (``RunInfo``), what staging holds.
+"""The run directory: every path in it (``RunDir``), what staging holds.
 
 A run dir is what a rerun resumes from: the resolved config, the plan, the tokens, progress files, logs and locks.
-Nothing in it says a batch is done: the output's completion records do (format/records.py), so a run dir lost,
+Nothing in it says a batch is done: the output's completion records do (output/records.py), so a run dir lost,
 copied or left behind by a crash never makes a batch count as done. ``COMPLETE``, written after the manifest, is
 read by ``status`` only.
 """
@@ -15,13 +15,11 @@ import re
 import shutil
 import socket
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError, free_bytes
-from hsextract.format.batch import StateLayout
-from hsextract.format.keys import shard_name
-from hsextract.storage.fileio import load_json, write_json
+from hsextract.output import shard_name
 
 RUN_DIR_MIN_FREE_BYTES = 16 << 20
 
@@ -225,62 +223,6 @@ class RunDir:
                     + "; wait for it to finish (hsextract status) or stop it first"
                 ) from None
             yield
-
-
-@dataclass(kw_only=True, frozen=True)
-class RunInfo:
-    """What preparation learned about the run, written to ``run.json`` for the workers, warm-up and manifest."""
-
-    layer_ids: tuple[int, ...]
-    """Captured decoder-layer ids (output of layer k), sorted."""
-    layer_types: tuple[str, ...]
-    """The architecture's type of each captured layer (``linear_attention``, ``full_attention``...)."""
-    num_layers: int
-    hidden_size: int
-    pad_token_id: int
-    plan_hash: str
-    file_metadata: dict
-    """Run-wide string metadata every batch file carries (format/batch.py builds it)."""
-    final_state: bool = False
-    """The last decoder layer's output is stored too (``--final-state``)."""
-    storage_dtype: str | None = None
-    """``float8_e4m3fn``, or None: states stored in the run dtype."""
-    vocab_size: int | None = None
-    """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
-    presets: dict = field(default_factory=dict)
-    """Each preset the layers name -> its layer ids (layers.py); empty for explicit ids."""
-    target_topk: int | None = None
-    """K of the target's top-k stored beside the states (``--target-topk``), or None."""
-
-    @property
-    def layout(self):
-        """What the run's batch files hold, slot by slot (output.StateLayout)."""
-        return StateLayout(
-            self.layer_ids, self.num_layers, self.final_state, self.storage_dtype, self.target_topk
-        )
-
-    def to_json(self) -> dict:
-        """Every field; ``target_topk`` only when set, so that a run without it writes run.json as before."""
-        d = asdict(self)
-        if d["target_topk"] is None:
-            del d["target_topk"]
-        return d
-
-    def save(self, run_dir: RunDir) -> None:
-        write_json(run_dir.info_file, self.to_json())
-
-    @classmethod
-    def load(cls, run_dir: RunDir) -> RunInfo:
-        return cls.from_json(
-            load_json(run_dir.info_file, "what preparation learned"), where=str(run_dir.info_file)
-        )
-
-    @classmethod
-    def from_json(cls, d: dict, where: str = "run.json") -> RunInfo:
-        try:
-            return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
-        except (TypeError, KeyError) as e:
-            raise HsextractError(f"{where} is damaged ({e!r}): rerun with --restart") from None
 
 
 @dataclass(frozen=True)

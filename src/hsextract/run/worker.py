@@ -24,11 +24,10 @@ import torch
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError, disk_full, install_redaction, redact
-from hsextract.format.final_norm import write_final_norm
-from hsextract.format.keys import shard_name
 from hsextract.model import warmup
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
+from hsextract.output import RunInfo, shard_name, write_final_norm
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.monitor import ShardMonitor
@@ -36,7 +35,7 @@ from hsextract.run.pipeline import Extractor
 from hsextract.run.procs import Stopped, Terminated, log_to_file, stop_on_signals
 from hsextract.run.progress import ShardProgress
 from hsextract.run.resume import done_in_output, recover_staging
-from hsextract.run.rundir import RunDir, RunInfo
+from hsextract.run.rundir import RunDir
 from hsextract.run.uploader import Uploader
 from hsextract.run.writer import StagingWriter
 from hsextract.storage import open_sink

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.format.batch import CONVENTION
-from hsextract.format.keys import shard_name
+from hsextract.output import CONVENTION, shard_name
 from hsextract.prepare.plan import Plan
 from hsextract.prepare.report import COUNTS
 from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState

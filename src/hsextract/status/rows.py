@@ -14,10 +14,8 @@ from pathlib import Path
 
 from hsextract.config import RunConfig, node_shards
 from hsextract.errors import HsextractError
-from hsextract.format.manifest import has_manifest
-from hsextract.format.records import JOB_FILES, done_in_output, read_job
+from hsextract.output import JOB_FILES, done_in_output, has_manifest, load_plan, read_job
 from hsextract.prepare.plan import Plan
-from hsextract.run.finalize import load_plan
 from hsextract.run.procs import pid_alive
 from hsextract.run.progress import FINAL_STATES, DamagedProgress, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir

@@ -215,3 +215,12 @@ def fill(
             on_part(done, done + n)
         done += n
     return done
+
+
+# -- object keys ----------------------------------------------------------------------------------------------------
+def check_key(key: str) -> None:
+    """Every sink's rule for an object key: a relative path, without ``..`` or backslashes."""
+    if not key or key.startswith("/") or "\\" in key or ".." in key.split("/"):
+        raise ValueError(
+            f"invalid object key {key!r}: expected a relative path such as 'shard-00000/batch-000000'"
+        )

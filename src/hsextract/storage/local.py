@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hsextract.errors import HsextractError, disk_full
-from hsextract.format.keys import check_key
 from hsextract.storage.base import (
     PROBE_PREFIX,
     Sink,
     StoredObject,
     changed_file,
+    check_key,
     fill,
     read_range_via_into,
     read_with_crc32,

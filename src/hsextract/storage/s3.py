@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from hsextract.errors import HsextractError, redact
-from hsextract.format.keys import check_key
 from hsextract.storage.base import (
     DEFAULT_RETRY_DEADLINE_S,
     FIRST_BACKOFF_S,
@@ -31,6 +30,7 @@ from hsextract.storage.base import (
     Sink,
     StoredObject,
     changed_file,
+    check_key,
     crc32_base64,
     fill,
     read_range_via_into,

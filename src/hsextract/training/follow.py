@@ -27,11 +27,19 @@ from pathlib import Path
 from torch.utils.data import get_worker_info
 
 from hsextract.errors import HsextractError
-from hsextract.format.final_norm import read_final_norm_meta
-from hsextract.format.manifest import STORED_FIELDS, has_manifest, read_manifest
-from hsextract.format.records import JOB_FILES, done_in_output, read_done
-from hsextract.reader import Output, served_layers
-from hsextract.run.finalize import job_manifest, load_job_files
+from hsextract.output import (
+    JOB_FILES,
+    STORED_FIELDS,
+    Output,
+    done_in_output,
+    has_manifest,
+    job_manifest,
+    load_job_files,
+    read_done,
+    read_final_norm_meta,
+    read_manifest,
+    served_layers,
+)
 from hsextract.storage import open_sink
 from hsextract.training.index import Where, open_where
 from hsextract.training.order import rank_sequence, worker_share

@@ -1,6 +1,6 @@
 """Which samples an output serves to a schema, and reading them from any thread.
 
-``SampleIndex`` is the output's sample index (format/sample_index.py), read once, checked against the manifest's
+``SampleIndex`` is the output's sample index (output/sample_index.py), read once, checked against the manifest's
 checksum and memory-mapped (an S3 output's copied once to /dev/shm), so a node's DataLoader workers share its pages;
 it pickles into a worker as a path and a few small arrays, holds no connection (a boto3 client must not cross a
 fork) and no manifest sample ids. An output without the index, or without a schema's verdicts, is scanned as before
@@ -24,20 +24,20 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from hsextract.batchfile import plain_memory
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.format.sample_index import (
+from hsextract.output import (
     SAMPLE_INDEX,
     SampleTable,
     checksum,
     decode,
     encode,
     map_file,
+    open_output,
+    plain_memory,
     read_sample_index,
     remove_copy,
     table_from_files,
 )
-from hsextract.reader import open_output
 from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
 from hsextract.training.schemas import SCHEMAS, Schema, get_schema
 from hsextract.training.state import check_where
@@ -118,8 +118,7 @@ def write_sample_index(sink, manifest: dict, threads: int = 16) -> tuple[dict | 
     """Index every batch file the (not yet written) ``manifest`` lists, with the verdicts of every schema that
     leaves samples out, and write the index beside it. Returns the manifest's ``sample_index`` entry, or None and
     ``{key: CorruptOutputError}`` for batch files that could not be read."""
-    from hsextract.batchfile import BatchFile
-    from hsextract.format.manifest import header_expectations
+    from hsextract.output import BatchFile, header_expectations
 
     schemas = [s for s in SCHEMAS.values() if skips_samples(s)]
     table, problems = scan_files(

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hsextract.batchfile import plain_memory
 from hsextract.errors import CorruptOutputError
+from hsextract.output import plain_memory
 
 MAX_READ_BYTES = 64 << 20
 

@@ -1,6 +1,6 @@
 """What one sample of an output becomes for each trainer: the one place that says it.
 
-A schema turns the reader's sample dict (reader.py) into two things:
+A schema turns the reader's sample dict (output/reader.py) into two things:
 
 - ``record(s)``: what the trainer's offline file holds for the sample, i.e. what its own file loader returns
   (``torch.load`` of a SpecForge ``.ckpt`` or a ModelOpt ``.pt``, ``safetensors.load_file`` of a speculators
@@ -79,7 +79,7 @@ class Schema:
 
 
 class Raw(Schema):
-    """The reader's own dict (reader.py), unchanged."""
+    """The reader's own dict (output/reader.py), unchanged."""
 
     name = "raw"
     needs_final_state = False

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.format.batch import header_json, new_checksum, read_head, update_checksum
+from hsextract.output.batch import header_json, new_checksum, read_head, update_checksum
 
 if TYPE_CHECKING:
     import torch

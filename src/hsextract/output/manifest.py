@@ -7,15 +7,15 @@ from collections import Counter
 
 from hsextract import __version__
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.format.batch import CONVENTION
-from hsextract.format.keys import check_key
+from hsextract.output.batch import CONVENTION
+from hsextract.storage.base import check_key
 
 MANIFEST = "manifest.json"
 
 
 SAMPLE_INDEX = "sample_index.safetensors"
 
-"""Every sample of the output in one file for the training loader (format/sample_index.py), recorded in the
+"""Every sample of the output in one file for the training loader (output/sample_index.py), recorded in the
 manifest as ``sample_index``: ``key``, ``size``, ``xxh3``. Outputs written before it have none."""
 
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from support.synthetic import synthetic_plan
 
-from hsextract.format.manifest import SAMPLE_INDEX, write_manifest
-from hsextract.format.records import claim_output, job_record, publish_job_files, write_done
-from hsextract.format.sample_index import checksum, encode, table_from_files
+from hsextract.output.finalize import finalize_output, job_manifest, load_job_files
+from hsextract.output.manifest import SAMPLE_INDEX, write_manifest
+from hsextract.output.reader import open_output
+from hsextract.output.records import claim_output, job_record, publish_job_files, write_done
+from hsextract.output.sample_index import checksum, encode, table_from_files
 from hsextract.prepare.plan import make_plan
-from hsextract.reader import open_output
-from hsextract.run.finalize import finalize_output, job_manifest, load_job_files
 from hsextract.status.rows import output_status
 from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset

@@ -7,7 +7,7 @@ last, and a lost run dir loses nothing:
 2. the completion records: a batch without one is still to do (another node's, or a crashed one's);
 3. every batch checked against its record (exists, same size, same CRC32 where the store keeps it): a batch
    deleted or damaged behind the run's back loses its record and is reported, never listed in a manifest;
-4. the sample index (format/sample_index.py: every sample's file, row, tokens and id, and which samples each
+4. the sample index (output/sample_index.py: every sample's file, row, tokens and id, and which samples each
    trainer's schema leaves out), from each batch file's header and index tensors, so that a trainer indexes the
    output with one read instead of two per batch file;
 5. the manifest, built only from the plan and the sample ids, so every node builds the same bytes (the index
@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 
 from hsextract.errors import HsextractError
-from hsextract.format.final_norm import read_final_norm_meta
-from hsextract.format.manifest import build_manifest, delete_manifest, has_manifest, write_manifest
-from hsextract.format.records import JOB_FILES, check_batches, done_in_output, done_key
+from hsextract.output.final_norm import read_final_norm_meta
+from hsextract.output.manifest import build_manifest, delete_manifest, has_manifest, write_manifest
+from hsextract.output.records import JOB_FILES, RunInfo, check_batches, done_in_output, done_key
 from hsextract.prepare.plan import Plan
-from hsextract.run.rundir import RunInfo
 
 
 def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
@@ -56,7 +55,7 @@ def _job_file(sink, name: str):
 
 
 def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -> dict:
-    """The manifest of the job ``load_job_files`` read, with ``stored`` for each batch (format/manifest.py)."""
+    """The manifest of the job ``load_job_files`` read, with ``stored`` for each batch (output/manifest.py)."""
     plan, info, sample_ids, data_report = job
     return build_manifest(
         info=info,

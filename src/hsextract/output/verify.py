@@ -3,7 +3,7 @@
 Per file (``check_file``): it exists with the size the manifest recorded; its header matches the recorded header
 checksum and is well formed; its index tensors and each sample's rows match the checksums in its header; the CRC32
 of the whole file matches the one the uploader computed before the upload (and S3 checked on arrival). The reader
-checks the same things piecemeal, as it reads (reader.py); this checks everything, once.
+checks the same things piecemeal, as it reads (output/reader.py); this checks everything, once.
 
 A file is read once, front to back, in ranged reads of ``CHUNK`` bytes (after its header and index tensors, a few
 KB): each chunk feeds the CRC32 and, byte range by byte range, the running checksum of the sample those bytes
@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from hsextract.batchfile import BatchFile
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.format.batch import new_checksum, update_checksum
-from hsextract.format.final_norm import read_checked_final_norm
-from hsextract.format.manifest import MANIFEST, header_expectations, read_manifest, require_checksums
-from hsextract.format.records import JOB_FILES
-from hsextract.format.sample_index import check_sample_index
+from hsextract.output.batch import new_checksum, update_checksum
+from hsextract.output.batchfile import BatchFile
+from hsextract.output.final_norm import read_checked_final_norm
+from hsextract.output.manifest import MANIFEST, header_expectations, read_manifest, require_checksums
+from hsextract.output.records import JOB_FILES
+from hsextract.output.sample_index import check_sample_index
 from hsextract.prepare.plan import Plan
 from hsextract.storage import open_sink
 from hsextract.storage.base import Sink

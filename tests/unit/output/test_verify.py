@@ -130,7 +130,7 @@ def test_a_hand_edited_manifest_is_caught_by_verify_and_the_reader(output, edit,
     """verify exited 0 on each of these and the reader returned layer 3's states as layer 2, or a batch's
     samples too few or twice. The reader checks what it can as it opens each file; verify checks the manifest against the plan."""
     from hsextract.errors import CorruptOutputError
-    from hsextract.reader import open_output
+    from hsextract.output.reader import open_output
 
     edit_manifest(output, edit)
     r = run_cli("verify", output, check=False)

@@ -1,4 +1,4 @@
-"""The output's completion records as the one ledger of finished batches (format/records.py
+"""The output's completion records as the one ledger of finished batches (output/records.py
 ``check_batches``): a batch is done only if its record is this plan's and the object is there as recorded. On
 a local output (no stored CRC32) a same-size alteration shows only in the full check, which computes the CRC32
 from the bytes."""
@@ -7,7 +7,7 @@ import json
 
 from support.damage import copy_output, flip_in_states, truncate_half
 
-from hsextract.format.records import check_batches, done_in_output, done_key
+from hsextract.output.records import check_batches, done_in_output, done_key
 from hsextract.prepare.plan import Plan
 from hsextract.storage.local import LocalSink
 

@@ -1,4 +1,4 @@
-"""Finishing an output from the output alone (run/finalize.py ``finalize_output``, format/manifest.py
+"""Finishing an output from the output alone (output/finalize.py ``finalize_output``, output/manifest.py
 ``build_manifest``): the manifest lists every planned batch as its file is, in plan order, and is the same
 bytes each time it is built; a batch not done or not sound withdraws the manifest, and a damaged one loses its
 record."""
@@ -9,9 +9,9 @@ import zlib
 from safetensors import safe_open
 from support.damage import copy_output, flip_in_states
 
-from hsextract.format.records import done_key
+from hsextract.output.finalize import finalize_output
+from hsextract.output.records import done_key
 from hsextract.prepare.plan import Plan
-from hsextract.run.finalize import finalize_output
 from hsextract.storage.local import LocalSink
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 
 from hsextract.errors import HsextractError
-from hsextract.format.batch import header_checksum
-from hsextract.format.manifest import STORED_FIELDS
+from hsextract.output.batch import StateLayout, header_checksum
+from hsextract.output.manifest import STORED_FIELDS
+from hsextract.storage.fileio import load_json, write_json
 
 JOB = "hsextract/job.json"
 
@@ -166,3 +168,60 @@ def verified_done(sink, prefix: str, keys, plan_hash: str) -> tuple[dict[str, di
     recorded = [k for k in done_in_output(sink, prefix) if k in keys]
     problems, records = check_batches(sink, recorded, plan_hash) if recorded else ({}, {})
     return records, problems
+
+
+# -- what preparation learned (a job file: hsextract/run.json, and run.json in the run dir) -------------------------
+@dataclass(kw_only=True, frozen=True)
+class RunInfo:
+    """What preparation learned about the run, written to ``run.json`` for the workers, warm-up and manifest."""
+
+    layer_ids: tuple[int, ...]
+    """Captured decoder-layer ids (output of layer k), sorted."""
+    layer_types: tuple[str, ...]
+    """The architecture's type of each captured layer (``linear_attention``, ``full_attention``...)."""
+    num_layers: int
+    hidden_size: int
+    pad_token_id: int
+    plan_hash: str
+    file_metadata: dict
+    """Run-wide string metadata every batch file carries (output/batch.py builds it)."""
+    final_state: bool = False
+    """The last decoder layer's output is stored too (``--final-state``)."""
+    storage_dtype: str | None = None
+    """``float8_e4m3fn``, or None: states stored in the run dtype."""
+    vocab_size: int | None = None
+    """The target's vocabulary size (exports of draft-vocabulary mappings need it)."""
+    presets: dict = field(default_factory=dict)
+    """Each preset the layers name -> its layer ids (layers.py); empty for explicit ids."""
+    target_topk: int | None = None
+    """K of the target's top-k stored beside the states (``--target-topk``), or None."""
+
+    @property
+    def layout(self):
+        """What the run's batch files hold, slot by slot (output.StateLayout)."""
+        return StateLayout(
+            self.layer_ids, self.num_layers, self.final_state, self.storage_dtype, self.target_topk
+        )
+
+    def to_json(self) -> dict:
+        """Every field; ``target_topk`` only when set, so that a run without it writes run.json as before."""
+        d = asdict(self)
+        if d["target_topk"] is None:
+            del d["target_topk"]
+        return d
+
+    def save(self, run_dir) -> None:
+        write_json(run_dir.info_file, self.to_json())
+
+    @classmethod
+    def load(cls, run_dir) -> RunInfo:
+        return cls.from_json(
+            load_json(run_dir.info_file, "what preparation learned"), where=str(run_dir.info_file)
+        )
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "run.json") -> RunInfo:
+        try:
+            return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
+        except (TypeError, KeyError) as e:
+            raise HsextractError(f"{where} is damaged ({e!r}): rerun with --restart") from None

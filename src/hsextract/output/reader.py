@@ -1,6 +1,6 @@
 """What trainers call: ``open_output(path)`` over a local directory or ``s3://bucket/prefix``.
 
-    from hsextract.reader import open_output
+    from hsextract.output import open_output
     out = open_output("s3://bucket/run1")          # layers="dflash2" or [5, 19, 33]: a subset, in that order
     s = out["conv-00042"]                          # by sample id; ``for s in out`` goes batch by batch
     s["hidden_states"], s["layers"][16], s["input_ids"], s["loss_mask"], s["final_hidden_state"]
@@ -20,12 +20,12 @@ from functools import cached_property
 
 import torch
 
-from hsextract.batchfile import BatchFile, SampleView, plain_memory
 from hsextract.errors import HsextractError
-from hsextract.format.batch import StateLayout
-from hsextract.format.final_norm import read_final_norm
-from hsextract.format.manifest import header_expectations, read_manifest, require_checksums
 from hsextract.layers import PRESETS, preset_layer_ids
+from hsextract.output.batch import StateLayout
+from hsextract.output.batchfile import BatchFile, SampleView, plain_memory
+from hsextract.output.final_norm import read_final_norm
+from hsextract.output.manifest import header_expectations, read_manifest, require_checksums
 from hsextract.storage import open_sink
 
 __all__ = ["BatchFile", "Output", "SampleView", "open_output", "plain_memory"]

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from hsextract.errors import CorruptOutputError
-from hsextract.format.manifest import SAMPLE_INDEX  # noqa: F401  (named there: the manifest records it)
+from hsextract.output.manifest import SAMPLE_INDEX  # noqa: F401  (named there: the manifest records it)
 
 INDEX_FORMAT = "hsextract-sample-index"
 

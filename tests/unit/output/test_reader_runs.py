@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 from support import damage
 
-from hsextract import batchfile
 from hsextract.errors import CorruptOutputError
-from hsextract.format.batch import StateLayout, batch_metadata
-from hsextract.format.final_norm import FinalNorm
-from hsextract.format.fp8 import quantize_fp8
-from hsextract.reader import BatchFile, SampleView
-from hsextract.run.writer import write_batch_file
+from hsextract.output import batchfile
+from hsextract.output.batch import StateLayout, batch_metadata
+from hsextract.output.final_norm import FinalNorm
+from hsextract.output.fp8 import quantize_fp8
+from hsextract.output.reader import BatchFile, SampleView
+from hsextract.output.writer import write_batch_file
 from hsextract.storage.local import LocalSink
 
 LENGTHS = [7, 1, 12, 5, 30, 3]

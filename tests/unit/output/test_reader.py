@@ -23,7 +23,7 @@ from support.damage import (
 )
 
 from hsextract.errors import CorruptOutputError
-from hsextract.reader import BatchFile, open_output
+from hsextract.output.reader import BatchFile, open_output
 from hsextract.storage.local import LocalSink
 
 

@@ -1,7 +1,7 @@
 """One batch file of an output, read through ranged reads and checked: what the reader, the training loader,
 export and ``hsextract verify`` read a batch file with.
 
-``BatchFile`` parses and checks the header (format/header.py), reads the index tensors together with the small
+``BatchFile`` parses and checks the header (output/header.py), reads the index tensors together with the small
 per-token tensors (token ids, loss mask, fp8 scales) and holds them, and serves samples: ``samples(rows)`` reads the
 states of several neighbouring rows in one ranged read, into memory the caller allocates, and checks each sample
 against its own checksum as its bytes arrive. ``SampleView`` turns a sample's stored slots into the keys a trainer
@@ -18,7 +18,7 @@ from itertools import pairwise
 import torch
 
 from hsextract.errors import CorruptOutputError
-from hsextract.format.batch import (
+from hsextract.output.batch import (
     INDEX_TENSORS,
     TOPK_IDS,
     TOPK_LOGPROBS,
@@ -28,10 +28,10 @@ from hsextract.format.batch import (
     read_head,
     update_checksum,
 )
-from hsextract.format.final_norm import FinalNorm
-from hsextract.format.fp8 import dequantize_fp8
-from hsextract.format.header import BatchHeader, tensor_bytes
-from hsextract.format.manifest import header_mismatch
+from hsextract.output.final_norm import FinalNorm
+from hsextract.output.fp8 import dequantize_fp8
+from hsextract.output.header import BatchHeader, tensor_bytes
+from hsextract.output.manifest import header_mismatch
 
 HELD_ROW_BYTES = 256
 

@@ -1,7 +1,7 @@
 """A batch file's header, parsed and checked: its tensors (dtype, shape, byte range), sample ids and checksums.
 
 The one reading of what a header says, for the reader, ``hsextract verify`` and the training loader; the bytes of
-the header itself (its length prefix, JSON, checksum) are format/batch.py's. Whatever is wrong raises the caller's
+the header itself (its length prefix, JSON, checksum) are output/batch.py's. Whatever is wrong raises the caller's
 ``damaged(problem)``, so every error names the file.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hsextract.format.batch import CHECKSUM_ALGORITHM, CHECKSUMS, INDEX_TENSORS, header_json
+from hsextract.output.batch import CHECKSUM_ALGORITHM, CHECKSUMS, INDEX_TENSORS, header_json
 
 SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
