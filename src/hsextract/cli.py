@@ -261,11 +261,12 @@ def finalize(output, s3_endpoint_url):
     """Write OUTPUT's manifest if every batch of the job is done; checks each batch in the output first."""
     from hsextract.output import finalize_output
     from hsextract.storage import open_sink
+    from hsextract.training.index import write_sample_index
 
     sink = open_sink(output, s3_endpoint_url, reading=True)
     if (absent := sink.missing_place()) is not None:
         raise HsextractError(absent)
-    code, missing = finalize_output(sink, echo=click.echo)
+    code, missing = finalize_output(sink, write_index=write_sample_index, echo=click.echo)
     sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 

@@ -30,6 +30,7 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     from hsextract.run.pipeline import Extractor
     from hsextract.run.rundir import RunDir
     from hsextract.storage import open_sink
+    from hsextract.training.index import write_sample_index
 
     fields = dict(
         model=str(model),
@@ -83,6 +84,6 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
 
     for shard in range(plan.shards):
         extractor.run(plan.for_shard(shard), samples, write_and_upload)
-    code, todo = finalize_output(sink, echo=lambda *_: None)
+    code, todo = finalize_output(sink, write_index=write_sample_index, echo=lambda *_: None)
     assert code == 0 and not todo, (code, todo)
     return root / "out"

@@ -32,6 +32,7 @@ from hsextract.output import (
 )
 from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.storage import open_sink
+from hsextract.training.index import write_sample_index
 
 LAYOUT = StateLayout(layer_ids=(0, 1), num_layers=2)
 HIDDEN = 4
@@ -136,6 +137,6 @@ def make_output(
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(write, plan.batches))
     if finalize:
-        code, todo = finalize_output(sink, echo=lambda line: None)
+        code, todo = finalize_output(sink, write_index=write_sample_index, echo=lambda line: None)
         assert code == 0 and not todo, (code, sorted(todo)[:3])
     return {"plan": plan, "lengths": lengths, "sample_ids": ids, "masks": masks}

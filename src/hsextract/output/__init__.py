@@ -41,6 +41,7 @@ _EXPORTS = {
     "encode": "sample_index",
     "estimate_file_bytes": "batch",
     "finalize_output": "finalize",
+    "forget_job": "records",
     "has_manifest": "manifest",
     "header_expectations": "manifest",
     "job_manifest": "finalize",

@@ -87,11 +87,14 @@ def _damaged(sink, problems: dict[str, str], planned: int, echo) -> tuple[int, s
     return 1, set(problems)
 
 
-def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
+def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
     """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
     are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
     completion record, or found missing or damaged (their records are removed so that their shards recompute
-    them). An empty set means the manifest is written and every batch it lists was checked just before."""
+    them). An empty set means the manifest is written and every batch it lists was checked just before.
+
+    ``write_index(sink, manifest)`` writes the sample index (``training.index.write_sample_index``): it records
+    which samples each trainer's schema leaves out, which the trainers know and the output does not."""
     plan, info, sample_ids, data_report = load_job_files(sink)
     keys = [b.key for b in plan.batches]
     done = done_in_output(sink)
@@ -110,10 +113,8 @@ def finalize_output(sink, *, echo=print) -> tuple[int, set[str]]:
     final_norm = read_final_norm_meta(sink) if info.final_state else None
     manifest = job_manifest((plan, info, sample_ids, data_report), records, final_norm)
     # The training loader's sample index (two small reads per batch file, once per job), written before the manifest
-    # that records its checksum. Imported here: status imports this module and never needs torch.
-    from hsextract.training.index import write_sample_index
-
-    entry, unreadable = write_sample_index(sink, manifest)
+    # that records its checksum.
+    entry, unreadable = write_index(sink, manifest)
     if unreadable:
         return _damaged(sink, {k: e.problem for k, e in unreadable.items()}, len(keys), echo)
     manifest["sample_index"] = entry

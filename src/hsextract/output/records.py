@@ -1,4 +1,5 @@
-"""The output's bookkeeping: the claim (``hsextract/job.json``) and one completion record per batch file."""
+"""The output's bookkeeping: the claim (``hsextract/job.json``), the job files (the plan, ``RunInfo``, the sample ids,
+the data report) and one completion record per batch file."""
 
 from __future__ import annotations
 
@@ -78,6 +79,15 @@ def check_claim(sink, plan_hash: str) -> None:
             f"output {sink.url} is now held by {held}, not this run's plan {plan_hash}: stopped so that two jobs "
             "never mix in one output"
         )
+
+
+def forget_job(sink) -> None:
+    """Every completion record, the job files and the claim removed: the output belongs to no job (--restart)."""
+    for key in sink.list_keys(DONE_PREFIX):
+        sink.delete(key)
+    for key in JOB_FILES.values():
+        sink.delete(key)
+    sink.delete(JOB)
 
 
 def publish_job_files(sink, files: dict[str, object]) -> None:

@@ -28,15 +28,13 @@ from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.output import (
-    DONE_PREFIX,
-    JOB,
-    JOB_FILES,
     RunInfo,
     StateLayout,
     claim_output,
     delete_manifest,
     describe_job,
     estimate_file_bytes,
+    forget_job,
     has_manifest,
     job_record,
     publish_job_files,
@@ -437,12 +435,7 @@ def reset_run(cfg: RunConfig, run_dir: RunDir, sink, old: Plan | None, new: Plan
     old_keys = {b.key for b in old.batches} if old is not None else set(sink.list_keys("shard-"))
     for key in old_keys - {b.key for b in new.batches}:
         sink.delete(key)
-    for key in sink.list_keys(DONE_PREFIX):
-        sink.delete(key)
-    if held is not None:
-        for key in JOB_FILES.values():
-            sink.delete(key)
-        sink.delete(JOB)
+    forget_job(sink)
     shutil.rmtree(run_dir.progress_dir, ignore_errors=True)
     shutil.rmtree(cfg.staging_dir, ignore_errors=True)
     run_dir.complete_file.unlink(missing_ok=True)

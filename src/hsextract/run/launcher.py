@@ -294,14 +294,17 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
     """Once this node's shards are done: write the manifest if the whole job is done (finalize.py checks every
     batch in the output first, and removes the records of those missing or damaged). Returns the exit code and the
     keys of every batch not done in the output: still to do, missing or damaged."""
+    from hsextract.training.index import write_sample_index  # torch: only once the shards are done
+
     run_dir = RunDir(cfg.run_dir)
-    code, missing = finalize_output(open_sink(cfg.output, cfg.s3_endpoint_url), echo=echo)
+    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
+    code, missing = finalize_output(sink, write_index=write_sample_index, echo=echo)
     mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & missing
     if code and missing - mine:
         echo(
             f"{len(missing - mine)} damaged batch(es) belong to other nodes' shards: rerun those nodes' commands"
         )
-    if code == 0 and not missing and has_manifest(open_sink(cfg.output, cfg.s3_endpoint_url)):
+    if code == 0 and not missing and has_manifest(sink):
         atomic_write(run_dir.complete_file, plan.plan_hash)
         remove_empty_staging(cfg, plan.shards)
     return code, missing

@@ -13,11 +13,12 @@ from hsextract.output.finalize import finalize_output
 from hsextract.output.records import done_key
 from hsextract.prepare.plan import Plan
 from hsextract.storage.local import LocalSink
+from hsextract.training.index import write_sample_index
 
 
 def finalize(out):
     said = []
-    code, todo = finalize_output(LocalSink(out), echo=said.append)
+    code, todo = finalize_output(LocalSink(out), write_index=write_sample_index, echo=said.append)
     return code, todo, said
 
 

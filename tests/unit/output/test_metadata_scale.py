@@ -23,6 +23,7 @@ from hsextract.prepare.plan import make_plan
 from hsextract.status.rows import output_status
 from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset
+from hsextract.training.index import write_sample_index
 
 pytestmark = pytest.mark.slow  # a minute: 11,000 batches' job files and records are written first
 
@@ -93,7 +94,10 @@ STEPS = {
         False,
         lambda sink: make_plan(LENGTHS[str(sink.root)], max_tokens_per_batch=64, max_rows=10, shards=8),
     ),
-    "finalize with every batch to do": (False, lambda sink: finalize_output(sink, echo=lambda line: None)),
+    "finalize with every batch to do": (
+        False,
+        lambda sink: finalize_output(sink, write_index=write_sample_index, echo=lambda line: None),
+    ),
     "status": (True, output_status),
     "open_output": (True, lambda sink: len(open_output(str(sink.root)).manifest["batches"])),
     "StatesDataset and its epoch order": (True, lambda sink: dataset_order(sink.root)),
