@@ -426,7 +426,8 @@ class RowEncoder:
             if message["role"] != "assistant":
                 continue
             before = self._try_render(messages[:i], tools, True) if i else None
-            through = self._try_render(messages[: i + 1], tools, False)
+            # The conversation through its last message is the full render, made once.
+            through = full if i + 1 == len(messages) else self._try_render(messages[: i + 1], tools, False)
             start = None
             if before is not None and len(before) >= cursor and full.startswith(before):
                 start = len(before)

@@ -17,9 +17,13 @@ How one row becomes ids and a loss mask is chat.py's job.
 
 Rows are streamed from the sources into ``num_proc`` spawned processes (spawn, not fork: the caller may hold
 threads or CUDA), in chunks in source order with a bounded number in flight, so the result does not depend on
-``num_proc`` and the parent never holds more than a window of rows. Each chunk's tokens come back as two arrays and
-go straight into the token file (``TokenFileWriter``): the parent holds one int and one id per sample, never the
-tokens, so its memory does not grow with the data's. The token file is one safetensors file, written once; it is
+``num_proc`` and the parent never holds more than a window of rows. The parent is one process feeding all the
+others, so it does as little per row as it can: JSONL lines travel as the bytes read (``JsonLine``) and are parsed
+in the tokenizer process, the tokenizer is pickled once (not once per process), and chunks are large enough that
+the pool's own cost per chunk is small against the rows' (docs/PERFORMANCE.md: the parent alone can feed ~10x the
+rows that 16 tokenizer processes encode). Each chunk's tokens come back as two arrays and go straight into the
+token file (``TokenFileWriter``): the parent holds one int and one id per sample, never the tokens, so its memory
+does not grow with the data's. The token file is one safetensors file, written once; it is
 read back memory-mapped. With ``cache_dir`` it is stored there under a name that hashes the sources' identities and
 options, the tokenizer, the chat template, the length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever
 the encoding changes), with its report in the header; a later call with the same inputs maps that file instead of
@@ -33,6 +37,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -47,7 +52,8 @@ from hsextract.config import TOO_LONG_POLICIES
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.prepare.chat import RowEncoder
 from hsextract.prepare.report import DataReport, ReportBuilder
-from hsextract.prepare.sources import Mix, resolve_sources
+from hsextract.prepare.rows import JsonLine
+from hsextract.prepare.sources import Mix, finish_row, resolve_sources
 from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 
 log = logging.getLogger(__name__)
@@ -56,12 +62,13 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
-CHUNK_ROWS = 64
+CHUNK_ROWS = 256
 
-"""Rows per task sent to a tokenizer process: large enough to amortise pickling, small for a smooth progress bar."""
+"""Rows per task sent to a tokenizer process: the pool's cost per task (two pipe messages, a wake-up of the parent)
+becomes a few microseconds a row; a task is still under a second of one process's work."""
 
 
-CHUNKS_IN_FLIGHT = 4
+CHUNKS_IN_FLIGHT = 3
 
 """Chunks queued per tokenizer process: enough to keep each busy, few enough that rows never pile up."""
 
@@ -108,9 +115,17 @@ def cache_file(cache_dir: Path, mix: Mix, tokenizer, *, max_length: int, too_lon
 _worker_encoder: RowEncoder | None = None
 
 
-def _init_worker(tokenizer, max_length: int, too_long: str) -> None:
-    global _worker_encoder
+_worker_columns: tuple = ()
+
+
+def _init_worker(tokenizer, max_length: int, too_long: str, columns: tuple = ()) -> None:
+    """``tokenizer`` comes pickled into a pool's processes (``bytes``): pickled once for all of them.
+    ``columns``: each source's column mapping, for the ``JsonLine`` rows parsed here."""
+    global _worker_encoder, _worker_columns
+    if isinstance(tokenizer, bytes):
+        tokenizer = pickle.loads(tokenizer)
     _worker_encoder = RowEncoder(tokenizer, max_length, too_long)
+    _worker_columns = columns
 
 
 def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.ndarray, np.ndarray]:
@@ -119,6 +134,8 @@ def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.nd
     assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
     rows, ids, masks = [], [], []
     for source, position, row in chunk:
+        if isinstance(row, JsonLine):
+            row = finish_row(row, _worker_columns[source])
         _, row_id, status, reason, row_ids, row_mask = _worker_encoder.encode(position, row)
         if row_ids is None:
             rows.append((source, position, row_id, status, reason, 0, b""))
@@ -152,21 +169,25 @@ def _encode_all(
     too_long: str,
     num_proc: int,
     progress: bool,
+    columns: tuple = (),
 ) -> Iterator[tuple[list[tuple], np.ndarray, np.ndarray]]:
     """Chunk results in source order, from this process or ``num_proc`` spawned ones (the same code either way),
-    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead."""
+    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead. ``columns``: per source, for ``JsonLine``s."""
     bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
         if num_proc == 1:
-            _init_worker(tokenizer, max_length, too_long)
+            _init_worker(tokenizer, max_length, too_long, columns)
             for chunk in _chunks(rows, CHUNK_ROWS):
                 result = _encode_chunk(chunk)
                 bar.update(len(result[0]))
                 yield result
             return
         context = multiprocessing.get_context("spawn")
+        # Pickled here once: a pool pickles its initargs for each process it starts, one after the other, and a
+        # large vocabulary takes a second or more each time.
+        pickled = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         with context.Pool(
-            num_proc, initializer=_init_worker, initargs=(tokenizer, max_length, too_long)
+            num_proc, initializer=_init_worker, initargs=(pickled, max_length, too_long, columns)
         ) as pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
@@ -201,13 +222,14 @@ def _tokenize(
         total = None
     with TokenFileWriter(path) as writer:
         for rows, ids, mask in _encode_all(
-            mix.rows() if rows_of is None else rows_of,
+            mix.rows(parse=False) if rows_of is None else rows_of,
             total,
             tokenizer,
             max_length,
             too_long,
             num_proc,
             progress,
+            tuple(s.spec.columns for s in mix.sources),
         ):
             kept_ids, lengths, cut, at = [], [], [], 0
             for source, position, row_id, status, reason, tokens, digest in rows:
