@@ -20,8 +20,8 @@ threads or CUDA), in chunks in source order with a bounded number in flight, so 
 ``num_proc`` and the parent never holds more than a window of rows. The parent is one process feeding all the
 others, so it does as little per row as it can: JSONL lines travel as the bytes read (``JsonLine``) and are parsed
 in the tokenizer process, the tokenizer is pickled once (not once per process), and chunks are large enough that
-the pool's own cost per chunk is small against the rows' (docs/PERFORMANCE.md: the parent alone can feed ~10x the
-rows that 16 tokenizer processes encode). Each chunk's tokens come back as two arrays and go straight into the
+the pool's own cost per chunk is small against the rows' (docs/PERFORMANCE.md: the parent alone keeps ~80
+tokenizer processes busy). Each chunk's tokens come back as two arrays and go straight into the
 token file (``TokenFileWriter``): the parent holds one int and one id per sample, never the tokens, so its memory
 does not grow with the data's. The token file is one safetensors file, written once; it is
 read back memory-mapped. With ``cache_dir`` it is stored there under a name that hashes the sources' identities and
@@ -278,7 +278,8 @@ on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 core
 
 AUTO_MAX_PROC = 16
 
-"""Past 8-16 processes the parent, which reads the rows and gathers the results, is the bottleneck."""
+"""The most processes chosen unasked: each costs seconds to start and holds its own tokenizer; the parent, which
+reads the rows and gathers the results, would feed more (~80, docs/PERFORMANCE.md), unmeasured past 16."""
 
 
 def auto_num_proc(data: str | Path | Mix, cores: int | None = None) -> int:
