@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from hsextract.prepare.fast_tokenizer import direct_backend
+
 SKIP_KINDS = ("malformed", "empty", "too_long")
 
 
@@ -262,37 +264,6 @@ def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.nd
     return mask
 
 
-def _direct_backend(tokenizer):
-    """The Rust tokenizer that ``tokenizer(text, add_special_tokens=False)`` ends in, when calling it directly gives
-    the same ids and offsets (a fast tokenizer whose class encodes the standard way); else None. The wrapper around
-    it costs ~25% of a row's encoding (docs/PERFORMANCE.md)."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return None
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        return None
-    if any(
-        getattr(type(tokenizer), name) is not getattr(PreTrainedTokenizerFast, name)
-        for name in ("__call__", "_encode_plus")
-    ):
-        return None  # a class that encodes its own way
-    probe = "hsextract probe: ünïcödé 数字 123\n\t  x " + " ".join(
-        getattr(tokenizer, "all_special_tokens", [])
-    )
-    # The wrapper leaves its backend with no truncation or padding, as each of its calls does; then both agree.
-    wrapped = tokenizer(probe, add_special_tokens=False, return_offsets_mapping=True)
-    backend = tokenizer.backend_tokenizer
-    if backend.truncation is not None or backend.padding is not None:
-        return None
-    direct = backend.encode(probe, add_special_tokens=False)
-    if direct.ids != list(wrapped["input_ids"]) or direct.offsets != [
-        tuple(o) for o in wrapped["offset_mapping"]
-    ]:
-        return None
-    return backend
-
-
 class RowEncoder:
     """Turns one row into ``(ids, mask)``, or raises ``_RowSkipped``; one per tokenizer process."""
 
@@ -311,7 +282,7 @@ class RowEncoder:
             or bool(getattr(backend.model, "byte_fallback", False))
         )
         """Every character is covered by tokens of at most ``longest_token`` bytes of it: no unknown-word token."""
-        self.direct = _direct_backend(tokenizer)
+        self.direct = direct_backend(tokenizer)
 
     def encode(self, index: int, row: Any) -> tuple:
         """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
