@@ -20,14 +20,14 @@ threads or CUDA), in chunks in source order with a bounded number in flight, so 
 ``num_proc`` and the parent never holds more than a window of rows. The parent is one process feeding all the
 others, so it does as little per row as it can: JSONL lines travel as the bytes read (``JsonLine``) and are parsed
 in the tokenizer process, the tokenizer is pickled once (not once per process), and chunks are large enough that
-the pool's own cost per chunk is small against the rows' (docs/PERFORMANCE.md: the parent alone keeps ~80
-tokenizer processes busy). Each chunk's tokens come back as two arrays and go straight into the
-token file (``TokenFileWriter``): the parent holds one int and one id per sample, never the tokens, so its memory
-does not grow with the data's. The token file is one safetensors file, written once; it is
-read back memory-mapped. With ``cache_dir`` it is stored there under a name that hashes the sources' identities and
-options, the tokenizer, the chat template, the length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever
-the encoding changes), with its report in the header; a later call with the same inputs maps that file instead of
-tokenizing again, and the run dir's copy is a hard link to it.
+the pool's own cost per chunk is small against the rows' (docs/PERFORMANCE.md: the parent alone keeps ~80 tokenizer
+processes busy). Each chunk's tokens come back as two arrays and go straight into the token file
+(``TokenFileWriter``): the parent holds one int and one id per sample, never the tokens, so its memory does not
+grow with the data's. The token file is one safetensors file, written once; it is read back memory-mapped. With
+``cache_dir`` it is stored there under a name that hashes the sources' identities and options, the tokenizer, the
+chat template, the length policy, ``dedupe`` and ``FORMAT_VERSION`` (bump it whenever the encoding changes), with
+its report in the header; a later call with the same inputs maps that file instead of tokenizing again, and the run
+dir's copy is a hard link to it.
 """
 
 from __future__ import annotations
