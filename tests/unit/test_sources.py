@@ -17,8 +17,9 @@ from hsextract.config import RunConfig, load_yaml
 from hsextract.demo import build_tokenizer, make_conversations, write_jsonl
 from hsextract.errors import HsextractError
 from hsextract.prepare.plan import fingerprint_changes
+from hsextract.prepare.rows import JsonLine
 from hsextract.prepare.source_spec import SourceSpec, parse_source
-from hsextract.prepare.sources import changed_files, resolve_sources
+from hsextract.prepare.sources import changed_files, finish_row, resolve_sources
 from hsextract.prepare.tokenize import load_samples
 
 
@@ -130,6 +131,21 @@ def test_config_takes_one_string_a_list_and_a_yaml_list_of_strings_and_mappings(
 
 
 # -- each kind of source ---------------------------------------------------------------------------------------------
+def test_rows_read_unparsed_and_finished_elsewhere_equal_the_parsed_rows(tmp_path):
+    rows = [{"id": f"r{i}", "dialog": [{"from": "human", "value": f"q{i}"}]} for i in range(6)]
+    path = tmp_path / "rows.jsonl"
+    lines = [json.dumps(r) for r in rows]
+    lines[2] = '{"id": "cut'
+    path.write_text("\n".join(lines[:4]) + "\n\n" + "\n".join(lines[4:]) + "\n")
+    mix = resolve_sources([f"{path}?columns=conversations:dialog&sample=4"], seed=3)
+    columns = tuple(s.spec.columns for s in mix.sources)
+
+    raw = list(mix.rows(parse=False))
+    assert all(isinstance(row, JsonLine) for _, _, row in raw)  # bytes, as read
+    assert [(i, p, finish_row(row, columns[i])) for i, p, row in raw] == list(mix.rows())
+    assert "line 3 is not valid JSON" in str([finish_row(row, columns[0]) for _, _, row in raw])
+
+
 def test_compressed_jsonl_globs_and_directories_read_their_rows_in_order(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()

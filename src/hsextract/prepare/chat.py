@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from hsextract.prepare.fast_tokenizer import direct_backend
+
 SKIP_KINDS = ("malformed", "empty", "too_long")
 
 
@@ -245,6 +247,7 @@ class RowEncoder:
             or bool(getattr(backend.model, "byte_fallback", False))
         )
         """Every character is covered by tokens of at most ``longest_token`` bytes of it: no unknown-word token."""
+        self.direct = direct_backend(tokenizer)
 
     def encode(self, index: int, row: Any) -> tuple:
         """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
@@ -323,6 +326,9 @@ class RowEncoder:
         return ids[:n], spans[:n] if offsets else None, f"over {n} tokens ({chars} characters)"
 
     def _run(self, text: str, offsets: bool) -> tuple[list, list | None]:
+        if self.direct is not None:
+            encoding = self.direct.encode(text, add_special_tokens=False)
+            return encoding.ids, encoding.offsets if offsets else None
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
         return encoding["input_ids"], encoding["offset_mapping"] if offsets else None
 
@@ -391,7 +397,8 @@ class RowEncoder:
             if message["role"] != "assistant":
                 continue
             before = self._try_render(messages[:i], tools, True) if i else None
-            through = self._try_render(messages[: i + 1], tools, False)
+            # The conversation through its last message is the full render, made once.
+            through = full if i + 1 == len(messages) else self._try_render(messages[: i + 1], tools, False)
             start = None
             if before is not None and len(before) >= cursor and full.startswith(before):
                 start = len(before)

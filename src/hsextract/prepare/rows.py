@@ -3,7 +3,9 @@
 A file is JSONL (also ``.jsonl.gz`` and ``.jsonl.zst``, decompressed as a stream), JSON (a list of rows, or
 ``{"data": [...]}``), or Parquet (read in record batches); a directory is one written by
 ``datasets.Dataset.save_to_disk``. Every reader yields rows one at a time, so a large file is never held as Python
-objects. Which files and datasets make a run's data, and how they are mixed, is sources.py's job.
+objects. A JSONL line can also be yielded unparsed (``JsonLine``), so that a process that only hands rows to a
+tokenizer pool moves bytes and the tokenizer process parses them. Which files and datasets make a run's data, and
+how they are mixed, is sources.py's job.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hsextract.errors import HsextractError
 from hsextract.prepare.chat import UnreadableRow
@@ -56,11 +58,20 @@ def _data_format(path: Path) -> str:
     return kind
 
 
-def _open_rows(path: Path) -> tuple[Iterator[Any], int | None]:
-    """The rows of ``path`` in order, and their count when known without a pass over the data."""
+class JsonLine(NamedTuple):
+    """A JSONL line as read (non-blank), not parsed yet; ``parse_line`` makes it the row ``read_rows`` would give."""
+
+    line_no: int
+    text: bytes
+
+
+def _open_rows(path: Path, parse: bool = True) -> tuple[Iterator[Any], int | None]:
+    """The rows of ``path`` in order, and their count when known without a pass over the data; with ``parse=False``
+    a JSONL file's rows are ``JsonLine``s."""
     kind = _data_format(path)
     if kind.startswith("jsonl"):
-        return _jsonl_rows(path), None
+        lines = (JsonLine(line_no, text) for line_no, text in _jsonl_lines(path))
+        return (map(parse_line, lines) if parse else lines), None
     if kind == "json":
         rows = _json_rows(path)
         return iter(rows), len(rows)
@@ -157,14 +168,14 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
         raise
 
 
-def _jsonl_rows(path: Path) -> Iterator[Any]:
-    for line_no, line in _jsonl_lines(path):
-        try:
-            yield json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            yield UnreadableRow(f"line {line_no} is not valid JSON ({e})")
-        except RecursionError:
-            yield UnreadableRow(f"line {line_no} nests too deeply to be a row")
+def parse_line(line: JsonLine) -> Any:
+    """The row a JSONL line holds, or an ``UnreadableRow`` saying why it holds none."""
+    try:
+        return json.loads(line.text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return UnreadableRow(f"line {line.line_no} is not valid JSON ({e})")
+    except RecursionError:
+        return UnreadableRow(f"line {line.line_no} nests too deeply to be a row")
 
 
 def _json_rows(path: Path) -> list:
@@ -230,9 +241,10 @@ def dataset_rows(dataset) -> Iterator[dict]:
 _dataset_rows = dataset_rows
 
 
-def read_rows(path: str | Path) -> Iterator[Any]:
-    """The rows of a data file in order; a JSONL line that is not JSON comes as an ``UnreadableRow``."""
-    return _open_rows(Path(path))[0]
+def read_rows(path: str | Path, *, parse: bool = True) -> Iterator[Any]:
+    """The rows of a data file in order; a JSONL line that is not JSON comes as an ``UnreadableRow``, and with
+    ``parse=False`` every JSONL line as a ``JsonLine``."""
+    return _open_rows(Path(path), parse)[0]
 
 
 def first_row(path: Path) -> Any:

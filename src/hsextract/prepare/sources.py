@@ -97,8 +97,9 @@ class Source:
         rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
         return np.sort(rng.choice(total, size=k, replace=False)).tolist()
 
-    def rows(self, seed: int) -> Iterator[tuple[int, Any]]:
-        """``(position in the source, row)`` of the selected rows, columns mapped, in source order."""
+    def rows(self, seed: int, *, parse: bool = True) -> Iterator[tuple[int, Any]]:
+        """``(position in the source, row)`` of the selected rows, columns mapped, in source order; with
+        ``parse=False`` a JSONL line comes as a ``JsonLine`` that ``finish_row`` completes."""
         chosen = self.selected(seed)
         if self.dataset is not None:
             data = self.dataset
@@ -110,13 +111,18 @@ class Source:
                 positions, data = range(n), data.select(range(n)) if n < len(data) else data
             pairs: Iterator[tuple[int, Any]] = zip(positions, rowio.dataset_rows(data), strict=True)
         else:
-            pairs = enumerate(row for f in self.files for row in rowio.read_rows(f))
+            pairs = enumerate(row for f in self.files for row in rowio.read_rows(f, parse=parse))
             if chosen is not None:
                 pairs = _keep_positions(pairs, chosen)
             elif self.spec.limit is not None:
                 pairs = islice(pairs, self.spec.limit)
         for position, row in pairs:
-            yield position, map_columns(row, self.spec.columns)
+            yield position, row if isinstance(row, rowio.JsonLine) else map_columns(row, self.spec.columns)
+
+
+def finish_row(row: Any, columns: tuple[tuple[str, str], ...]) -> Any:
+    """The row ``Source.rows`` gives with ``parse=True``, from what it gave with ``parse=False``."""
+    return map_columns(rowio.parse_line(row), columns) if isinstance(row, rowio.JsonLine) else row
 
 
 def _keep_positions(pairs: Iterator[tuple[int, Any]], chosen: list[int]) -> Iterator[tuple[int, Any]]:
@@ -142,10 +148,10 @@ class Mix:
         """Sample ids carry ``name/`` when there are several sources or a source was given a name."""
         return len(self.sources) > 1 or any(s.spec.name for s in self.sources)
 
-    def rows(self) -> Iterator[tuple[int, int, Any]]:
-        """``(source index, position in that source, row)`` of every selected row."""
+    def rows(self, *, parse: bool = True) -> Iterator[tuple[int, int, Any]]:
+        """``(source index, position in that source, row)`` of every selected row (``Source.rows`` for ``parse``)."""
         for i, source in enumerate(self.sources):
-            for position, row in source.rows(self.seed):
+            for position, row in source.rows(self.seed, parse=parse):
                 yield i, position, row
 
     def sample_id(self, source_index: int, row_id: str) -> str:

@@ -3,8 +3,9 @@
 A row is pre-tokenized (kept exactly as given), chat, ShareGPT or plain text (docs/DATA.md); how one becomes ids and
 a mask is chat.py's job. Bad rows never crash a run and are never dropped silently: each is counted per source in a
 ``DataReport`` with examples. Rows stream into ``num_proc`` spawned processes (spawn: the caller may hold threads or
-CUDA) in chunks in source order, so the result does not depend on ``num_proc``; each chunk's tokens go straight into
-the token file (``TokenFileWriter``), so the parent holds one length and one id per sample, never the tokens. With
+CUDA) in chunks in source order, so the result does not depend on ``num_proc``. The parent does as little per row
+as it can (JSONL lines travel unparsed, the tokenizer is pickled once); each chunk's tokens go straight into the
+token file (``TokenFileWriter``), so the parent holds one length and one id per sample, never the tokens. With
 ``cache_dir`` that file is kept under a hash of every input of the encoding (bump ``FORMAT_VERSION`` when it
 changes), and a later call with the same inputs maps it instead of tokenizing again.
 """
@@ -16,6 +17,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -30,7 +32,8 @@ from hsextract.config import TOO_LONG_POLICIES
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.prepare.chat import RowEncoder
 from hsextract.prepare.report import DataReport, ReportBuilder
-from hsextract.prepare.sources import Mix, resolve_sources
+from hsextract.prepare.rows import JsonLine
+from hsextract.prepare.sources import Mix, finish_row, resolve_sources
 from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 
 log = logging.getLogger(__name__)
@@ -39,12 +42,13 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
-CHUNK_ROWS = 64
+CHUNK_ROWS = 256
 
-"""Rows per task sent to a tokenizer process: large enough to amortise pickling, small for a smooth progress bar."""
+"""Rows per task sent to a tokenizer process: the pool's cost per task (two pipe messages, a wake-up of the parent)
+becomes a few microseconds a row; a task is still under a second of one process's work."""
 
 
-CHUNKS_IN_FLIGHT = 4
+CHUNKS_IN_FLIGHT = 3
 
 """Chunks queued per tokenizer process: enough to keep each busy, few enough that rows never pile up."""
 
@@ -94,9 +98,17 @@ def cache_file(cache_dir: Path, mix: Mix, tokenizer, *, max_length: int, too_lon
 _worker_encoder: RowEncoder | None = None
 
 
-def _init_worker(tokenizer, max_length: int, too_long: str) -> None:
-    global _worker_encoder
+_worker_columns: tuple = ()
+
+
+def _init_worker(tokenizer, max_length: int, too_long: str, columns: tuple = ()) -> None:
+    """``tokenizer`` comes pickled into a pool's processes (``bytes``): pickled once for all of them.
+    ``columns``: each source's column mapping, for the ``JsonLine`` rows parsed here."""
+    global _worker_encoder, _worker_columns
+    if isinstance(tokenizer, bytes):
+        tokenizer = pickle.loads(tokenizer)
     _worker_encoder = RowEncoder(tokenizer, max_length, too_long)
+    _worker_columns = columns
 
 
 def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.ndarray, np.ndarray]:
@@ -105,6 +117,8 @@ def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.nd
     assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
     rows, ids, masks = [], [], []
     for source, position, row in chunk:
+        if isinstance(row, JsonLine):
+            row = finish_row(row, _worker_columns[source])
         _, row_id, status, reason, row_ids, row_mask = _worker_encoder.encode(position, row)
         if row_ids is None:
             rows.append((source, position, row_id, status, reason, 0, b""))
@@ -138,21 +152,25 @@ def _encode_all(
     too_long: str,
     num_proc: int,
     progress: bool,
+    columns: tuple = (),
 ) -> Iterator[tuple[list[tuple], np.ndarray, np.ndarray]]:
     """Chunk results in source order, from this process or ``num_proc`` spawned ones (the same code either way),
-    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead."""
+    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead. ``columns``: per source, for ``JsonLine``s."""
     bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
         if num_proc == 1:
-            _init_worker(tokenizer, max_length, too_long)
+            _init_worker(tokenizer, max_length, too_long, columns)
             for chunk in _chunks(rows, CHUNK_ROWS):
                 result = _encode_chunk(chunk)
                 bar.update(len(result[0]))
                 yield result
             return
         context = multiprocessing.get_context("spawn")
+        # Pickled here once: a pool pickles its initargs for each process it starts, one after the other, and a
+        # large vocabulary takes a second or more each time.
+        pickled = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         with context.Pool(
-            num_proc, initializer=_init_worker, initargs=(tokenizer, max_length, too_long)
+            num_proc, initializer=_init_worker, initargs=(pickled, max_length, too_long, columns)
         ) as pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
@@ -187,13 +205,14 @@ def _tokenize(
         total = None
     with TokenFileWriter(path) as writer:
         for rows, ids, mask in _encode_all(
-            mix.rows() if rows_of is None else rows_of,
+            mix.rows(parse=False) if rows_of is None else rows_of,
             total,
             tokenizer,
             max_length,
             too_long,
             num_proc,
             progress,
+            tuple(s.spec.columns for s in mix.sources),
         ):
             kept_ids, lengths, cut, at = [], [], [], 0
             for source, position, row_id, status, reason, tokens, digest in rows:
@@ -242,7 +261,8 @@ on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 core
 
 AUTO_MAX_PROC = 16
 
-"""Past 8-16 processes the parent, which reads the rows and gathers the results, is the bottleneck."""
+"""The most processes chosen unasked: each costs seconds to start and holds its own tokenizer; the parent, which
+reads the rows and gathers the results, would feed more (~80, docs/PERFORMANCE.md), unmeasured past 16."""
 
 
 def auto_num_proc(data: str | Path | Mix, cores: int | None = None) -> int:

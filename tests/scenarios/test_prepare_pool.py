@@ -1,0 +1,72 @@
+"""The tokenizer pool (spawned processes) against one process, on a mix of every kind of file source: the token
+file is the same bytes and the data report the same, whatever the pool changes about who parses which row."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hsextract.demo import make_conversations, write_jsonl
+from hsextract.prepare import tokenize
+from hsextract.prepare.sources import resolve_sources
+from hsextract.prepare.tokenize import load_samples
+
+pytestmark = pytest.mark.slow
+
+
+def as_sharegpt(row: dict, field: str = "conversations") -> dict:
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    out = {field: [{"from": roles[m["role"]], "value": m["content"]} for m in row["messages"]]}
+    return {"id": row["id"], **out} if "id" in row else out
+
+
+def write_mix(root) -> list[str]:
+    """Five sources: plain JSONL with bad and blank lines and rows without ids, gzipped JSONL under a limit, JSONL
+    whose conversations sit in another column, Parquet, and a JSON list sampled."""
+    chats = [r for r in make_conversations(240, seed=31) if "tools" not in r][:120]
+    root.mkdir(parents=True)
+    plain = root / "plain.jsonl"
+    lines = [json.dumps({k: v for k, v in r.items() if k != "id" or i % 3}) for i, r in enumerate(chats[:40])]
+    lines[5] = '{"messages": [{"role": "user", "content": "cut'  # malformed: the reason names the line
+    lines.insert(9, "   ")  # blank: no row, no position
+    lines[20] = json.dumps({"messages": [{"role": "user", "content": "no answer"}]})  # empty
+    plain.write_text("\n".join(lines) + "\n\n")
+    with gzip.open(root / "packed.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(as_sharegpt(r)) + "\n" for r in chats[40:70])
+    write_jsonl([as_sharegpt(r, "dialog") for r in chats[70:90]], root / "renamed.jsonl")
+    pq.write_table(pa.Table.from_pylist([as_sharegpt(r) for r in chats[90:105]]), root / "table.parquet")
+    (root / "listed.json").write_text(json.dumps(chats[105:120]))
+    return [
+        str(root / "plain.jsonl"),
+        f"{root / 'packed.jsonl.gz'}?limit=25",
+        f"{root / 'renamed.jsonl'}?columns=conversations:dialog",
+        str(root / "table.parquet"),
+        f"{root / 'listed.json'}?sample=9",
+    ]
+
+
+def test_a_pool_of_two_writes_the_same_token_file_and_report_as_one_process(tmp_path, tiny_tokenizer):
+    mix = resolve_sources(write_mix(tmp_path / "data"), seed=5)
+    one, one_report = load_samples(
+        mix, tiny_tokenizer, max_length=96, num_proc=1, cache_dir=tmp_path / "one", progress=False
+    )
+    with (
+        pytest.MonkeyPatch.context() as patch
+    ):  # many chunks, so that both processes get rows of every source
+        patch.setattr(tokenize, "CHUNK_ROWS", 6)
+        two, two_report = load_samples(
+            mix, tiny_tokenizer, max_length=96, num_proc=2, cache_dir=tmp_path / "two", progress=False
+        )
+
+    assert two.file.read_bytes() == one.file.read_bytes()
+    assert two_report == one_report
+    # The mix is what the comparison needs it to be: every source read, each kind of bad row met.
+    assert [s["rows"] for s in one_report.sources] == [40, 25, 20, 15, 9]
+    assert one_report.skipped_malformed == 1 and one_report.skipped_empty >= 1 and one_report.truncated > 0
+    assert "line 6 is not valid JSON" in json.dumps(one_report.examples)
+    # Rows 3 and 12 have no id: theirs is their position, the blank line before row 12 not counted.
+    assert {"plain/3", "plain/12"} <= set(one.sample_ids)
