@@ -93,7 +93,7 @@ case "$suite" in
       --json "$OUT/scale.json" 2>&1 | tee "$OUT/scale.log"
     ;;
   gputests)
-    timeout "${SUITE_S:-540}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_kernels.py 2>&1 \
+    timeout "${SUITE_S:-540}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/model/test_kernels.py 2>&1 \
       | tail -40 | tee "$OUT/gpu_tests.log"
     ;;
   fp8)

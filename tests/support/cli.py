@@ -94,7 +94,7 @@ E2E_LAYERS = (0, 3, 7)
 def e2e_run_args(root, model, data, **options) -> list:
     """The shared finished run's command (2 shards, ``E2E_LAYERS``, the tiny limits) under ``root``; ``options``
     override. Tokenization runs in one process (a pool of 2 costs ~7 CPU-s more than it saves on 58 rows; the
-    pool's own tests are in-process, tests/unit/test_data.py)."""
+    pool's own tests are in-process, tests/unit/prepare/test_data.py)."""
     defaults = {
         "layers": ",".join(map(str, E2E_LAYERS)),
         "shards": 2,

@@ -1,6 +1,6 @@
 """A shard's progress file (run/progress.py): what a worker saves reads back as it was; a file that holds
 anything else is named with what is wrong (``read``) or taken as none (``load``). The rate history:
-tests/unit/test_status.py."""
+tests/unit/status/test_status.py."""
 
 import json
 
