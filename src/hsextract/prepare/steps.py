@@ -422,20 +422,22 @@ def reset_run(cfg: RunConfig, run_dir: RunDir, sink, old: Plan | None, new: Plan
     # The manifest goes first: from here on the output is no longer the old plan's, and until the new manifest is
     # written it is not complete. Batch files the new plan does not overwrite would be left over from the old one.
     held = read_job(sink)
-    mine = held is not None and (
-        (old is not None and held.get("plan_hash") == old.plan_hash)
-        or held.get("started_by", {}).get("run_dir") == str(run_dir.root.resolve())
-    )
-    if held is not None and not mine:
-        raise HsextractError(
-            f"--restart: output {cfg.output} is held by another job ({describe_job(held)}), not this run dir's: "
-            "nothing was cleared. Choose another --output."
+    # Another node of this job may have restarted the output onto the new plan first: then only local state goes.
+    if held is None or held.get("plan_hash") != new.plan_hash:
+        mine = held is not None and (
+            (old is not None and held.get("plan_hash") == old.plan_hash)
+            or held.get("started_by", {}).get("run_dir") == str(run_dir.root.resolve())
         )
-    delete_manifest(sink)
-    old_keys = {b.key for b in old.batches} if old is not None else set(sink.list_keys("shard-"))
-    for key in old_keys - {b.key for b in new.batches}:
-        sink.delete(key)
-    forget_job(sink)
+        if held is not None and not mine:
+            raise HsextractError(
+                f"--restart: output {cfg.output} is held by another job ({describe_job(held)}), not this run dir's: "
+                "nothing was cleared. Choose another --output."
+            )
+        delete_manifest(sink)
+        old_keys = {b.key for b in old.batches} if old is not None else set(sink.list_keys("shard-"))
+        for key in old_keys - {b.key for b in new.batches}:
+            sink.delete(key)
+        forget_job(sink)
     shutil.rmtree(run_dir.progress_dir, ignore_errors=True)
     shutil.rmtree(cfg.staging_dir, ignore_errors=True)
     run_dir.complete_file.unlink(missing_ok=True)
