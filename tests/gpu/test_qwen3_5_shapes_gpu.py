@@ -3,7 +3,8 @@ real head dims the kernels compile for) against a float32 forward of the checkpo
 
 import pytest
 import torch
-from support.shapes import SHAPES, build, padded
+from support.batch import padded
+from support.shapes import SHAPES, build
 
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import GatherTarget, LayerCapture

@@ -23,6 +23,7 @@ from support.cli import (
     wait_for,
     write_mixed_dataset,
 )
+from support.fs import mounted_tmpfs
 from support.procs import freeze
 from support.s3server import cli_env
 
@@ -317,13 +318,8 @@ def test_restart_while_another_launcher_runs_the_run_dir_is_refused(tmp_path, ti
 @pytest.fixture
 def tiny_filesystem(tmp_path):
     """A real, separately mounted 4 MiB file system (tmpfs; needs root, as CI has)."""
-    mount = tmp_path / "small-fs"
-    mount.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with mounted_tmpfs(tmp_path / "small-fs", "4m") as mount:
+        yield mount
 
 
 def test_full_staging_filesystem_names_the_path_and_a_rerun_completes(

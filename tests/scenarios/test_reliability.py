@@ -28,6 +28,7 @@ from support.cli import (
     write_mixed_dataset,
 )
 from support.damage import flip
+from support.fs import mounted_tmpfs
 from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
@@ -330,13 +331,8 @@ def test_export_refuses_bad_vocabulary_options_before_writing_anything(tmp_path,
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A real, separately mounted 1 MiB file system (tmpfs; needs root, as CI has)."""
-    mount = tmp_path / "small-fs"
-    mount.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with mounted_tmpfs(tmp_path / "small-fs", "1m") as mount:
+        yield mount
 
 
 def test_a_local_output_without_room_for_the_plan_is_refused_before_the_model_loads(

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from support.cli import cli_run_args, run_cli, write_mixed_dataset
+from support.cli import TINY_LIMITS, cli_run_args, run_cli, write_mixed_dataset
 from support.compare import assert_topk_matches_hf
 
 from hsextract.output import open_output, verify_output
@@ -23,9 +23,7 @@ def test_run_stores_the_targets_topk_equal_to_hf_on_supervised_tokens(
         data,
         layers="dflash",
         target_topk=5,
-        max_length=300,
-        max_tokens_per_batch=600,
-        max_rows=16,
+        **TINY_LIMITS,
         num_proc=1,
         no_progress=True,
     )

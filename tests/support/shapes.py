@@ -32,20 +32,8 @@ SHAPES = {
     "qwen3.6-27b": QWEN3_6_27B,
     "qwen3.8-27b": QWEN3_6_27B,
     "qwen3.8-27b-1m": {**QWEN3_6_27B, "yarn": {"factor": 4.0, "original_max_position_embeddings": 262144}},
-    "qwen3.5-0.8b": dict(
-        interval=4,
-        heads=8,
-        kv_heads=2,
-        head_dim=256,
-        linear_key_heads=16,
-        linear_value_heads=16,
-        linear_dim=128,
-        partial_rotary_factor=0.25,
-        rope_theta=10_000_000,
-        mrope_section=[11, 11, 10],
-        tie=True,
-        mtp_layers=1,
-    ),
+    # Qwen3.5-0.8B differs in its head counts and its tied embeddings only.
+    "qwen3.5-0.8b": {**QWEN3_6_27B, "heads": 8, "kv_heads": 2, "linear_value_heads": 16, "tie": True},
 }
 
 
@@ -136,17 +124,3 @@ def build(name: str, out_dir: Path, *, real_head_dims: bool = False, dtype=None,
     weight_map.update(dict.fromkeys(mtp, "model-mtp.safetensors"))
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return model, out_dir
-
-
-def padded(seqs, device="cpu"):
-    """Right-padded ``ids`` and ``mask`` of ``seqs``, and the flat positions of their tokens (a capture's rows)."""
-    import torch
-
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = s
-        mask[r, : len(s)] = 1
-    flat = torch.cat([torch.arange(r * width, r * width + len(s)) for r, s in enumerate(seqs)])
-    return ids.to(device), mask.to(device), flat.to(device)

@@ -3,6 +3,7 @@ unbatched HF forward, early exit, fp8 on the device, multimodal and other causal
 
 import pytest
 import torch
+from support.batch import padded
 from support.faults import ShiftedCapture
 
 from hsextract.errors import HsextractError
@@ -70,19 +71,8 @@ def test_missing_model_path_fails_before_loading(tmp_path):
         load_model_config(str(tmp_path / "empty"))
 
 
-def _padded_batch(seqs):
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = s
-        mask[r, : len(s)] = 1
-    flat = torch.cat([torch.arange(r * width, r * width + len(s)) for r, s in enumerate(seqs)])
-    return ids, mask, flat
-
-
 def _capture(lm, seqs, layer_ids, capture=LayerCapture):
-    ids, mask, flat = _padded_batch(seqs)
+    ids, mask, flat = padded(seqs)
     hidden = lm.config.get_text_config().hidden_size
     out = torch.full((len(flat), len(layer_ids), hidden), float("nan"))
     with capture(lm, layer_ids) as cap, torch.inference_mode():
@@ -193,7 +183,7 @@ def test_fp8_capture_quantizes_each_gathered_vector_on_the_device(tiny_lm):
     torch.manual_seed(2)
     seqs = [torch.randint(1, 500, (n,)) for n in (23, 4, 11)]
     plain = _capture(tiny_lm, seqs, (1, 7))
-    ids, mask, flat = _padded_batch(seqs)
+    ids, mask, flat = padded(seqs)
     out = torch.empty(len(flat), 2, 64, dtype=FP8)
     scale = torch.empty(len(flat), 2)
     with LayerCapture(tiny_lm, (1, 7)) as cap, torch.inference_mode():

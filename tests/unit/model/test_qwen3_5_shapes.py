@@ -6,7 +6,8 @@ import types
 
 import pytest
 import torch
-from support.shapes import SHAPES, build, padded, text_config
+from support.batch import padded
+from support.shapes import SHAPES, build, text_config
 
 from hsextract.errors import HsextractError
 from hsextract.layers import layer_types

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from support.batch import padded
 from support.cli import write_mixed_dataset
 from support.compare import assert_topk_matches_hf
 from support.damage import DAMAGED_ROW, copy_output, flip, manifest_batches, row_offset
@@ -41,12 +42,7 @@ def test_a_logits_chunk_holds_about_a_gigabyte_of_float32_logits():
 def test_padded_batch_topk_equals_hf_logits_of_each_sample_unbatched(tiny_lm):
     torch.manual_seed(3)
     seqs = [torch.randint(1, 500, (n,)) for n in (41, 1, 17, 9)]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for r, s in enumerate(seqs):
-        input_ids[r, : len(s)], mask[r, : len(s)] = s, 1
-    flat = torch.cat([torch.arange(r * width, r * width + len(s)) for r, s in enumerate(seqs)])
+    input_ids, mask, flat = padded(seqs)
     hidden = tiny_lm.config.hidden_size
     out = torch.full((len(flat), 1, hidden), float("nan"))
     ids = torch.full((len(flat), K), -1, dtype=torch.int32)

@@ -4,10 +4,10 @@ import logging
 import math
 import os
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
+from support.fs import mounted_tmpfs
 
 from hsextract.errors import HsextractError
 from hsextract.storage.cache import BLOCK_BYTES, MARKER, USAGE, CachedSink, cache_limit
@@ -209,21 +209,16 @@ def test_a_link_inside_the_cache_folder_is_never_written_through(source, tmp_pat
 @pytest.fixture
 def full_fs(tmp_path):
     """A real, separately mounted tmpfs filled to the last byte (root, as CI has)."""
-    where = tmp_path / "full-fs"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
-    (where / "cache").mkdir()
-    with open(where / "ballast", "wb", buffering=0) as f:
-        for size in (1 << 20, 4096, 1):
-            try:
-                while True:
-                    f.write(bytes(size))
-            except OSError:
-                pass
-    yield where
-    subprocess.run(["umount", "-l", str(where)], check=False)
+    with mounted_tmpfs(tmp_path / "full-fs", "4m") as where:
+        (where / "cache").mkdir()
+        with open(where / "ballast", "wb", buffering=0) as f:
+            for size in (1 << 20, 4096, 1):
+                try:
+                    while True:
+                        f.write(bytes(size))
+                except OSError:
+                    pass
+        yield where
 
 
 def test_a_cache_on_a_full_disk_reads_through_with_a_warning(source, full_fs, caplog):
