@@ -221,7 +221,7 @@ def test_node_0_killed_while_preparing_ends_node_1s_wait_and_a_rerun_of_both_com
             messages = [system] + [m for m in row["messages"] if m["role"] != "system"]
             f.write(json.dumps({**row, "id": "long-" + row["id"], "messages": messages}) + "\n")
     output, endpoint = f"s3://{s3_bucket}/job", s3.url
-    wait_s = 15
+    wait_s = 30  # time for node 0 to start and write its lease after node 1 waits, under load
     args = [
         node_args(
             tmp_path / f"node{r}",
@@ -242,7 +242,14 @@ def test_node_0_killed_while_preparing_ends_node_1s_wait_and_a_rerun_of_both_com
     for r in (0, 1):
         (tmp_path / f"node{r}").mkdir()
     cache0 = tmp_path / "node0" / "run" / "cache"
-    with launched(args[1], tmp_path / "node1", env=cli_env()) as p1:
+    with launched(args[1], tmp_path / "node1", env=cli_env(PYTHONUNBUFFERED="1")) as p1:
+        # Node 0 starts once node 1 waits, so that node 1 sees node 0's lease appear (not one from before it started).
+        wait_for(
+            lambda: "waiting for node 0 to publish" in (tmp_path / "node1" / "launcher.out").read_text(),
+            "node 1 waiting",
+            proc=p1,
+            root=tmp_path / "node1",
+        )
         with launched(args[0], tmp_path / "node0", env=cli_env()) as p0:
             wait_for(
                 lambda: list(cache0.glob("tokens-*.tmp")),

@@ -191,11 +191,12 @@ def test_sigterm_to_launcher_stops_workers_says_how_to_resume_and_the_rerun_comp
     run_dir = tmp_path / "run"
     args = stall_args(tmp_path, tiny_model, dataset[0])
     with launched(args, tmp_path) as proc:
-        for shard in (0, 1):
-            wait_for(lambda s=shard: running(run_dir, s), f"shard {shard} running", proc=proc, root=tmp_path)
-        assert done_count(run_dir) < len(Plan.load(run_dir / "plan.json").batches), "not mid-run"
-        # A frozen worker must be stopped too: it is continued so that it can handle the SIGTERM.
+        # A frozen worker must be stopped too: it is continued so that it can handle the SIGTERM. Shard 1 is frozen
+        # as soon as it runs, so that it cannot finish its share while shard 0 starts (as it did on a loaded machine).
+        wait_for(lambda: running(run_dir, 1), "shard 1 running", proc=proc, root=tmp_path)
         os.kill(progress(run_dir, 1).pid, signal.SIGSTOP)
+        wait_for(lambda: running(run_dir, 0), "shard 0 running", proc=proc, root=tmp_path)
+        assert done_count(run_dir) < len(Plan.load(run_dir / "plan.json").batches), "not mid-run"
         family = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
