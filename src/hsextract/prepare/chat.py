@@ -19,9 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from hsextract.prepare.fast_tokenizer import direct_backend
+from hsextract.prepare.fast_tokenizer import OwnBackend
+from hsextract.prepare.tiktoken_bpe import TiktokenEncoder, TokenizerDisagrees, spec_of
 
 SKIP_KINDS = ("malformed", "empty", "too_long")
+
+
+AUTO = "auto"
 
 
 PREFIX_MARGIN_TOKENS = 64
@@ -232,7 +236,9 @@ def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.nd
 class RowEncoder:
     """Turns one row into ``(ids, mask)``, or raises ``_RowSkipped``; one per tokenizer process."""
 
-    def __init__(self, tokenizer, max_length: int, too_long: str):
+    def __init__(self, tokenizer, max_length: int, too_long: str, tiktoken=AUTO):
+        """``tiktoken``: a checked ``TiktokenSpec`` (a pool's parent checks once for all its processes), None to
+        keep the tokenizer's own backend, or ``AUTO`` to check here."""
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.too_long = too_long
@@ -247,7 +253,9 @@ class RowEncoder:
             or bool(getattr(backend.model, "byte_fallback", False))
         )
         """Every character is covered by tokens of at most ``longest_token`` bytes of it: no unknown-word token."""
-        self.direct = direct_backend(tokenizer)
+        self.own = OwnBackend(tokenizer)
+        spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
+        self.fast = TiktokenEncoder(spec, self.own) if spec is not None else None
 
     def encode(self, index: int, row: Any) -> tuple:
         """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
@@ -266,6 +274,8 @@ class RowEncoder:
                     raise _RowSkipped("empty", f"no assistant tokens in the first {self.max_length} tokens")
         except _RowSkipped as e:
             return index, sample_id, e.kind, e.reason, None, None
+        except TokenizerDisagrees:
+            raise  # not the row's fault: the preparation stops
         except Exception as e:
             # One odd row must not end a run over millions; it is counted and shown instead.
             return index, sample_id, "malformed", f"unexpected {type(e).__name__}: {e}", None, None
@@ -321,16 +331,18 @@ class RowEncoder:
             return *self._run(text, offsets), ""
         ids, spans = self._run(text[:prefix], offsets)
         again, again_spans = self._run(text[: 2 * prefix], offsets)
-        if len(ids) <= n or ids[:n] != again[:n] or (offsets and spans[:n] != again_spans[:n]):
+        if (
+            len(ids) <= n
+            or list(ids[:n]) != list(again[:n])
+            or (offsets and not np.array_equal(np.asarray(spans[:n]), np.asarray(again_spans[:n])))
+        ):
             return *self._run(text, offsets), ""  # a tokenizer the bound does not hold for: the whole text
         return ids[:n], spans[:n] if offsets else None, f"over {n} tokens ({chars} characters)"
 
     def _run(self, text: str, offsets: bool) -> tuple[list, list | None]:
-        if self.direct is not None:
-            encoding = self.direct.encode(text, add_special_tokens=False)
-            return encoding.ids, encoding.offsets if offsets else None
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
-        return encoding["input_ids"], encoding["offset_mapping"] if offsets else None
+        if self.fast is not None:
+            return self.fast.ids_and_offsets(text, offsets)
+        return self.own(text, offsets)
 
     def _pretokenized(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
         try:

