@@ -23,6 +23,7 @@ from hsextract.config import DTYPE_BYTES, RunConfig
 from hsextract.devices import check_device
 from hsextract.errors import HsextractError
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
+from hsextract.model.config_record import recorded_model_config
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
@@ -134,9 +135,11 @@ def check_places(cfg: RunConfig) -> None:
 
 def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     """The model config and layer ids, the output (a probe object) and the staging space."""
-    config, text, num_layers = load_model_config(cfg.model)
     if cfg.kernel_mode == "fused" and cfg.device == "cuda":
+        config, text, num_layers = load_model_config(cfg.model)
         check_kernel_shape(text)  # said now, not by every worker after preparing
+    else:  # a rerun reads the recorded config: no transformers import
+        config, text, num_layers = recorded_model_config(cfg.model, RunDir(cfg.run_dir).cache_dir)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     check_target_topk(cfg.target_topk, text)
