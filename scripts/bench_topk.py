@@ -19,6 +19,7 @@ Each variant gets an untimed pass (compiles, autotuning), then the best of ``--r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -47,22 +48,25 @@ def main():
     ap.add_argument("--max-length", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=2, help="timed passes per variant (the best is kept)")
     ap.add_argument("--json-out")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script with a tiny --config")
     args = ap.parse_args()
-    report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "k": args.k}
+    on_cuda = args.device == "cuda"
+    gpu = torch.cuda.get_device_name(0) if on_cuda else "cpu"
+    report: dict = {"gpu": gpu, "torch": torch.__version__, "k": args.k}
 
     def save():
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(report, indent=1))
 
-    from hsextract.model import tuned
+    from hsextract.model.warmup import tables as tuned
 
-    setup = model_and_batches(args, final_state=False)
+    setup = model_and_batches(args, final_state=False, device=args.device)
     lm, samples, plan = setup.lm, setup.samples, setup.plan
     report["tuned_entries"] = tuned.install_here()
     num_layers = lm.config.num_hidden_layers
     hidden = lm.config.hidden_size
     ids = resolve_layer_ids(args.layers, num_layers)
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
     batches = list(plan.batches)
     max_tokens = max(b.num_tokens for b in batches)
     report.update(
@@ -77,7 +81,8 @@ def main():
         f"{args.layers} + top-{args.k}": StateLayout(ids, num_layers, target_topk=args.k),
     }
     results = report.setdefault("variants", {})
-    with Variant(lm, "fused"):
+    wait = sync if on_cuda else (lambda: None)
+    with Variant(lm, "fused") if on_cuda else contextlib.nullcontext():
         for name, layout in variants.items():
             try:
                 extractor = Extractor(
@@ -91,10 +96,10 @@ def main():
                 )
 
                 def one_pass(extractor=extractor):
-                    sync()
+                    wait()
                     t0 = time.perf_counter()
                     extractor.run(batches, samples, lambda b, t: None)
-                    sync()
+                    wait()
                     return time.perf_counter() - t0
 
                 warm, best, clocks = measure(one_pass, args.repeat)
@@ -110,7 +115,8 @@ def main():
                     f"{name}: {r['tokens_per_s']:,.0f} real tokens/s (warm-up pass {warm:.1f} s)", flush=True
                 )
                 del extractor
-                torch.cuda.empty_cache()
+                if on_cuda:
+                    torch.cuda.empty_cache()
             except Exception:  # one variant failing keeps the others' figures
                 import traceback
 
