@@ -9,11 +9,11 @@ result, up to ``MARGIN`` (5%): where a fused kernel does the same arithmetic as 
 SiLU-and-multiply, the GEMMs), the two errors differ only by rounding noise. Skipped without CUDA.
 """
 
-import contextlib
 import copy
 
 import pytest
 import torch
+from support.exact import exact_float32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,31 +50,6 @@ def models():
     _randomise(lm16)
     lm32 = copy.deepcopy(lm16).float().eval()
     return lm16, lm32
-
-
-@contextlib.contextmanager
-def exact_float32():
-    """No TF32 anywhere, and transformers' pure-torch Gated-DeltaNet (FLA's Triton kernels use TF32 dots)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    torch_impl = m.torch_chunk_gated_delta_rule
-    while hasattr(torch_impl, "__wrapped__"):
-        torch_impl = torch_impl.__wrapped__
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        m.torch_chunk_gated_delta_rule,
-    )
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    m.torch_chunk_gated_delta_rule = torch_impl
-    try:
-        yield
-    finally:
-        (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            m.torch_chunk_gated_delta_rule,
-        ) = saved
 
 
 def batch(lengths, left=False, seed=0):
