@@ -340,12 +340,25 @@ def test_unreachable_endpoint_fails_before_the_model_loads(tmp_path: Path, tiny_
 def test_tiny_staging_budget_makes_workers_wait_not_fail(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
 ):
-    # 1 kB: below one batch file, so every batch waits until the previous one is uploaded.
-    succeeded(
-        hsextract(s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket, "--staging-max-gb", "0.000001"))
-    )
-    log = shard_log(tmp_path / "run", 0).read_text()
-    assert "waiting for the uploader" in log and "staging drained; continuing" in log
+    # 1 kB: below one batch file, so a batch waits until the one before it is uploaded. Shard 0's uploader is frozen
+    # until its worker says it waits: on a loaded machine an uploader left alone kept up with every batch.
+    run_dir = tmp_path / "run"
+    args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket, "--staging-max-gb", "0.000001")
+
+    def waiting() -> bool:
+        log = shard_log(run_dir, 0)
+        return log.exists() and "waiting for the uploader" in log.read_text()
+
+    with launched(args, tmp_path, env=cli_env()) as proc:
+        uploader = wait_for(
+            lambda: started_uploader(run_dir, 0), "shard 0's uploader", proc=proc, root=tmp_path, timeout=120
+        )
+        freeze(uploader)
+        wait_for(waiting, "shard 0 waiting for its uploader", proc=proc, root=tmp_path)
+        os.kill(uploader, signal.SIGCONT)
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    assert rc == 0, (tmp_path / "launcher.out").read_text()
+    assert "staging drained; continuing" in shard_log(run_dir, 0).read_text()
     assert_s3_output_equals_reference(s3, s3_bucket, tmp_path, reference)
 
 
