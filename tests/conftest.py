@@ -15,6 +15,15 @@ pytest_plugins = ["support.s3server"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
+# The user's cache (model records, kernel cache) in a directory of this test process's own, for it and every
+# process it starts: shared by its tests as by a user's jobs, never the home directory's.
+if "HSEXTRACT_TEST_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["HSEXTRACT_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(
+        prefix="hsextract-cache-"
+    )
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):

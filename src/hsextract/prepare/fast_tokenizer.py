@@ -14,6 +14,10 @@ PROBE = "hsextract probe: ünïcödé 数字 123\n\t  x "
 
 def direct_backend(tokenizer):
     """The ``tokenizers.Tokenizer`` to encode with directly, or None when only the full call is known right."""
+    from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer
+
+    if isinstance(tokenizer, SnapshotTokenizer):
+        return tokenizer.backend_tokenizer  # snapshots are taken only of tokenizers that pass the check below
     from transformers import PreTrainedTokenizerFast as Fast
 
     if not isinstance(tokenizer, Fast):

@@ -3,10 +3,9 @@
 Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
 it was. ``prepare_run``: (1) ``check_inputs``: the places (no imports: the launcher starts its CUDA workers' imports
 then), the model config and layer ids, the output (a probe object), staging space; (2) ``resolve_data`` and
-``tokenize``: every source found and checked, every row tokenized (parallel, cached), ids made unique; (3)
-``make_fingerprint`` and ``make_plan``; (4) ``accept_plan``: a held plan is resumed only if identical, else the
-message says what changed (``--restart`` clears it), then the output is claimed for this plan; (5)
-``write_run_files``: data report, tokens, config, run info and, last, the plan.
+``tokenize`` (parallel, cached), ids made unique; (3) ``make_fingerprint`` and ``make_plan``; (4) ``accept_plan``: a
+held plan is resumed only if identical, else the message says what changed (``--restart`` clears it), then the
+output is claimed for this plan; (5) ``write_run_files``: data report, tokens, config, run info and, last, the plan.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from hsextract.prepare.tokenize import (
     tokenizer_fingerprint,
     unique_sample_ids,
 )
-from hsextract.prepare.tokenizer_record import WEIGHT_SUFFIXES, RecordedTokenizer
+from hsextract.prepare.tokenizer_record import WEIGHT_SUFFIXES, RecordedTokenizer, records_dir
 from hsextract.run.rundir import RunDir
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
@@ -87,7 +86,8 @@ def prepare_run(
         on_checked()
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
-    tokenizer = RecordedTokenizer(cfg.model, run_dir.cache_dir)  # loaded only if something is tokenized
+    records = records_dir(run_dir.cache_dir)
+    tokenizer = RecordedTokenizer(cfg.model, records)  # loaded only if something is tokenized
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
@@ -138,8 +138,9 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     if cfg.kernel_mode == "fused" and cfg.device == "cuda":
         config, text, num_layers = load_model_config(cfg.model)
         check_kernel_shape(text)  # said now, not by every worker after preparing
-    else:  # a rerun reads the recorded config: no transformers import
-        config, text, num_layers = recorded_model_config(cfg.model, RunDir(cfg.run_dir).cache_dir)
+    else:  # a model read before gives its recorded config: no transformers import
+        records = records_dir(RunDir(cfg.run_dir).cache_dir)
+        config, text, num_layers = recorded_model_config(cfg.model, records)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     check_target_topk(cfg.target_topk, text)

@@ -1,5 +1,6 @@
-"""What preparation needs of the model's tokenizer (its fingerprint and pad id), recorded beside the token cache, so
-that a launch from the cache loads no tokenizer: a 248k-vocabulary one costs seconds to import, load and hash.
+"""What preparation needs of the model's tokenizer (its fingerprint and pad id), recorded so that a launch from the
+token cache loads no tokenizer (a 248k-vocabulary one costs seconds to import, load and hash), and beside it the
+tokenizer's snapshot (snapshot_tokenizer.py), so that a launch that tokenizes imports no transformers.
 
 A record is found by the tokenizer's files: the name, size and bytes of every file of the model directory but the
 weights, the versions of transformers and tokenizers that read them, and ``RECORD_VERSION`` (bump it when
@@ -13,11 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from importlib import metadata
 from pathlib import Path
 
+from hsextract.prepare.fast_tokenizer import PROBE, direct_backend
+from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer, valid_snapshot
 from hsextract.prepare.tokenize import load_tokenizer, tokenizer_fingerprint
-from hsextract.storage.fileio import write_json
+from hsextract.storage.fileio import atomic_write, user_cache_dir, write_json
+
+log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 
@@ -25,6 +31,12 @@ RECORD_VERSION = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 """Files of a model directory that hold weights: never read for the tokenizer's key (tens of GB)."""
+
+
+def records_dir(run_cache: Path) -> Path:
+    """Where the model's records (its tokenizer's and config's) are kept: in the user's cache, for every job of this
+    machine, else in the run dir's cache ``run_cache``."""
+    return user_cache_dir("models", Path(run_cache))
 
 
 def files_key(model: str) -> str | None:
@@ -55,6 +67,7 @@ def _read(path: Path | None) -> dict | None:
         and set(fingerprint) == {"tokenizer_hash", "chat_template_hash"}
         and all(isinstance(v, str) for v in fingerprint.values())
         and (record.get("pad_token_id") is None or isinstance(record.get("pad_token_id"), int))
+        and (record.get("snapshot_sha256") is None or isinstance(record.get("snapshot_sha256"), str))
     )
     return record if valid else None
 
@@ -68,20 +81,45 @@ class RecordedTokenizer:
         self.model = model
         key = files_key(model) if record_dir is not None else None
         self.path = None if key is None else Path(record_dir) / f"tokenizer-{key}.json"
+        self.snapshot_path = None if key is None else Path(record_dir) / f"tokenizer-{key}.snapshot.json"
         self._record = _read(self.path)
         self._tokenizer = None
 
     def load(self):
+        """The tokenizer: rebuilt from its snapshot when there is one of the recorded tokenizer, else loaded through
+        transformers (recorded, and its snapshot taken: the tokenizer given is the snapshot's when one is)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model)
+            self._tokenizer = self._from_snapshot()
+        if self._tokenizer is None:
+            tokenizer = load_tokenizer(self.model)
             self._record = {
-                "fingerprint": tokenizer_fingerprint(self._tokenizer),
-                "pad_token_id": self._tokenizer.pad_token_id,
+                "fingerprint": tokenizer_fingerprint(tokenizer),
+                "pad_token_id": tokenizer.pad_token_id,
             }
+            snapshot = take_snapshot(tokenizer)
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                if snapshot is not None:
+                    text = json.dumps(snapshot)
+                    atomic_write(self.snapshot_path, text, durable=False)
+                    self._record["snapshot_sha256"] = hashlib.sha256(text.encode()).hexdigest()
                 write_json(self.path, self._record)
+            self._tokenizer = tokenizer if snapshot is None else SnapshotTokenizer(snapshot)
         return self._tokenizer
+
+    def _from_snapshot(self) -> SnapshotTokenizer | None:
+        """The recorded tokenizer's snapshot; None when there is none, or the file is not the one recorded."""
+        digest = (self._record or {}).get("snapshot_sha256")
+        if digest is None or self.snapshot_path is None or not self.snapshot_path.is_file():
+            return None
+        try:
+            text = self.snapshot_path.read_bytes()
+            if hashlib.sha256(text).hexdigest() != digest:
+                return None
+            snapshot = json.loads(text)
+            return SnapshotTokenizer(snapshot) if valid_snapshot(snapshot) else None
+        except Exception:  # an unreadable snapshot costs a load through transformers, never the run
+            return None
 
     @property
     def loaded(self) -> bool:
@@ -98,3 +136,110 @@ class RecordedTokenizer:
         if self._record is None:
             self.load()
         return self._record["pad_token_id"]
+
+
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+_PROBES = [
+    ([{"role": "user", "content": "hsextract probe question"}], None),
+    (
+        [
+            {"role": "system", "content": "Be brief. <b>&amp;</b> 数字"},
+            {"role": "user", "content": "Hi!\n\n  there"},
+            {"role": "assistant", "content": "<think>\nweighing it\n</think>\n\nHello."},
+            {"role": "user", "content": "And the weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                ],
+            },
+            {"role": "tool", "content": '{"temp": 21}'},
+            {"role": "assistant", "content": "21 degrees. ünïcödé\t end "},
+        ],
+        _TOOLS,
+    ),
+]
+
+"""Conversations rendered both ways before a snapshot is kept: every prefix, with and without the generation
+prompt, as preparation renders them."""
+
+
+def _disagreement(tokenizer, snap: SnapshotTokenizer) -> str | None:
+    """What the snapshot answers differently from ``tokenizer``, or None when it answers the same."""
+    if direct_backend(tokenizer) is None:
+        return "the tokenizer does not encode through its backend alone"
+    for name in ("pad_token_id", "eos_token", "chat_template", "special_tokens_map"):
+        if getattr(tokenizer, name) != getattr(snap, name):
+            return name
+    for name in ("__len__", "get_vocab", "get_added_vocab"):
+        if getattr(tokenizer, name)() != getattr(snap, name)():
+            return name
+    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(snap):
+        return "fingerprint"
+    probe = PROBE + " ".join(tokenizer.get_added_vocab())
+    ours = snap.backend_tokenizer.encode(probe, add_special_tokens=False)
+    theirs = tokenizer(probe, add_special_tokens=False, return_offsets_mapping=True)
+    if ours.ids != list(theirs["input_ids"]) or ours.offsets != [tuple(o) for o in theirs["offset_mapping"]]:
+        return "encoding"
+    if tokenizer.chat_template is None:
+        return None
+    for messages, tools in _PROBES:
+        for end in range(1, len(messages) + 1):
+            for prompt in (False, True):
+                renders = []
+                for tok in (tokenizer, snap):
+                    try:
+                        renders.append(
+                            tok.apply_chat_template(
+                                messages[:end], tools=tools, tokenize=False, add_generation_prompt=prompt
+                            )
+                        )
+                    except Exception as e:
+                        renders.append(f"{type(e).__name__}: {e}")
+                if renders[0] != renders[1]:
+                    return f"the chat template's render of {end} message(s)"
+    return None
+
+
+def take_snapshot(tokenizer) -> dict | None:
+    """The snapshot of a loaded transformers tokenizer, or None (and why, in the log) when its rebuilt tokenizer
+    would answer differently."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    template = getattr(tokenizer, "chat_template", None)
+    specials = getattr(tokenizer, "special_tokens_map", None)
+    if (
+        backend is None
+        or backend.truncation is not None  # set in its files: the tokenizer's first call would change it
+        or backend.padding is not None
+        or not (template is None or isinstance(template, str))
+        or not isinstance(specials, dict)
+    ):
+        log.info("loading the tokenizer through transformers each time: it has no single-template snapshot")
+        return None
+    snapshot = {"backend": backend.to_str(), "chat_template": template, "special_tokens_map": specials}
+    try:
+        if json.loads(json.dumps(snapshot)) != snapshot:
+            return None
+        differs = _disagreement(tokenizer, SnapshotTokenizer(snapshot))
+    except Exception as e:  # a backend or template the snapshot cannot rebuild: transformers it is
+        differs = f"{type(e).__name__}: {e}"
+    if differs is not None:
+        log.info("loading the tokenizer through transformers each time: its snapshot differs in %s", differs)
+        return None
+    return snapshot

@@ -71,6 +71,25 @@ def atomic_write(
     return result
 
 
+def cache_home(env=None) -> Path:
+    """hsextract's per-user cache: ``$XDG_CACHE_HOME/hsextract``, else ``~/.cache/hsextract``."""
+    env = os.environ if env is None else env
+    return Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache") / "hsextract"
+
+
+def user_cache_dir(name: str, fallback: Path) -> Path:
+    """``name`` in the user's cache, shared by every job on this machine (what is kept there is keyed by what it
+    was made from), or ``fallback`` when that cannot be written."""
+    shared = cache_home() / name
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        if os.access(shared, os.W_OK):
+            return shared
+    except OSError:
+        pass
+    return fallback
+
+
 def write_json(path: str | os.PathLike[str], value: Any, *, durable: bool = True) -> None:
     atomic_write(path, json.dumps(value, indent=2), durable=durable)
 

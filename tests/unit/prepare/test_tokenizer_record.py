@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer
 from hsextract.prepare.tokenize import load_tokenizer, tokenizer_fingerprint
 from hsextract.prepare.tokenizer_record import RecordedTokenizer, files_key
 
@@ -71,3 +72,18 @@ def test_weights_are_not_read_and_a_damaged_record_is_ignored(model, tmp_path):
 
 def test_a_hub_id_has_no_record():
     assert files_key("Qwen/Qwen3.5-0.8B") is None
+
+
+def test_a_second_load_rebuilds_the_snapshot_and_a_changed_snapshot_file_is_not_used(model, tmp_path):
+    first = RecordedTokenizer(str(model), tmp_path / "cache")
+    assert isinstance(first.load(), SnapshotTokenizer) and first.snapshot_path.is_file()
+    again = RecordedTokenizer(str(model), tmp_path / "cache").load()
+    assert isinstance(again, SnapshotTokenizer)
+    assert tokenizer_fingerprint(again) == reference(model)[0]
+
+    snapshot = json.loads(first.snapshot_path.read_text())
+    snapshot["chat_template"] += " "
+    first.snapshot_path.write_text(json.dumps(snapshot))
+    third = RecordedTokenizer(str(model), tmp_path / "cache")
+    assert tokenizer_fingerprint(third.load()) == reference(model)[0]  # loaded again, snapshot taken anew
+    assert json.loads(first.snapshot_path.read_text())["chat_template"] == first.load().chat_template

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hsextract.errors import HsextractError
 from hsextract.model.warmup.fla_patch import NB_ROWS, package_version, patch_supported, pin_enabled
-from hsextract.storage.fileio import atomic_write
+from hsextract.storage.fileio import atomic_write, cache_home
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,7 @@ def key_name(key: dict) -> str:
 
 
 def default_root(env=None) -> Path:
-    env = os.environ if env is None else env
-    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
-    return Path(base) / "hsextract" / "triton"
+    return cache_home(env) / "triton"
 
 
 def resolve(option: str | None, device: str, env=None, key: dict | None = None) -> KernelCache:

@@ -1,0 +1,132 @@
+"""A transformers tokenizer as preparation uses it, rebuilt from a snapshot without importing transformers (the
+snapshot is taken and checked in tokenizer_record.py).
+
+Importing transformers (and through it torch) is most of a launcher's CPU and of every tokenizer process's start
+(~9 CPU-s each). A snapshot holds what decides the tokens: the Rust backend's JSON, the chat template and the
+special-token map. It is taken once from the loaded tokenizer and kept only when the rebuilt tokenizer agrees with
+it on everything preparation reads (sizes, vocabularies, fingerprint, probe encodings and renders); templates
+render in an environment built as transformers builds its own (``_cached_compile_jinja_template``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+
+KEYS = ("backend", "chat_template", "special_tokens_map")
+
+
+def _compiled(template: str):
+    """``template`` in the sandboxed environment transformers renders chat templates in (same options, filters,
+    globals and ``{% generation %}`` tag)."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` renders its body (transformers tracks it for masks)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
+class SnapshotTokenizer:
+    """The tokenizer of a snapshot: the attributes and calls preparation uses, answering as the tokenizer it was
+    taken from does."""
+
+    def __init__(self, snapshot: dict):
+        from tokenizers import Tokenizer
+
+        self.snapshot = snapshot
+        self.backend_tokenizer = Tokenizer.from_str(snapshot["backend"])
+        self.chat_template = snapshot["chat_template"]
+        self.special_tokens_map = dict(snapshot["special_tokens_map"])
+
+    def __reduce__(self):
+        return SnapshotTokenizer, (self.snapshot,)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def get_added_vocab(self) -> dict[str, int]:
+        decoder = self.backend_tokenizer.get_added_tokens_decoder()
+        return {token.content: i for i, token in sorted(decoder.items(), key=lambda item: item[0])}
+
+    def _token_id(self, name: str) -> int | None:
+        token = self.special_tokens_map.get(name)
+        return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._token_id("pad_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens_map.get("eos_token")
+
+    @cached_property
+    def _template(self):
+        return _compiled(self.chat_template)
+
+    def apply_chat_template(self, conversation, tools=None, tokenize=False, add_generation_prompt=False):
+        """The rendered text, as ``PreTrainedTokenizerBase.apply_chat_template(..., tokenize=False)`` gives it for
+        one conversation of message dicts and tools given as JSON schemas."""
+        if tokenize:
+            raise ValueError("a snapshot tokenizer renders only (tokenize=False)")
+        if self.chat_template is None:
+            raise ValueError("the tokenizer has no chat template")
+        if not conversation:
+            raise ValueError(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
+        if tools is not None and not all(isinstance(t, dict) for t in tools):
+            raise ValueError("tools must be JSON schemas (dicts)")
+        return self._template.render(
+            messages=conversation,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens_map,
+        )
+
+
+def valid_snapshot(value) -> bool:
+    """``value`` has the form of a snapshot (its agreement with the tokenizer is the fingerprint's to check)."""
+    return (
+        isinstance(value, dict)
+        and set(value) == set(KEYS)
+        and isinstance(value["backend"], str)
+        and (value["chat_template"] is None or isinstance(value["chat_template"], str))
+        and isinstance(value["special_tokens_map"], dict)
+        and all(isinstance(k, str) for k in value["special_tokens_map"])
+    )
