@@ -23,6 +23,7 @@ import yaml
 from hsextract.errors import HsextractError, redact
 from hsextract.layers import implies_final_state
 from hsextract.storage.fileio import load_json, write_json
+from hsextract.validation import parse
 
 DEFAULT_STAGING_ROOT = "/dev/shm/hsextract"
 
@@ -280,19 +281,15 @@ class RunConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> RunConfig:
-        d = dict(d)
-        for key in ("layers", "gpus", "data"):
-            if isinstance(d.get(key), list):
-                d[key] = tuple(d[key])
-        return cls(**d)
+    def from_json(cls, d: dict, where: str = "the run's configuration") -> RunConfig:
+        return parse(cls, d, lambda problems: HsextractError(f"{where} is damaged ({problems})"))
 
     def save(self, path: Path) -> None:
         write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
-        cfg = cls.from_json(load_json(path, "the run's configuration"))
+        cfg = cls.from_json(load_json(path, "the run's configuration"), where=str(path))
         given = os.environ.get(ENDPOINT_ENV)
         if given and cfg.s3_endpoint_url == redact(given):
             cfg = dataclasses.replace(cfg, s3_endpoint_url=given)

@@ -12,6 +12,7 @@ from hsextract.errors import HsextractError
 from hsextract.output.batch import StateLayout, header_checksum
 from hsextract.output.manifest import STORED_FIELDS
 from hsextract.storage.fileio import load_json, write_json
+from hsextract.validation import parse
 
 JOB = "hsextract/job.json"
 
@@ -231,7 +232,6 @@ class RunInfo:
 
     @classmethod
     def from_json(cls, d: dict, where: str = "run.json") -> RunInfo:
-        try:
-            return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "layer_types": tuple(d["layer_types"])})
-        except (TypeError, KeyError) as e:
-            raise HsextractError(f"{where} is damaged ({e!r}): rerun with --restart") from None
+        return parse(
+            cls, d, lambda problems: HsextractError(f"{where} is damaged ({problems}): rerun with --restart")
+        )

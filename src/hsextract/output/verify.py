@@ -131,7 +131,7 @@ def check_against_plan(sink: Sink, manifest: dict) -> None:
     with their samples: a batch entry dropped, repeated or altered by hand is ``CorruptOutputError``. Outputs
     without a plan (older hsextract) are checked against their batch headers only."""
     try:
-        plan = Plan.from_json(json.loads(sink.get_bytes(JOB_FILES["plan"])), where=JOB_FILES["plan"])
+        plan = Plan.from_json(sink.get_bytes(JOB_FILES["plan"]), where=JOB_FILES["plan"])
         sample_ids = json.loads(sink.get_bytes(JOB_FILES["samples"]))
     except FileNotFoundError:
         return

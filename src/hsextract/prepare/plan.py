@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from typing_extensions import TypedDict  # pydantic reads TypedDicts from here before Python 3.12
 
 from hsextract.errors import HsextractError
 from hsextract.output import batch_key
 from hsextract.storage.fileio import atomic_write, load_json
+from hsextract.validation import parse
 
 PLAN_FORMAT = 1
 
@@ -134,20 +136,38 @@ class Plan:
 
     @classmethod
     def load(cls, path: Path) -> Plan:
-        return cls.from_json(load_json(path, "the plan"), where=str(path))
+        try:
+            raw = Path(path).read_bytes()
+        except FileNotFoundError:
+            load_json(path, "the plan")  # says it is missing
+            raise
+        return cls.from_json(raw, where=str(path))
 
     @classmethod
-    def from_json(cls, body: dict, where: str = "the plan") -> Plan:
-        try:
-            batches = tuple(
-                BatchSpec(batch_id=i, shard=s, sample_indices=tuple(idx), padded_length=p, num_tokens=n)
-                for i, s, p, n, idx in body["batches"]
-            )
-            return cls(batches=batches, shards=body["shards"], fingerprint=body["fingerprint"])
-        except (TypeError, KeyError, ValueError) as e:
-            raise HsextractError(
-                f"{where} (the plan) is damaged ({e!r}): rerun the same command with --restart to start over"
-            ) from None
+    def from_json(cls, body: dict | bytes | str, where: str = "the plan") -> Plan:
+        """The plan of ``to_json``'s value (or its JSON text), every field checked; a clear error if damaged."""
+        fields = parse(
+            PlanJson,
+            body,
+            lambda problems: HsextractError(
+                f"{where} (the plan) is damaged ({problems}): rerun the same command with --restart to start over"
+            ),
+        )
+        batches = tuple(
+            BatchSpec(batch_id=i, shard=s, sample_indices=tuple(idx), padded_length=p, num_tokens=n)
+            for i, s, p, n, idx in fields["batches"]
+        )
+        return cls(batches=batches, shards=fields["shards"], fingerprint=fields["fingerprint"])
+
+
+class PlanJson(TypedDict):
+    """What ``Plan.to_json`` writes and ``from_json`` reads (``format`` and ``plan_hash`` are written for people;
+    the hash is computed again)."""
+
+    shards: int
+    fingerprint: dict
+    batches: list[tuple[int, int, int, int, list[int]]]
+    """Per batch: id, shard, padded length, tokens, sample indices."""
 
 
 def _batch_fields(b: BatchSpec) -> dict:

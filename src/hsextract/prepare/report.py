@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hsextract.errors import HsextractError
+from hsextract.validation import parse
 
 EXAMPLES_PER_KIND = 5
 
@@ -52,8 +53,8 @@ class DataReport:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> DataReport:
-        return cls(**data)
+    def from_json(cls, data: dict, where: str = "the data report") -> DataReport:
+        return parse(cls, data, lambda problems: HsextractError(f"{where} is damaged ({problems})"))
 
     def summary(self) -> str:
         """One line for the console, e.g. ``300 rows: 297 kept (3 truncated to 2048 tokens), 2 empty, ...``."""

@@ -10,18 +10,16 @@ a traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
-import math
 import time
-import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hsextract.config import DEFAULT_STALL_TIMEOUT_S
 from hsextract.run.rundir import RunDir
 from hsextract.storage.fileio import atomic_write
+from hsextract.validation import parse
 
 
 class ShardState(str, enum.Enum):
@@ -108,6 +106,10 @@ class ShardProgress:
     """``[time, tokens_done, staged_bytes]`` points, oldest first, ``history_step_s`` apart but for the last, which
     is the latest save; the status page charts rates from it. A resumed shard carries it on."""
     history_step_s: float = 2.0
+    __pydantic_config__ = {
+        "extra": "forbid",
+        "allow_inf_nan": False,
+    }  # validation.parse: keys and numbers checked
 
     def save(self, run_dir: RunDir | Path) -> None:
         self.updated_at = time.time()
@@ -170,18 +172,10 @@ class ShardProgress:
             raise DamagedProgress(f"{path}: not JSON ({len(raw)} bytes)") from None
         if not isinstance(record, dict):
             raise DamagedProgress(f"{path}: holds {_json_kind(record)}, not a progress record") from None
-        types = _field_types()
-        unknown = sorted(set(record) - set(types))
-        if unknown:
-            raise DamagedProgress(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}")
-        for name, value in record.items():
-            if not _has_type(value, types[name]):
-                raise DamagedProgress(
-                    f"{path}: {name} is {_json_kind(value)} {value!r:.40}, not {_type_name(types[name])}"
-                )
-        if record.get("shard") != shard:
-            raise DamagedProgress(f"{path}: shard is {record.get('shard')!r}, expected {shard}")
-        return cls(**record)
+        progress = parse(cls, raw, lambda problems: DamagedProgress(f"{path}: {problems}"))
+        if progress.shard != shard:
+            raise DamagedProgress(f"{path}: shard is {progress.shard!r}, expected {shard}")
+        return progress
 
     @property
     def last_progress_at(self) -> float:
@@ -195,35 +189,6 @@ def _json_kind(value) -> str:
     return {list: "a list", str: "a string", bool: "a boolean", dict: "an object"}.get(
         type(value), "a number"
     )
-
-
-def _type_name(annotation) -> str:
-    return annotation.__name__ if isinstance(annotation, type) else str(annotation)
-
-
-def _field_types() -> dict[str, typing.Any]:
-    hints = typing.get_type_hints(ShardProgress)
-    return {f.name: hints[f.name] for f in dataclasses.fields(ShardProgress)}
-
-
-def _has_type(value, annotation) -> bool:
-    """Whether a JSON value fits a field's annotation (int, float, str, bool, None, unions, lists, dicts)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union or type(annotation).__name__ == "UnionType":
-        return any(_has_type(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin in (list, tuple):
-        return isinstance(value, list)
-    if origin is dict or annotation is dict:
-        return isinstance(value, dict)
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True  # an annotation this check does not model: accepted as written
 
 
 def format_duration(seconds: float) -> str:

@@ -27,7 +27,7 @@ def run_dir(tmp_path):
     [
         ('{"shard": 1, "state": "runn', "not JSON"),
         ("[1, 2]", "holds a list, not a progress record"),
-        ('{"shard": 1, "tokens_dne": 3}', "unknown key(s) 'tokens_dne'"),
+        ('{"shard": 1, "tokens_dne": 3}', "tokens_dne: unknown key"),
     ],
 )
 def test_a_damaged_progress_file_is_named_on_its_row_and_the_page_still_renders(run_dir, text, why):
