@@ -147,9 +147,9 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
     place = node_place(nodes, node_rank)
     cfg = _build_config(nodes=place.nodes, node_rank=place.rank, **opts)
     if place.nodes > 1:
-        click.echo(
-            f"{place.describe()}: shards {cfg.local_shards[0]}..{cfg.local_shards[-1]} of {cfg.total_shards}"
-        )
+        first, last = cfg.local_shards[0], cfg.local_shards[-1]
+        mine = f"shard {first}" if first == last else f"shards {first}..{last}"
+        click.echo(f"{place.describe()}: {mine} of {cfg.total_shards}")
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     t0 = time.time()
