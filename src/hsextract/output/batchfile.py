@@ -7,15 +7,19 @@ states of several neighbouring rows in one ranged read, into memory the caller a
 against its own checksum as its bytes arrive. ``SampleView`` turns a sample's stored slots into the keys a trainer
 reads (layers, the concatenated captured states, the final state before and after the norm, fp8 dequantized);
 the target's top-k (``target_topk_ids``, ``target_topk_logprobs``), where stored, pass through as stored.
-Whatever is wrong with the file raises, or for one sample returns, ``CorruptOutputError`` naming the file.
+Whatever is wrong with the file raises, or for one sample returns, ``CorruptOutputError`` naming the file. Opening
+a file and ``read_array`` need no torch (finalize and verify run in processes that never import it); samples are
+torch tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from hsextract.errors import CorruptOutputError
 from hsextract.output.batch import (
@@ -29,9 +33,11 @@ from hsextract.output.batch import (
     update_checksum,
 )
 from hsextract.output.final_norm import FinalNorm
-from hsextract.output.fp8 import dequantize_fp8
-from hsextract.output.header import BatchHeader, tensor_bytes
+from hsextract.output.header import NUMPY_DTYPES, BatchHeader, tensor_bytes
 from hsextract.output.manifest import header_mismatch
+
+if TYPE_CHECKING:
+    import torch
 
 HELD_ROW_BYTES = 256
 
@@ -89,6 +95,8 @@ def _read_into(sink, key: str, offset: int, buffer: torch.Tensor, damaged, on_pa
 
 
 def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
+    import torch
+
     if not raw:
         return torch.empty(shape, dtype=dtype)
     # A bytearray (what a local read returns) is this tensor's own memory; bytes are copied into one.
@@ -97,6 +105,8 @@ def _tensor(raw: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
 
 def plain_memory(nbytes: int) -> torch.Tensor:
     """Where states are read to unless the caller says otherwise (``alloc``): ordinary process memory."""
+    import torch
+
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -186,7 +196,7 @@ class BatchFile:
         if expect and (mismatch := header_mismatch(h.metadata, expect)):
             raise self.damaged(f"{mismatch}: the manifest was edited or describes another output")
         self.metadata, self.tensors, self.sample_ids = h.metadata, h.tensors, h.sample_ids
-        self._held: dict[str, torch.Tensor] = {}
+        self._held_bytes: dict[str, bytes] = {}
         self.cu_seqlens = self._read_held()
 
     def damaged(self, problem: str) -> CorruptOutputError:
@@ -215,9 +225,10 @@ class BatchFile:
             if checksum.hexdigest() != h.checksums.index:
                 raise self.damaged(f"its index tensors ({', '.join(names)}) do not match their checksum")
         info = h.tensors["cu_seqlens"]
-        cu = _tensor(raw["cu_seqlens"], info.dtype, info.shape).tolist()
+        as_read = NUMPY_DTYPES.get(info.kind)
+        cu = np.frombuffer(raw["cu_seqlens"], dtype=as_read).tolist() if as_read else []
         if (
-            info.dtype != torch.int64
+            info.kind != "I64"
             or len(info.shape) != 1
             or len(cu) != len(h.sample_ids) + 1
             or cu[0] != 0
@@ -228,12 +239,28 @@ class BatchFile:
                 f"has inconsistent cu_seqlens (starts {cu[:3]}, ends {cu[-2:]}) for {len(h.sample_ids)} samples "
                 f"and {h.num_tokens} tokens"
             )
-        self._held = {n: _tensor(raw[n], h.tensors[n].dtype, h.tensors[n].shape) for n in small}
+        self._held_bytes = {n: raw[n] for n in small}
         return cu
+
+    @cached_property
+    def _held(self) -> dict[str, torch.Tensor]:
+        return {
+            n: _tensor(raw, self.tensors[n].dtype, self.tensors[n].shape)
+            for n, raw in self._held_bytes.items()
+        }
+
+    def read_array(self, name: str) -> np.ndarray:
+        """Tensor ``name`` whole, as a numpy array (a dtype numpy holds: token ids, loss mask...), unchecked; no
+        torch."""
+        info = self.tensors[name]
+        raw = self._held_bytes.get(name)
+        if raw is None:
+            raw = _read(self.sink, self.key, info.start, info.stop - info.start, self.damaged)
+        return np.frombuffer(raw, dtype=NUMPY_DTYPES[info.kind]).reshape(info.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of tensor ``name``, unchecked (a sample's rows are checked by ``samples``)."""
-        if name in self._held:
+        if name in self._held_bytes:
             return self._held[name][start:stop].clone()
         info = self.tensors[name]
         raw = _read(
@@ -265,7 +292,9 @@ class BatchFile:
         are read into plain memory and dequantized into ``alloc``'s."""
         cu, h = self.cu_seqlens, self.header
         lo, hi = cu[rows[0]], cu[rows[-1] + 1]
-        read = [n for n in h.per_token if n not in self._held]  # the states (and any other large tensor)
+        read = [
+            n for n in h.per_token if n not in self._held_bytes
+        ]  # the states (and any other large tensor)
         buffers, hashing = {}, None
         for name in read:
             info = self.tensors[name]
@@ -311,11 +340,13 @@ class BatchFile:
                     f"sample {self.sample_ids[row]!r} (row {row}, tokens {a}..{b}) does not match its checksum: "
                     "its bytes were altered"
                 )
+        import torch
+
         # Slices of the held tensors are copied (the ids and the mask in the dtype served): a view would keep, and
         # send to another process, the whole file's.
         served = {"input_ids": torch.long, "loss_mask": torch.bool}
         tensors = {
-            n: t.to(served[n], copy=True) if n in served else t.clone() if n in self._held else t
+            n: t.to(served[n], copy=True) if n in served else t.clone() if n in self._held_bytes else t
             for n, t in parts.items()
         }
         states = tensors.pop("hidden_states")  # [T, slots, H]
@@ -345,7 +376,8 @@ class SampleView:
     layout: StateLayout
     final_norm: FinalNorm | None
     dequantize: bool = True
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype | None = None
+    """The dtype fp8 states are dequantized to; None: bfloat16."""
     served: tuple[int, ...] | None = None
     """The layer ids served (``layers``, ``hidden_states``), in this order: a subset of the stored ones (one
     drafter's from a union of presets), or None: every captured layer in id order."""
@@ -354,14 +386,19 @@ class SampleView:
         """The trainer's keys from the stored slots ``states`` [T, slots, H] (and fp8 ``scale`` [T, slots]); what
         has to be made anew (dequantized states, the served slots without the others) is made in memory from
         ``alloc``."""
+        import torch
+
+        from hsextract.output.fp8 import dequantize_fp8
+
+        dtype = self.dtype or torch.bfloat16
         ids = self.served or self.layout.layer_ids
         slot_of = {k: j for j, k in enumerate(self.layout.slot_layers)}
         picked = [slot_of[k] for k in ids]
         tokens = states.shape[0]
         out: dict = {}
         if scale is not None and self.dequantize:
-            into = _empty(alloc, states.shape, self.dtype)
-            states, scale = dequantize_fp8(states, scale, self.dtype, out=into), None
+            into = _empty(alloc, states.shape, dtype)
+            states, scale = dequantize_fp8(states, scale, dtype, out=into), None
         out["layers"] = {k: states[:, j] for k, j in zip(ids, picked, strict=True)}
         out["hidden_states"] = _slots(states, picked, alloc).view(tokens, -1)
         if scale is not None:
@@ -373,7 +410,7 @@ class SampleView:
             out["final_hidden_state_prenorm"] = prenorm
             if scale is not None:
                 out["final_hidden_state_prenorm_scale"] = scale[:, f]
-                prenorm = dequantize_fp8(prenorm, scale[:, f], self.dtype)
+                prenorm = dequantize_fp8(prenorm, scale[:, f], dtype)
             out["final_hidden_state"] = self.final_norm(prenorm)
         return out
 

@@ -10,25 +10,36 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from hsextract.output.batch import CHECKSUM_ALGORITHM, CHECKSUMS, INDEX_TENSORS, header_json
 
-SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.uint8: "U8",
-    torch.float8_e4m3fn: "F8_E4M3",
+TORCH_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "F8_E4M3": "float8_e4m3fn",
 }
 
+"""Each safetensors dtype a batch file may hold -> torch's name of it. No torch import here: finalize and verify
+open batch files in processes that never load torch."""
 
-_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
 
 
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64, "U8": np.uint8}
+
+"""The dtypes numpy holds (not bfloat16, not fp8)."""
+
+
+def safetensors_dtype(dtype) -> str:
+    """The safetensors name of a torch dtype, e.g. ``BF16`` for ``torch.bfloat16``."""
+    name = str(dtype).removeprefix("torch.")
+    return next(st for st, torch_name in TORCH_DTYPES.items() if torch_name == name)
 
 
 REQUIRED_TENSORS = ("hidden_states", "input_ids", "loss_mask", "cu_seqlens")
@@ -38,10 +49,18 @@ REQUIRED_TENSORS = ("hidden_states", "input_ids", "loss_mask", "cu_seqlens")
 
 @dataclass(frozen=True)
 class TensorInfo:
-    dtype: torch.dtype
+    kind: str
+    """Its safetensors dtype (``BF16``, ``I64``...)."""
     shape: tuple[int, ...]
     start: int  # absolute byte offsets in the file
     stop: int
+
+    @property
+    def dtype(self):
+        """Its torch dtype (imports torch)."""
+        import torch
+
+        return getattr(torch, TORCH_DTYPES[self.kind])
 
     @property
     def row_bytes(self) -> int:
@@ -95,7 +114,7 @@ def _tensor_info(name: str, entry, header_size: int, damaged) -> TensorInfo:
     try:
         dtype_name, shape, (start, stop) = entry["dtype"], entry["shape"], entry["data_offsets"]
         ok = (
-            dtype_name in _DTYPES
+            dtype_name in TORCH_DTYPES
             and all(isinstance(d, int) and d >= 0 for d in shape)
             and isinstance(start, int)
             and isinstance(stop, int)
@@ -107,11 +126,11 @@ def _tensor_info(name: str, entry, header_size: int, damaged) -> TensorInfo:
     numel = 1
     for d in shape:
         numel *= d
-    if not 0 <= start <= stop or stop - start != numel * _ITEMSIZE[dtype_name]:
+    if not 0 <= start <= stop or stop - start != numel * ITEMSIZE[dtype_name]:
         raise damaged(
             f"has a garbled header (tensor {name}: {list(shape)} {dtype_name} in bytes {start}..{stop})"
         )
-    return TensorInfo(_DTYPES[dtype_name], tuple(shape), header_size + start, header_size + stop)
+    return TensorInfo(dtype_name, tuple(shape), header_size + start, header_size + stop)
 
 
 def _json_list(metadata: dict, field: str, damaged) -> list:
@@ -148,6 +167,10 @@ def _checksums(metadata: dict, header: BatchHeader, damaged) -> Checksums:
     return checksums
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
+def tensor_bytes(t) -> memoryview:
+    """The bytes of a contiguous CPU tensor (torch or numpy), without a copy."""
+    if isinstance(t, np.ndarray):
+        return memoryview(t.reshape(-1).view(np.uint8))
+    import torch
+
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())

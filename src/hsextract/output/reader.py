@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from functools import cached_property
-
-import torch
+from typing import TYPE_CHECKING
 
 from hsextract.errors import HsextractError
 from hsextract.layers import PRESETS, preset_layer_ids
@@ -27,6 +26,9 @@ from hsextract.output.batchfile import BatchFile, SampleView, plain_memory
 from hsextract.output.final_norm import read_final_norm
 from hsextract.output.manifest import header_expectations, read_manifest, require_checksums
 from hsextract.storage import open_sink
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BatchFile", "Output", "SampleView", "open_output", "plain_memory"]
 
@@ -43,7 +45,7 @@ class Output:
         verify: bool = True,
         *,
         dequantize: bool = True,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         manifest: dict | None = None,
         cache_dir: str | None = None,
         cache_max_gb: float = 100.0,
@@ -190,15 +192,16 @@ def open_output(
     retry_deadline_s: float = 120,
     verify: bool = True,
     dequantize: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     layers=None,
     **options,
 ) -> Output:
     """Open a finished output (a local directory or ``s3://bucket/prefix``) for reading. Transient S3 errors are
     retried for ``retry_deadline_s`` seconds before a read fails. With ``verify`` (the default) every header and
     sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``. fp8 states are
-    dequantized to ``dtype`` unless ``dequantize=False``. ``options``: ``cache_dir=`` keeps what is read in a local
-    disk cache of at most ``cache_max_gb=`` (100) (storage/cache.py), for reading an S3 output many times;
+    dequantized to ``dtype`` (None: bfloat16) unless ``dequantize=False``. ``options``: ``cache_dir=`` keeps what is
+    read in a local disk cache of at most ``cache_max_gb=`` (100) (storage/cache.py), for reading an S3 output many
+    times;
     ``manifest=`` the manifest read already. ``layers``: serve only these stored layers, in this order (ids, or a
     preset such as ``"dflash2"``; ``served_layers``)."""
     return Output(

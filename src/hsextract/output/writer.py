@@ -27,7 +27,7 @@ from hsextract.output.batch import (
     read_file_head,
     update_checksum,
 )
-from hsextract.output.header import SAFETENSORS_DTYPES, tensor_bytes
+from hsextract.output.header import safetensors_dtype, tensor_bytes
 from hsextract.storage.fileio import atomic_write
 
 
@@ -66,7 +66,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "dtype": safetensors_dtype(t.dtype),
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }

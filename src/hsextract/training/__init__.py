@@ -11,23 +11,35 @@ state.py). The trainer seams live in their own modules (``hsextract.training.spe
 ``.modelopt``), each importing only its trainer.
 """
 
-from hsextract.training.batching import TokenBudgetBatches
-from hsextract.training.collate import packed_collate, pad_collate
-from hsextract.training.dataset import StatesDataset, StatesMapDataset
-from hsextract.training.index import SampleIndex, index_output
-from hsextract.training.schemas import SCHEMAS, Schema, get_schema
-from hsextract.training.state import StateError
+import importlib
 
-__all__ = [
-    "SCHEMAS",
-    "SampleIndex",
-    "Schema",
-    "StatesDataset",
-    "StateError",
-    "StatesMapDataset",
-    "TokenBudgetBatches",
-    "get_schema",
-    "packed_collate",
-    "pad_collate",
-    "index_output",
-]
+_EXPORTS = {
+    "TokenBudgetBatches": "batching",
+    "packed_collate": "collate",
+    "pad_collate": "collate",
+    "StatesDataset": "dataset",
+    "StatesMapDataset": "dataset",
+    "SampleIndex": "index",
+    "index_output": "index",
+    "SCHEMAS": "schemas",
+    "Schema": "schemas",
+    "get_schema": "schemas",
+    "StateError": "state",
+}
+
+"""Each public name -> its module, loaded on first use (PEP 562): finalize writes the sample index through
+``training.index`` in processes that never import torch."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

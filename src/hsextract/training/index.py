@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch.utils.data import get_worker_info
 
 from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.output import (
@@ -41,6 +40,9 @@ from hsextract.output import (
 from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
 from hsextract.training.schemas import SCHEMAS, Schema, get_schema
 from hsextract.training.state import check_where
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ def scan_files(open_file, entries: list[dict], schemas: list[Schema], threads: i
         cu = f.cu_seqlens
         codes = {}
         if schemas:
-            ids, mask = f.read_all("input_ids"), f.read_all("loss_mask")
+            ids, mask = f.read_array("input_ids"), f.read_array("loss_mask")
             for s in schemas:
                 codes[s.name] = [
                     s.skip_reason(ids[a:b], mask[a:b]) for a, b in zip(cu[:-1], cu[1:], strict=True)
@@ -315,7 +317,7 @@ def index_output(
     *,
     endpoint_url: str | None = None,
     verify: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     retry_deadline_s: float = 120,
     threads: int = 8,
     cache_dir: str | None = None,
@@ -324,6 +326,10 @@ def index_output(
 ) -> SampleIndex:
     """Open ``output`` (a directory or ``s3://bucket/prefix``) and index the samples ``schema`` serves
     (``layers``: the stored layers served, in order; by default the schema's preset of a union output)."""
+    if dtype is None:
+        import torch
+
+        dtype = torch.bfloat16
     where = Where(str(output), endpoint_url, verify, dtype, retry_deadline_s, cache_dir, cache_max_gb, layers)
     return index_where(where, schema, threads)
 
@@ -364,6 +370,8 @@ class SampleReader:
         self.index = index
         self.out = open_where(index.where, index.manifest)  # read once, where the index was made
         self.pid = os.getpid()
+        from torch.utils.data import get_worker_info
+
         self.alloc = shared_memory if get_worker_info() is not None else plain_memory
         self._files: OrderedDict = OrderedDict()
         self._cache_files = cache_files

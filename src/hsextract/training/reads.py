@@ -15,11 +15,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from hsextract.errors import CorruptOutputError
 from hsextract.output import plain_memory
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_READ_BYTES = 64 << 20
 
@@ -132,6 +134,8 @@ def shared_memory(nbytes: int) -> torch.Tensor:
     then copy): a DataLoader worker sends a tensor in shared memory to the main process as a handle."""
     if not nbytes:
         return plain_memory(0)
+    import torch
+
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is None:
         return plain_memory(nbytes).share_memory_()

@@ -16,19 +16,25 @@ cannot take (SpecForge's DFlash raises on samples without two consecutive superv
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from hsextract.errors import HsextractError
+
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_TOKEN_ID = -100
 
 """The label ModelOpt (transformers' ``LabelSmoother.ignore_index``) gives the last position."""
 
 
-def has_consecutive_loss_tokens(loss_mask: torch.Tensor) -> bool:
-    """SpecForge's DFlash loader condition (``has_consecutive_supervised_tokens``)."""
-    m = loss_mask.bool()
-    return bool((m[:-1] & m[1:]).any()) if m.numel() > 1 else False
+def has_consecutive_loss_tokens(loss_mask) -> bool:
+    """SpecForge's DFlash loader condition (``has_consecutive_supervised_tokens``), on a numpy array or a CPU
+    tensor (finalize decides it without torch, the datasets on what they read)."""
+    m = np.asarray(loss_mask).astype(bool)
+    return bool((m[:-1] & m[1:]).any()) if m.size > 1 else False
 
 
 class Schema:
@@ -137,6 +143,8 @@ class DeepSpecDSpark(Schema):
     preset = "dspark"
 
     def record(self, s):
+        import torch
+
         return {
             "input_ids": s["input_ids"].to(torch.int32),
             "loss_mask": s["loss_mask"].to(torch.uint8),
@@ -160,7 +168,7 @@ class NemoDSpark(Schema):
         self.seq_length = seq_length
 
     def skip_reason(self, input_ids, loss_mask):
-        if self.seq_length is not None and input_ids.numel() > self.seq_length:
+        if self.seq_length is not None and len(input_ids) > self.seq_length:
             return f"longer than the cache's seq_length {self.seq_length}"
         return None
 
@@ -218,6 +226,8 @@ class Speculators(Schema):
     name = "speculators"
 
     def record(self, s):
+        import torch
+
         states = torch.stack(
             [s["layers"][k] for k in sorted(s["layers"])] + [s["final_hidden_state_prenorm"]], dim=1
         )
@@ -225,6 +235,8 @@ class Speculators(Schema):
 
     def item(self, record, s):
         """``ArrowDataset._get_raw_data`` + ``BaseDataset.__getitem__``; the loss mask is the table's row (int64)."""
+        import torch
+
         states, ids = record["hidden_states"], record["token_ids"]
         return {
             "hidden_states": states[:, :-1].flatten(1),
@@ -255,6 +267,8 @@ class ModelOpt(Schema):
         }
 
     def item(self, record, s=None):
+        import torch
+
         ids = record["input_ids"]
         labels = torch.full_like(ids, IGNORE_TOKEN_ID)
         labels[..., :-1] = ids[..., 1:]
