@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
+# Compiled modules are kept (__pycache__, ignored by git): the tiers start ~600 processes that import hsextract,
+# and a machine that sets PYTHONDONTWRITEBYTECODE would compile its modules (and rewrite the tests) in each one.
+unset PYTHONDONTWRITEBYTECODE
 tier() {
   local rc=0
   "$python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "$@" || rc=$?

@@ -52,6 +52,7 @@ def test_open_output_fails_at_once_on_an_endpoint_never_reached():
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow  # waits out an outage / runs every reader against the server
 def test_a_reading_sink_that_reached_its_endpoint_waits_out_an_outage(s3: S3Endpoint, s3_bucket: str):
     sink = open_sink(f"s3://{s3_bucket}/run1", s3.url, retry_deadline_s=60, reading=True)
     sink.put_bytes("a", b"123")
@@ -76,6 +77,7 @@ def test_a_missing_directory_is_named_as_missing_not_as_an_unfinished_run(comman
     assert "manifest" not in result.output
 
 
+@pytest.mark.slow  # waits out an outage / runs every reader against the server
 def test_a_missing_bucket_and_a_missing_prefix_are_named_by_every_reader(
     s3: S3Endpoint, s3_bucket: str, tmp_path
 ):

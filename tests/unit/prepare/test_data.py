@@ -699,6 +699,7 @@ def _write_gz_shards(rows: list[dict], folder, shards: int) -> None:
             f.writelines(json.dumps(row) + "\n" for row in rows[k::shards])
 
 
+@pytest.mark.slow  # starts a pool of tokenizer processes
 def test_streamed_pool_gives_each_row_its_own_encoding_and_the_plan_of_those_lengths(tmp_path, tokenizer):
     """Two sources of .jsonl.gz shards, tokenized by a pool in small chunks into the token cache: the tokens are
     each row's own encoding (ids as ``apply_chat_template`` gives them), in source order, duplicates dropped."""

@@ -59,8 +59,16 @@ def rows():
     return varied_conversations(60, seed=3) + extra
 
 
-@pytest.mark.parametrize("template", ["demo", "qwen3", "llama3", "mistral"])
-@pytest.mark.parametrize("too_long", ["truncate", "skip"])
+@pytest.mark.parametrize(
+    "template, too_long",
+    [
+        ("demo", "truncate"),
+        ("demo", "skip"),
+        ("qwen3", "truncate"),
+        ("llama3", "skip"),
+        ("mistral", "truncate"),
+    ],
+)
 def test_rows_encode_the_same_from_the_snapshot_as_from_the_tokenizer(tokenizer, template, too_long):
     tok = templated(tokenizer, template)
     snapshot = take_snapshot(tok)
@@ -77,7 +85,7 @@ def test_rows_encode_the_same_from_the_snapshot_as_from_the_tokenizer(tokenizer,
             b[5].tolist(),
         )
         statuses.add(a[2])
-    assert {"kept", "malformed", "empty"} <= statuses and ({"truncated", "too_long"} & statuses)
+    assert {"kept", "malformed", "empty", "truncated" if too_long == "truncate" else "too_long"} <= statuses
 
 
 def test_a_tokenizer_the_snapshot_cannot_stand_for_gets_none(tokenizer):

@@ -207,6 +207,7 @@ def test_open_sink_parses_output_strings(tmp_path: Path) -> None:
         open_sink("gs://bucket/x")
 
 
+@pytest.mark.slow  # waits out retries and deadlines in real time
 def test_s3_put_file_retries_until_the_endpoint_is_back(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path
 ) -> None:
@@ -222,6 +223,7 @@ def test_s3_put_file_retries_until_the_endpoint_is_back(
     assert s3.get_object(s3_bucket, "batch") == data
 
 
+@pytest.mark.slow  # waits out retries and deadlines in real time
 def test_s3_put_file_gives_up_at_the_deadline(tmp_path: Path) -> None:
     sink = S3Sink("bucket", "", f"http://127.0.0.1:{free_port()}", retry_deadline_s=2)
     start = time.monotonic()
@@ -286,6 +288,7 @@ def test_preflight_without_credentials(
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow  # waits out retries and deadlines in real time
 def test_preflight_unreachable_endpoint() -> None:
     endpoint = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
