@@ -1,3 +1,22 @@
 """hsextract: hidden states of chosen decoder layers, for training speculative-decoding drafters."""
 
 __version__ = "0.1.0"
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """``__getattr__`` and ``__dir__`` for ``package`` whose public names (each -> the module of the package that
+    defines it) load their module on first use (PEP 562): importing the package imports none of them."""
+    import importlib
+    import sys
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(exports)
+
+    return __getattr__, __dir__

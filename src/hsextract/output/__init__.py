@@ -7,7 +7,7 @@ name is public once it is in ``_EXPORTS``; tests/unit/test_layout.py checks that
 
 from __future__ import annotations
 
-import importlib
+from hsextract import lazy_exports
 
 _EXPORTS = {
     "BatchFile": "batchfile",
@@ -79,13 +79,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

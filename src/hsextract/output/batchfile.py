@@ -292,9 +292,8 @@ class BatchFile:
         are read into plain memory and dequantized into ``alloc``'s."""
         cu, h = self.cu_seqlens, self.header
         lo, hi = cu[rows[0]], cu[rows[-1] + 1]
-        read = [
-            n for n in h.per_token if n not in self._held_bytes
-        ]  # the states (and any other large tensor)
+        # The states (and any other large tensor): what is not held.
+        read = [n for n in h.per_token if n not in self._held_bytes]
         buffers, hashing = {}, None
         for name in read:
             info = self.tensors[name]

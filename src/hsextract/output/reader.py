@@ -201,8 +201,7 @@ def open_output(
     sample read is checked against its checksum; a damaged file raises ``CorruptOutputError``. fp8 states are
     dequantized to ``dtype`` (None: bfloat16) unless ``dequantize=False``. ``options``: ``cache_dir=`` keeps what is
     read in a local disk cache of at most ``cache_max_gb=`` (100) (storage/cache.py), for reading an S3 output many
-    times;
-    ``manifest=`` the manifest read already. ``layers``: serve only these stored layers, in this order (ids, or a
+    times; ``manifest=`` the manifest read already. ``layers``: serve only these stored layers, in this order (ids, or a
     preset such as ``"dflash2"``; ``served_layers``)."""
     return Output(
         str(path),

@@ -26,7 +26,7 @@ from typing_extensions import TypedDict  # pydantic reads TypedDicts from here b
 
 from hsextract.errors import HsextractError
 from hsextract.output import batch_key
-from hsextract.storage.fileio import atomic_write, load_json
+from hsextract.storage.fileio import atomic_write, read_bytes
 from hsextract.validation import parse
 
 PLAN_FORMAT = 1
@@ -136,12 +136,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: Path) -> Plan:
-        try:
-            raw = Path(path).read_bytes()
-        except FileNotFoundError:
-            load_json(path, "the plan")  # says it is missing
-            raise
-        return cls.from_json(raw, where=str(path))
+        return cls.from_json(read_bytes(path, "the plan"), where=str(path))
 
     @classmethod
     def from_json(cls, body: dict | bytes | str, where: str = "the plan") -> Plan:

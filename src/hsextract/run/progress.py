@@ -106,10 +106,8 @@ class ShardProgress:
     """``[time, tokens_done, staged_bytes]`` points, oldest first, ``history_step_s`` apart but for the last, which
     is the latest save; the status page charts rates from it. A resumed shard carries it on."""
     history_step_s: float = 2.0
-    __pydantic_config__ = {
-        "extra": "forbid",
-        "allow_inf_nan": False,
-    }  # validation.parse: keys and numbers checked
+    # How validation.parse reads a progress file: unknown keys and non-finite numbers are damage.
+    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}
 
     def save(self, run_dir: RunDir | Path) -> None:
         self.updated_at = time.time()

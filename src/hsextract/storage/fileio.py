@@ -94,14 +94,27 @@ def write_json(path: str | os.PathLike[str], value: Any, *, durable: bool = True
     atomic_write(path, json.dumps(value, indent=2), durable=durable)
 
 
-def load_json(path: str | os.PathLike[str], what: str) -> Any:
-    """A JSON file hsextract wrote; a clear error naming it if it is missing or damaged."""
+def read_bytes(path: str | os.PathLike[str], what: str) -> bytes:
+    """A file hsextract wrote, whole; a clear error naming it if it is missing or cannot be read."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return path.read_bytes()
     except FileNotFoundError:
         raise HsextractError(f"{path} ({what}) is missing: the run dir is incomplete") from None
-    except (OSError, ValueError) as e:
-        raise HsextractError(
-            f"{path} ({what}) is damaged ({e}): rerun the same command with --restart to start this run over"
-        ) from None
+    except OSError as e:
+        raise _damaged(path, what, e) from None
+
+
+def load_json(path: str | os.PathLike[str], what: str) -> Any:
+    """A JSON file hsextract wrote; a clear error naming it if it is missing or damaged."""
+    raw = read_bytes(path, what)
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise _damaged(Path(path), what, e) from None
+
+
+def _damaged(path: Path, what: str, e: Exception) -> HsextractError:
+    return HsextractError(
+        f"{path} ({what}) is damaged ({e}): rerun the same command with --restart to start this run over"
+    )

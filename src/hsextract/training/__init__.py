@@ -11,7 +11,7 @@ state.py). The trainer seams live in their own modules (``hsextract.training.spe
 ``.modelopt``), each importing only its trainer.
 """
 
-import importlib
+from hsextract import lazy_exports
 
 _EXPORTS = {
     "TokenBudgetBatches": "batching",
@@ -33,13 +33,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
