@@ -55,7 +55,7 @@ def args_for(root: Path, model, data, **options) -> list:
         "max_tokens_per_batch": 300,
         "max_rows": 8,
         "layers": "0,3,7",
-        "shards": 1,
+        "shards": 2,
         "num_proc": 1,
         "no_progress": True,
         **options,
@@ -160,7 +160,7 @@ def test_uploader_stops_when_the_output_is_claimed_by_another_job_mid_run(tmp_pa
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
         wait_for(lambda: done_count(run_dir) >= 1, "a first durable batch", proc=proc, root=tmp_path)
-        pids = [ShardProgress.load(run_dir, 0).pid]
+        pids = [ShardProgress.load(run_dir, s).pid for s in (0, 1)]
         for pid in pids:  # frozen with batches still to compute, so uploads follow the change
             freeze(pid)
         job = json.loads((tmp_path / "out" / JOB).read_text())
@@ -329,7 +329,7 @@ def test_full_staging_filesystem_names_the_path_and_a_rerun_completes(
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
         wait_for(lambda: done_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
-        pids = [ShardProgress.load(run_dir, 0).pid]
+        pids = [ShardProgress.load(run_dir, s).pid for s in (0, 1)]
         for pid in pids:
             freeze(pid)
         ballast = tiny_filesystem / "ballast"
