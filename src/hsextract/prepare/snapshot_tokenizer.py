@@ -22,7 +22,6 @@ def _compiled(template: str):
     globals and ``{% generation %}`` tag)."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
         """``{% generation %}...{% endgeneration %}`` renders its body (transformers tracks it for masks)."""
@@ -48,13 +47,48 @@ def _compiled(template: str):
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
-    )
+    env = _sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(template)
+    compiled = env.from_string(template)
+    # Its globals as one dict instead of a ChainMap over the environment's: each render copies them, ~3x faster.
+    compiled.globals = dict(compiled.globals)
+    return compiled
+
+
+def _sandbox():
+    """transformers' sandbox (``ImmutableSandboxedEnvironment``), with its per-access checks made cheap and
+    unchanged: rendering is half of a row's preparation, and most of a render's time went to these checks.
+
+    A verdict on an attribute depends only on the object's type and the attribute's name (the checks are
+    ``isinstance`` tests and name lists), so it is kept per pair; a message's fields (``message.content``) are read
+    from the dict directly, as the sandbox reads a name that is not one of dict's attributes."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    dict_attributes = frozenset(dir(dict))
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.verdicts: dict[tuple[type, str], bool] = {}
+
+        def is_safe_attribute(self, obj, attr, value):
+            key = (type(obj), attr)
+            verdict = self.verdicts.get(key)
+            if verdict is None:
+                verdict = self.verdicts[key] = super().is_safe_attribute(obj, attr, value)
+            return verdict
+
+        def getattr(self, obj, attribute):
+            if type(obj) is dict and attribute not in dict_attributes:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    return Sandbox
 
 
 class SnapshotTokenizer:

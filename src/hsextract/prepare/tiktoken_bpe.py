@@ -12,6 +12,7 @@ ways too, and a difference stops the preparation (nothing is cached). ``HSEXTRAC
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -166,9 +167,64 @@ def _why_not(tokenizer) -> str | TiktokenSpec:
     return TiktokenSpec(pattern=pattern, ranks=ranks, specials=specials, nfc=normalizer is not None)
 
 
+SPEC_FORMAT = 1
+
+
+def spec_to_json(spec: TiktokenSpec | None) -> dict:
+    """``spec`` (None: tiktoken does not apply) as JSON, for the tokenizer's record (tokenizer_record.py)."""
+    import tiktoken
+
+    doc: dict = {"format": SPEC_FORMAT, "tiktoken": tiktoken.__version__, "spec": None}
+    if spec is not None:
+        doc["spec"] = {
+            "pattern": spec.pattern,
+            # One "<base64 bytes> <id>" line per entry, as tiktoken's own files keep ranks.
+            "ranks": "\n".join(f"{base64.b64encode(t).decode()} {i}" for t, i in spec.ranks.items()),
+            "specials": spec.specials,
+            "nfc": spec.nfc,
+            "unreachable": sorted(spec.unreachable),
+        }
+    return doc
+
+
+def spec_from_json(doc) -> TiktokenSpec | None:
+    """The spec ``spec_to_json`` wrote; ValueError when ``doc`` is not one, or was made by another tiktoken."""
+    import tiktoken
+
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != SPEC_FORMAT
+        or doc.get("tiktoken") != tiktoken.__version__
+    ):
+        raise ValueError("not a tiktoken spec of this version")
+    d = doc.get("spec")
+    if d is None:
+        return None
+    ranks = {}
+    for line in d["ranks"].split("\n"):
+        token, token_id = line.split(" ")
+        ranks[base64.b64decode(token, validate=True)] = int(token_id)
+    specials, unreachable = d["specials"], d["unreachable"]
+    if not (
+        isinstance(d["pattern"], str)
+        and isinstance(d["nfc"], bool)
+        and isinstance(specials, dict)
+        and all(isinstance(k, str) and type(v) is int for k, v in specials.items())
+        and isinstance(unreachable, list)
+        and all(type(i) is int for i in unreachable)
+    ):
+        raise ValueError("a damaged tiktoken spec")
+    return TiktokenSpec(d["pattern"], ranks, specials, d["nfc"], frozenset(unreachable))
+
+
+def disabled() -> bool:
+    """``HSEXTRACT_TIKTOKEN=0``: the tokenizer's own backend, always."""
+    return os.environ.get(ENV, "").strip() in ("0", "false", "no", "off")
+
+
 def spec_of(tokenizer) -> TiktokenSpec | None:
     """The checked spec for ``tokenizer``, or None (and why, in the log) when only its own backend is right."""
-    if os.environ.get(ENV, "").strip() in ("0", "false", "no", "off"):
+    if disabled():
         return None
     spec = _why_not(tokenizer)
     if isinstance(spec, str):
@@ -246,8 +302,9 @@ class TiktokenEncoder:
             return self.reference(text, offsets)
         if not offsets:
             return ids, None
-        ends = np.cumsum(self.lengths[np.asarray(ids, dtype=np.int64)])
-        starts = ends - self.lengths[ids]
+        lengths = self.lengths[np.asarray(ids, dtype=np.int64)]
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
         if not text.isascii():  # byte offsets to character offsets: the character each byte belongs to
             raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
             char_of = np.cumsum((raw & 0xC0) != 0x80) - 1

@@ -342,16 +342,15 @@ def load_samples(
         num_proc = auto_num_proc(mix)
         log.info("tokenizing in %d process(es), chosen from the cores and the data's size", num_proc)
 
+    args = (max_length, too_long, num_proc, progress, dedupe)
     if cache_dir is None:
-        tokenizer = _loaded(tokenizer)
         # The token file is still the one place the tokens go; unlinked at once, it lives as long as its mapping.
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="hsextract-tokens-") as tmp:
             path = Path(tmp) / "tokens.safetensors"
-            samples, report = _tokenize(
-                mix, tokenizer, max_length, too_long, num_proc, progress, dedupe, path
-            )
+            tokenizer, tiktoken = _loaded(tokenizer)
+            samples, report = _tokenize(mix, tokenizer, *args, path, tiktoken=tiktoken)
         return replace(samples, file=None), report
     cache_path = cache_file(
         cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe
@@ -365,12 +364,16 @@ def load_samples(
         else:
             log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
             return samples, report
-    return _tokenize(mix, _loaded(tokenizer), max_length, too_long, num_proc, progress, dedupe, cache_path)
+    tokenizer, tiktoken = _loaded(tokenizer)
+    return _tokenize(mix, tokenizer, *args, cache_path, tiktoken=tiktoken)
 
 
-def _loaded(tokenizer):
-    """The tokenizer itself, for tokenizing (a ``RecordedTokenizer`` loads it now)."""
-    return tokenizer.load() if hasattr(tokenizer, "recorded_fingerprint") else tokenizer
+def _loaded(tokenizer) -> tuple:
+    """The tokenizer itself, for tokenizing (a ``RecordedTokenizer`` loads it now), and its checked tiktoken spec
+    where a ``RecordedTokenizer`` keeps one (else ``AUTO``: checked when tokenizing)."""
+    if not hasattr(tokenizer, "recorded_fingerprint"):
+        return tokenizer, AUTO
+    return tokenizer.load(), tokenizer.tiktoken_spec()
 
 
 SAMPLE_ROWS = 2000

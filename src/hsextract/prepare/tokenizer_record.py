@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hsextract.prepare.fast_tokenizer import PROBE, direct_backend
 from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer, valid_snapshot
+from hsextract.prepare.tiktoken_bpe import disabled, spec_from_json, spec_of, spec_to_json
 from hsextract.prepare.tokenize import load_tokenizer, tokenizer_fingerprint
 from hsextract.storage.fileio import atomic_write, user_cache_dir, write_json
 
@@ -120,6 +121,23 @@ class RecordedTokenizer:
             return SnapshotTokenizer(snapshot) if valid_snapshot(snapshot) else None
         except Exception:  # an unreadable snapshot costs a load through transformers, never the run
             return None
+
+    def tiktoken_spec(self):
+        """``spec_of`` the tokenizer, kept beside its record: the check encodes the whole vocabulary both ways
+        (~12 CPU-s for a 248k one, at every launch that tokenizes). A missing, damaged or other tiktoken's file is
+        made again; the tokenizing still checks tiktoken against the tokenizer as it goes."""
+        if disabled():
+            return None
+        path = None if self.path is None else self.path.with_name(self.path.stem + ".tiktoken.json")
+        if path is not None and path.is_file() and self._record is not None:
+            try:
+                return spec_from_json(json.loads(path.read_bytes()))
+            except Exception:
+                pass
+        spec = spec_of(self.load())
+        if path is not None:
+            atomic_write(path, json.dumps(spec_to_json(spec)), durable=False)
+        return spec
 
     @property
     def loaded(self) -> bool:

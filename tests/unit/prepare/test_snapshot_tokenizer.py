@@ -115,3 +115,43 @@ def test_tokenizing_from_a_snapshot_imports_no_transformers(tokenizer, tmp_path)
     expected = RowEncoder(tokenizer, 64, "truncate").encode(0, CHAT_ROW)[4].tolist()
     assert out.split(maxsplit=1)[0] == "kept"
     assert out.strip().endswith("False False") and str(expected) in out
+
+
+EDGE_TEMPLATES = {
+    "fields": "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.missing is defined }}|{{ m.get('name', '-') }}"
+    "{% endfor %}",
+    "dict-methods": "{% for m in messages %}{% for k, v in m.items() %}{{ k }}={{ v }};{% endfor %}"
+    "{{ m.keys() | list | length }}{% endfor %}",
+    "a-key-named-like-a-method": "{% for m in messages %}{{ m.items }}{{ m['items'] }}{% endfor %}",
+    "string-methods": "{% for m in messages %}{{ m.content.split(' ')[0].upper() }}"
+    "{{ m.content.startswith('Hi') }}{% endfor %}",
+    "mutating-a-list": "{% set x = messages.append(1) %}{{ messages | length }}",
+    "mutating-a-dict": "{{ messages[0].update({'role': 'x'}) }}",
+    "class-attribute": "{{ messages.__class__ }}",
+    "mro-of-a-type": "{{ ''.__class__.mro() }}",
+    "format-string": "{{ '{0.__class__}'.format(messages) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_TEMPLATES))
+def test_the_snapshots_sandbox_renders_and_refuses_as_transformers_does(tokenizer, name):
+    """Each attribute a template reads, the unsafe ones included, answers as in transformers' own sandbox."""
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = EDGE_TEMPLATES[name]
+    messages = [{"role": "user", "content": "Hi there", "items": "x"}, {"role": "assistant", "content": "Yo"}]
+    snap = SnapshotTokenizer(
+        {
+            "backend": other.backend_tokenizer.to_str(),
+            "chat_template": other.chat_template,
+            "special_tokens_map": other.special_tokens_map,
+        }
+    )
+    results = []
+    for tok in (other, snap):
+        try:
+            results.append(tok.apply_chat_template(copy.deepcopy(messages), tokenize=False))
+        except Exception as e:
+            results.append(f"{type(e).__name__}: {e}")
+    assert results[0] == results[1]
+    if name in ("mutating-a-list", "mutating-a-dict", "mro-of-a-type"):
+        assert results[1].startswith("SecurityError"), results[1]

@@ -138,3 +138,34 @@ def test_the_spec_check_refuses_merges_out_of_rank_order(tokenizer, monkeypatch)
 
     swapped = tokenizer.__class__(tokenizer_object=Tokenizer.from_str(json.dumps(d)))
     assert spec_of(swapped) is None
+
+
+def test_the_spec_is_kept_beside_the_tokenizers_record_and_a_damaged_one_is_checked_again(
+    tokenizer, spec, tmp_path, monkeypatch
+):
+    """The second launch takes the checked spec from the record's folder instead of encoding the vocabulary again;
+    a damaged file, or ``HSEXTRACT_TIKTOKEN=0``, never gives a spec that was not checked."""
+    from hsextract.prepare import tokenizer_record
+    from hsextract.prepare.tiktoken_bpe import spec_from_json, spec_to_json
+
+    assert spec_from_json(json.loads(json.dumps(spec_to_json(spec)))) == spec
+    assert spec_from_json(spec_to_json(None)) is None
+
+    model = tmp_path / "model"
+    tokenizer.save_pretrained(str(model))
+    first = tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records")
+    assert first.tiktoken_spec() == spec
+    kept = first.path.with_name(first.path.stem + ".tiktoken.json")
+    assert kept.is_file()
+
+    def no_check(tokenizer):
+        raise AssertionError("the vocabulary was checked again")
+
+    monkeypatch.setattr(tokenizer_record, "spec_of", no_check)
+    assert tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec() == spec
+
+    kept.write_text(kept.read_text()[:-40])  # cut short
+    with pytest.raises(AssertionError, match="checked again"):
+        tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec()
+    monkeypatch.setenv(ENV, "0")
+    assert tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec() is None
