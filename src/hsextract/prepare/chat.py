@@ -306,7 +306,7 @@ class RowEncoder:
             raise _malformed(f"'text' is a {type(text).__name__}, not a string")
         # A mask given with the text covers all its tokens: checked against their count, so tokenized whole.
         ids, _, cut_early = self.tokenize(text, whole=mask is not None)
-        if not ids:
+        if not len(ids):
             raise _RowSkipped("empty", "'text' is empty")
         return *self._pretokenized(ids, mask), cut_early
 

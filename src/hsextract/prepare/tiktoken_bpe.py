@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -281,9 +282,10 @@ class TiktokenEncoder:
         for text, token_id in spec.specials.items():
             self.lengths[token_id] = len(text.encode("utf-8"))
         self.nfc, self.reference, self.check_every, self.texts = spec.nfc, reference, check_every, 0
-        self.unreachable = spec.unreachable
+        self.unreachable = np.zeros(size, dtype=bool)
+        self.unreachable[list(spec.unreachable)] = True
 
-    def ids_and_offsets(self, text: str, offsets: bool) -> tuple[list, np.ndarray | None]:
+    def ids_and_offsets(self, text: str, offsets: bool) -> tuple[Sequence[int], np.ndarray | None]:
         if self.nfc and not unicodedata.is_normalized("NFC", text):
             return self.reference(text, offsets)  # offsets through a normalization: the backend's own
         self.texts += 1
@@ -296,13 +298,18 @@ class TiktokenEncoder:
                 )
         return self._encode(text, offsets)
 
-    def _encode(self, text: str, offsets: bool) -> tuple[list, np.ndarray | None]:
-        ids = self.encoding.encode(text, allowed_special="all", disallowed_special=())
-        if self.unreachable and not self.unreachable.isdisjoint(ids):
+    def _encode(self, text: str, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        try:  # the ids as an array, not a list of ints
+            ids = self.encoding.encode_to_numpy(text, allowed_special="all", disallowed_special=())
+        except UnicodeEncodeError:  # a lone surrogate: ``encode`` has tiktoken's own way with it
+            ids = np.asarray(
+                self.encoding.encode(text, allowed_special="all", disallowed_special=()), np.uint32
+            )
+        if self.unreachable[ids].any():
             return self.reference(text, offsets)
         if not offsets:
             return ids, None
-        lengths = self.lengths[np.asarray(ids, dtype=np.int64)]
+        lengths = self.lengths[ids]
         ends = np.cumsum(lengths)
         starts = ends - lengths
         if not text.isascii():  # byte offsets to character offsets: the character each byte belongs to

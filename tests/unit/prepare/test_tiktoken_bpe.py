@@ -98,9 +98,9 @@ def test_entries_bpe_does_not_reach_are_left_to_the_tokenizers_backend(tokenizer
 
     fast = TiktokenEncoder(marked, counting, check_every=0)
     assert fast.encoding.encode(text) == [spec.ranks[token]]
-    assert fast.ids_and_offsets(text, False)[0] == own(text, False)[0]
+    assert list(fast.ids_and_offsets(text, False)[0]) == own(text, False)[0]
     assert calls == [text]
-    assert fast.ids_and_offsets(" 12", False)[0] == own(" 12", False)[0] and calls == [text]
+    assert list(fast.ids_and_offsets(" 12", False)[0]) == own(" 12", False)[0] and calls == [text]
 
 
 def test_a_tokenizer_trained_otherwise_or_switched_off_keeps_its_own_backend(
