@@ -55,6 +55,7 @@ def test_rows_encode_the_same_through_tiktoken_and_the_tokenizers_own_backend(to
     own = RowEncoder(tokenizer, 64, too_long, tiktoken=None)
     fast = RowEncoder(tokenizer, 64, too_long, tiktoken=spec)
     assert own.fast is None and fast.fast is not None
+    assert own.longest_token == fast.longest_token  # from get_vocab, from the spec
     kinds = set()
     for i, row in enumerate(rows()):
         a, b = own.encode(i, row), fast.encode(i, row)
