@@ -13,6 +13,7 @@ ways too, and a difference stops the preparation (nothing is cached). ``HSEXTRAC
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 import os
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 ENV = "HSEXTRACT_TIKTOKEN"
 
-CHECK_EVERY = 64
+CHECK_EVERY = 256
 
-"""One text in this many is also encoded by the tokenizer's own backend (+1.5% of its cost), the first 16 always."""
+"""One text in this many is also encoded by the tokenizer's own backend (~2% of a row's cost: the backend is ~5x
+slower than everything else a row costs), the first 16 always."""
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -179,8 +181,10 @@ def spec_to_json(spec: TiktokenSpec | None) -> dict:
     if spec is not None:
         doc["spec"] = {
             "pattern": spec.pattern,
-            # One "<base64 bytes> <id>" line per entry, as tiktoken's own files keep ranks.
-            "ranks": "\n".join(f"{base64.b64encode(t).decode()} {i}" for t, i in spec.ranks.items()),
+            # The entries' bytes end to end, their lengths and ids: read back in ~0.1 s for a 248k vocabulary.
+            "entries": base64.b64encode(b"".join(spec.ranks)).decode(),
+            "lengths": [len(t) for t in spec.ranks],
+            "ids": list(spec.ranks.values()),
             "specials": spec.specials,
             "nfc": spec.nfc,
             "unreachable": sorted(spec.unreachable),
@@ -201,13 +205,20 @@ def spec_from_json(doc) -> TiktokenSpec | None:
     d = doc.get("spec")
     if d is None:
         return None
-    ranks = {}
-    for line in d["ranks"].split("\n"):
-        token, token_id = line.split(" ")
-        ranks[base64.b64decode(token, validate=True)] = int(token_id)
+    entries, lengths, ids = base64.b64decode(d["entries"], validate=True), d["lengths"], d["ids"]
+    if not (
+        len(lengths) == len(ids)
+        and all(type(n) is int and n > 0 for n in lengths)
+        and sum(lengths) == len(entries)
+    ):
+        raise ValueError("a damaged tiktoken spec")
+    ends = list(itertools.accumulate(lengths))
+    ranks = {entries[end - n : end]: i for end, n, i in zip(ends, lengths, ids, strict=True)}
     specials, unreachable = d["specials"], d["unreachable"]
     if not (
-        isinstance(d["pattern"], str)
+        len(ranks) == len(ids)
+        and all(type(i) is int for i in ids)
+        and isinstance(d["pattern"], str)
         and isinstance(d["nfc"], bool)
         and isinstance(specials, dict)
         and all(isinstance(k, str) and type(v) is int for k, v in specials.items())
