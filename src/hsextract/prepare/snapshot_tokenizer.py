@@ -96,12 +96,16 @@ class SnapshotTokenizer:
     taken from does."""
 
     def __init__(self, snapshot: dict):
-        from tokenizers import Tokenizer
-
         self.snapshot = snapshot
-        self.backend_tokenizer = Tokenizer.from_str(snapshot["backend"])
         self.chat_template = snapshot["chat_template"]
         self.special_tokens_map = dict(snapshot["special_tokens_map"])
+
+    @cached_property
+    def backend_tokenizer(self):
+        """Built on first use (~2 CPU-s for a 248k vocabulary): a pool's parent only sends the snapshot on."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.snapshot["backend"])
 
     def __reduce__(self):
         return SnapshotTokenizer, (self.snapshot,)
