@@ -291,11 +291,16 @@ def tokenizing_progress(stderr: str) -> tuple[int, float | None]:
     return rows, rows / elapsed if elapsed else None
 
 
+def with_src(src: str | None) -> dict:
+    """``PYTHONPATH`` with ``src`` first (its hsextract wins; the rest, e.g. wheels installed aside, stays)."""
+    if not src:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+
+
 def prepare(work: Path, model: Path, globs: list[str], procs: int, run: Path, src: str | None, limit: float):
     """Run one preparation in a fresh process; its figures, CPU seconds included (children and theirs)."""
-    env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
-    if src:
-        env["PYTHONPATH"] = src
+    env = {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false", **with_src(src)}
     argv = [
         sys.executable,
         __file__,
@@ -434,7 +439,7 @@ def main() -> None:
         if args.feed:
             for p in procs:
                 argv = [sys.executable, __file__, "--child", "--feed", "--num-proc", str(p)]
-                env = {**os.environ, **({"PYTHONPATH": args.src} if args.src else {})}
+                env = {**os.environ, **with_src(args.src)}
                 r = subprocess.run(
                     argv + [a for g in globs for a in ("--data", g)], env=env, capture_output=True, text=True
                 )
