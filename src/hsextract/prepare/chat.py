@@ -220,17 +220,15 @@ def _longest_tail_in(text: str, pattern: str, lo: int, hi: int) -> tuple[int, in
 
 
 def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 for tokens whose character range overlaps one of the sorted, disjoint ``spans``."""
+    """1 for tokens of non-empty character range that overlaps one of the sorted, disjoint ``spans``."""
     mask = np.zeros(len(offsets), dtype=np.uint8)
     if not spans or not len(offsets):
         return mask
-    span_starts = np.array([s for s, _ in spans])
-    span_ends = np.array([e for _, e in spans])
-    tok_starts, tok_ends = offsets[:, 0], offsets[:, 1]
-    first = np.searchsorted(span_ends, tok_starts, side="right")  # first span ending after the token starts
-    valid = first < len(spans)
-    overlaps = valid & (span_starts[np.minimum(first, len(spans) - 1)] < tok_ends) & (tok_ends > tok_starts)
-    mask[overlaps] = 1
+    tok_starts, tok_ends = offsets[:, 0], offsets[:, 1]  # sorted: tokens follow each other
+    for start, end in spans:
+        first = np.searchsorted(tok_ends, start, side="right")  # the first token ending after the span starts
+        stop = np.searchsorted(tok_starts, end, side="left")  # the first token starting at or after its end
+        mask[first:stop] = tok_ends[first:stop] > tok_starts[first:stop]
     return mask
 
 

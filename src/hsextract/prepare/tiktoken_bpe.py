@@ -321,13 +321,14 @@ class TiktokenEncoder:
         if not offsets:
             return ids, None
         lengths = self.lengths[ids]
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
+        spans = np.empty((len(ids), 2), dtype=np.int64)
+        ends = np.cumsum(lengths, out=spans[:, 1])
+        np.subtract(ends, lengths, out=spans[:, 0])
         if not text.isascii():  # byte offsets to character offsets: the character each byte belongs to
             raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
             char_of = np.cumsum((raw & 0xC0) != 0x80) - 1
-            starts, ends = char_of[starts], char_of[ends - 1] + 1
-        return ids, np.stack([starts, ends], axis=1) if len(ids) else np.zeros((0, 2), dtype=np.int64)
+            spans[:, 0], spans[:, 1] = char_of[spans[:, 0]], char_of[spans[:, 1] - 1] + 1
+        return ids, spans
 
     def agrees(self, text: str) -> bool:
         """Both encoders give ``text`` the same ids and character offsets (a text NFC would change is never

@@ -139,3 +139,22 @@ def test_a_50_mb_row_is_cut_in_seconds(tmp_path, tokenizer):
     assert (
         samples.sample(0)[0].tolist() == tokenizer(text[:20_000], add_special_tokens=False)["input_ids"][:300]
     )
+
+
+def test_the_mask_marks_exactly_the_tokens_overlapping_a_span():
+    """Against a token-by-token reference: random tokens (some empty, as a backend gives for some added tokens) and
+    random sorted, disjoint spans."""
+    from hsextract.prepare.chat import _mask_from_spans
+
+    rng = random.Random(5)
+    for _ in range(300):
+        offsets, at = [], 0
+        for _ in range(rng.randint(0, 40)):
+            n = rng.choice([0, 1, 1, 2, 3, 7])
+            offsets.append((at, at + n))
+            at += n
+        cuts = sorted(rng.sample(range(at + 2), min(at + 2, 2 * rng.randint(0, 3))))
+        spans = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)]
+        want = [int(b > a and any(a < e and b > s for s, e in spans)) for a, b in offsets]
+        got = _mask_from_spans(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
+        assert got.tolist() == want, (offsets, spans)
