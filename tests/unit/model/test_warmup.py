@@ -190,10 +190,21 @@ def test_stamps_of_two_jobs_at_once_merge(tmp_path):
     assert kc.read_stamp(tmp_path, "sig").buckets == {(i, 3 * i) for i in range(1, 9)}
 
 
-def test_a_damaged_stamp_counts_as_none(tmp_path):
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        '{"buckets": [["3"]], "classes": []}',  # a string for an integer
+        '{"buckets": [], "classes": [[1, 0, 0, 1]]}',  # integers for flags: not warm shapes
+        '{"buckets": [], "classes": [[true, false]]}',  # two flags of four
+        '{"buckets": [], "classes": [], "extra": 1}',
+        "[]",
+    ],
+)
+def test_a_damaged_stamp_counts_as_none(tmp_path, text):
     path = kc.stamp_path(tmp_path, "sig")
     path.parent.mkdir(parents=True)
-    path.write_text("{not json")
+    path.write_text(text)
     assert not kc.read_stamp(tmp_path, "sig")
 
 

@@ -22,9 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing_extensions import TypedDict
+
 from hsextract.errors import HsextractError
 from hsextract.model.warmup.fla_patch import NB_ROWS, package_version, patch_supported, pin_enabled
 from hsextract.storage.fileio import atomic_write, cache_home
+from hsextract.validation import parse
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +256,20 @@ class WarmSet:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> WarmSet:
+    def from_json(cls, d) -> WarmSet:
+        """The set a stamp holds; ValueError naming the field when it is not one (``validation.py``)."""
+        record = parse(StampJson, d, ValueError)
         return cls(
-            buckets={tuple(int(x) for x in b) for b in d.get("buckets", [])},
-            classes={tuple(bool(x) for x in c) for c in d.get("classes", [])},
+            buckets={tuple(b) for b in record["buckets"]}, classes={tuple(c) for c in record["classes"]}
         )
+
+
+class StampJson(TypedDict):
+    """A warm stamp as JSON: FLA's autotune keys (integers, one per head count) and shape classes (four flags)."""
+
+    __pydantic_config__ = {"extra": "forbid"}  # type: ignore[misc]
+    buckets: list[list[int]]
+    classes: list[tuple[bool, bool, bool, bool]]
 
 
 def batch_needs(rows: int, padded_length: int, heads: tuple[int, ...]) -> WarmSet:
