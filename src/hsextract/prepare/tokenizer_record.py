@@ -69,6 +69,7 @@ def _read(path: Path | None) -> dict | None:
         and all(isinstance(v, str) for v in fingerprint.values())
         and (record.get("pad_token_id") is None or isinstance(record.get("pad_token_id"), int))
         and (record.get("snapshot_sha256") is None or isinstance(record.get("snapshot_sha256"), str))
+        and (record.get("tiktoken_sha256") is None or isinstance(record.get("tiktoken_sha256"), str))
     )
     return record if valid else None
 
@@ -123,20 +124,26 @@ class RecordedTokenizer:
             return None
 
     def tiktoken_spec(self):
-        """``spec_of`` the tokenizer, kept beside its record: the check encodes the whole vocabulary both ways
-        (~12 CPU-s for a 248k one, at every launch that tokenizes). A missing, damaged or other tiktoken's file is
-        made again; the tokenizing still checks tiktoken against the tokenizer as it goes."""
+        """``spec_of`` the tokenizer, kept beside its record as its snapshot is (its sha256 in the record): the check
+        encodes the whole vocabulary both ways (~12 CPU-s for a 248k one, at every launch that tokenizes). A missing,
+        changed or other tiktoken's file is made again; the tokenizing still checks tiktoken as it goes."""
         if disabled():
             return None
         path = None if self.path is None else self.path.with_name(self.path.stem + ".tiktoken.json")
-        if path is not None and path.is_file() and self._record is not None:
+        digest = (self._record or {}).get("tiktoken_sha256")
+        if path is not None and digest is not None and path.is_file():
             try:
-                return spec_from_json(json.loads(path.read_bytes()))
-            except Exception:
+                text = path.read_bytes()
+                if hashlib.sha256(text).hexdigest() == digest:
+                    return spec_from_json(json.loads(text))
+            except Exception:  # a damaged file costs the check, never the run
                 pass
         spec = spec_of(self.load())
-        if path is not None:
-            atomic_write(path, json.dumps(spec_to_json(spec)), durable=False)
+        if path is not None and self._record is not None:
+            text = json.dumps(spec_to_json(spec))
+            atomic_write(path, text, durable=False)
+            self._record["tiktoken_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+            write_json(self.path, self._record)
         return spec
 
     @property

@@ -165,8 +165,14 @@ def test_the_spec_is_kept_beside_the_tokenizers_record_and_a_damaged_one_is_chec
     monkeypatch.setattr(tokenizer_record, "spec_of", no_check)
     assert tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec() == spec
 
-    kept.write_text(kept.read_text()[:-40])  # cut short
-    with pytest.raises(AssertionError, match="checked again"):
-        tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec()
+    doc = json.loads(kept.read_text())
+    doc["spec"]["ids"][300], doc["spec"]["ids"][301] = doc["spec"]["ids"][301], doc["spec"]["ids"][300]
+    for damaged in (
+        kept.read_text()[:-40],
+        json.dumps(doc),
+    ):  # cut short; two entries' ids swapped, still a spec
+        kept.write_text(damaged)
+        with pytest.raises(AssertionError, match="checked again"):
+            tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec()
     monkeypatch.setenv(ENV, "0")
     assert tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec() is None
