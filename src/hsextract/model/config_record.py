@@ -1,6 +1,6 @@
 """What preparation reads of the model's config, recorded (in the user's cache, prepare/tokenizer_record.records_dir)
-so that a later launch reads no config through transformers: its import (which imports torch) was most of a resume's CPU (6.6 -> 2.5 CPU-s for a finished
-tiny job).
+so that a later launch reads no config through transformers: its import (which imports torch) was most of a resume's
+CPU (6.6 -> 2.5 CPU-s for a finished tiny job).
 
 A record is found by the bytes of ``config.json``, the transformers version that read it and ``RECORD_VERSION``;
 a model given as a Hub id has none. It holds the values of the attributes preparation reads (``FIELDS``), as the

@@ -84,6 +84,7 @@ class RecordedTokenizer:
         key = files_key(model) if record_dir is not None else None
         self.path = None if key is None else Path(record_dir) / f"tokenizer-{key}.json"
         self.snapshot_path = None if key is None else Path(record_dir) / f"tokenizer-{key}.snapshot.json"
+        self.tiktoken_path = None if key is None else Path(record_dir) / f"tokenizer-{key}.tiktoken.json"
         self._record = _read(self.path)
         self._tokenizer = None
 
@@ -102,49 +103,51 @@ class RecordedTokenizer:
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 if snapshot is not None:
-                    text = json.dumps(snapshot)
-                    atomic_write(self.snapshot_path, text, durable=False)
-                    self._record["snapshot_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+                    self._keep(self.snapshot_path, "snapshot_sha256", snapshot)
                 write_json(self.path, self._record)
             self._tokenizer = tokenizer if snapshot is None else SnapshotTokenizer(snapshot)
         return self._tokenizer
 
     def _from_snapshot(self) -> SnapshotTokenizer | None:
         """The recorded tokenizer's snapshot; None when there is none, or the file is not the one recorded."""
-        digest = (self._record or {}).get("snapshot_sha256")
-        if digest is None or self.snapshot_path is None or not self.snapshot_path.is_file():
-            return None
         try:
-            text = self.snapshot_path.read_bytes()
-            if hashlib.sha256(text).hexdigest() != digest:
-                return None
-            snapshot = json.loads(text)
+            snapshot = self._kept(self.snapshot_path, "snapshot_sha256")
             return SnapshotTokenizer(snapshot) if valid_snapshot(snapshot) else None
         except Exception:  # an unreadable snapshot costs a load through transformers, never the run
             return None
 
     def tiktoken_spec(self):
-        """``spec_of`` the tokenizer, kept beside its record as its snapshot is (its sha256 in the record): the check
-        encodes the whole vocabulary both ways (~12 CPU-s for a 248k one, at every launch that tokenizes). A missing,
-        changed or other tiktoken's file is made again; the tokenizing still checks tiktoken as it goes."""
+        """``spec_of`` the tokenizer, kept beside its record as its snapshot is: the check encodes the whole
+        vocabulary both ways (~12 CPU-s for a 248k one, at every launch that tokenizes). A missing, changed or other
+        tiktoken's file is made again; the tokenizing still checks tiktoken as it goes."""
         if disabled():
             return None
-        path = None if self.path is None else self.path.with_name(self.path.stem + ".tiktoken.json")
-        digest = (self._record or {}).get("tiktoken_sha256")
-        if path is not None and digest is not None and path.is_file():
-            try:
-                text = path.read_bytes()
-                if hashlib.sha256(text).hexdigest() == digest:
-                    return spec_from_json(json.loads(text))
-            except Exception:  # a damaged file costs the check, never the run
-                pass
+        try:
+            return spec_from_json(self._kept(self.tiktoken_path, "tiktoken_sha256"))
+        except Exception:  # a missing or damaged file costs the check, never the run
+            pass
         spec = spec_of(self.load())
-        if path is not None and self._record is not None:
-            text = json.dumps(spec_to_json(spec))
-            atomic_write(path, text, durable=False)
-            self._record["tiktoken_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+        if self.path is not None:
+            self._keep(self.tiktoken_path, "tiktoken_sha256", spec_to_json(spec))
             write_json(self.path, self._record)
         return spec
+
+    def _keep(self, path: Path, digest_key: str, value) -> None:
+        """``value`` as JSON at ``path``, its sha256 in the record under ``digest_key`` (the record is the caller's to
+        write)."""
+        text = json.dumps(value)
+        atomic_write(path, text, durable=False)
+        self._record[digest_key] = hashlib.sha256(text.encode()).hexdigest()
+
+    def _kept(self, path: Path | None, digest_key: str):
+        """What ``_keep`` wrote at ``path``; ValueError when there is none or the file is not the one recorded."""
+        digest = (self._record or {}).get(digest_key)
+        if path is None or digest is None or not path.is_file():
+            raise ValueError(f"no {path} recorded")
+        text = path.read_bytes()
+        if hashlib.sha256(text).hexdigest() != digest:
+            raise ValueError(f"{path} is not the file recorded")
+        return json.loads(text)
 
     @property
     def loaded(self) -> bool:

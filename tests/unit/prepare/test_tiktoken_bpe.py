@@ -156,7 +156,7 @@ def test_the_spec_is_kept_beside_the_tokenizers_record_and_a_damaged_one_is_chec
     tokenizer.save_pretrained(str(model))
     first = tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records")
     assert first.tiktoken_spec() == spec
-    kept = first.path.with_name(first.path.stem + ".tiktoken.json")
+    kept = first.tiktoken_path
     assert kept.is_file()
 
     def no_check(tokenizer):
