@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.training.schemas import SCHEMAS, NemoDSpark, Schema
+from hsextract.training.schemas import SCHEMAS, NemoDSpark, Schema, by_name
 
 FILE_GROUP = 2000  # samples per subdirectory, as SpecForge's prepare_hidden_states.py groups them
 
@@ -78,8 +78,21 @@ class ExportFormat:
         raise NotImplementedError
 
 
-class SpecForgeDFlash(ExportFormat):
-    schema = SCHEMAS["specforge-dflash"]
+class SpecForge(ExportFormat):
+    """SpecForge's offline ``data_I.ckpt`` files, one per sample in groups of ``FILE_GROUP``; its DFlash, DFlash 2,
+    DSpark and EAGLE-3 recipes differ in the schema, the recipe and where the layer ids go."""
+
+    DFLASH_RECIPE = "examples/configs/qwen3-8b-dflash-offline.yaml"
+
+    def __init__(
+        self, schema: str, where: str, recipe: str = DFLASH_RECIPE, reads_vocab_mapping: bool = True
+    ):
+        self.schema = SCHEMAS[schema]
+        self.where = where
+        """Where the layer ids go in the trainer's config, ``{ids}`` standing for them as one shell word."""
+        self.recipe = recipe
+        self.reads_vocab_mapping = reads_vocab_mapping
+        """Whether the recipe takes ``model.vocab_mapping_path`` (added when a draft vocab is made)."""
 
     def sample_files(self, index, s):
         return {f"{_group(index)}/data_{index}.ckpt": _records_bytes(self.schema.record(s))}
@@ -89,47 +102,16 @@ class SpecForgeDFlash(ExportFormat):
 
     def train_hint(self, manifest, dest, draft_vocab):
         ids = list(manifest["layer_ids"])
-        return {
-            "layer_ids": ids,
-            "where": f'draft model config: "dflash_config": {{"target_layer_ids": {_ids(ids)}}}',
-            "command": "specforge train --config examples/configs/qwen3-8b-dflash-offline.yaml "
+        command = (
+            f"specforge train --config {self.recipe} "
             f"model.target_model_path={_model(manifest)} data.hidden_states_path={dest}"
-            + _vocab_path(dest, draft_vocab),
-        }
+        )
+        if self.reads_vocab_mapping:
+            command += _vocab_path(dest, draft_vocab)
+        return {"layer_ids": ids, "where": self.where.format(ids=_ids(ids)), "command": command}
 
 
-class SpecForgeDFlash2(SpecForgeDFlash):
-    schema = SCHEMAS["specforge-dflash2"]
-
-
-class SpecForgeDSpark(SpecForgeDFlash):
-    schema = SCHEMAS["specforge-dspark"]
-
-    def train_hint(self, manifest, dest, draft_vocab):
-        ids = list(manifest["layer_ids"])
-        return {
-            "layer_ids": ids,
-            "where": f"the DSpark draft config's target_layer_ids: {_ids(ids)} (SpecForge ships no DSpark recipe: "
-            "start from its DFlash offline one)",
-            "command": "specforge train --config examples/configs/qwen3-8b-dflash-offline.yaml "
-            f"model.target_model_path={_model(manifest)} data.hidden_states_path={dest}",
-        }
-
-
-class SpecForgeEagle3(SpecForgeDFlash):
-    schema = SCHEMAS["specforge-eagle3"]
-
-    def train_hint(self, manifest, dest, draft_vocab):
-        ids = list(manifest["layer_ids"])
-        return {
-            "layer_ids": ids,
-            "where": f"aux_hidden_state_layer_ids: {_ids(ids)} under model: in a copy of the recipe YAML (or "
-            "eagle_config.eagle_aux_hidden_state_layer_ids in the draft config; a dotted override does not parse a "
-            "list here)",
-            "command": "specforge train --config examples/configs/qwen3.5-35b-a3b-eagle3-offline.yaml "
-            f"model.target_model_path={_model(manifest)} data.hidden_states_path={dest}"
-            + _vocab_path(dest, draft_vocab),
-        }
+_DFLASH_WHERE = 'draft model config: "dflash_config": {{"target_layer_ids": {ids}}}'
 
 
 class Speculators(ExportFormat):
@@ -253,18 +235,26 @@ def _vocab_path(dest: str, draft_vocab: int | None) -> str:
     return f" model.vocab_mapping_path={dest}/vocab_mapping.pt" if draft_vocab else ""
 
 
-FORMATS: dict[str, ExportFormat] = {
-    f.name: f
-    for f in (
-        SpecForgeDFlash(),
-        SpecForgeDFlash2(),
-        SpecForgeDSpark(),
-        SpecForgeEagle3(),
-        Speculators(),
-        ModelOpt(),
-        NemoDSparkCache(),
-    )
-}
+FORMATS: dict[str, ExportFormat] = by_name(
+    SpecForge("specforge-dflash", _DFLASH_WHERE),
+    SpecForge("specforge-dflash2", _DFLASH_WHERE),
+    SpecForge(
+        "specforge-dspark",
+        "the DSpark draft config's target_layer_ids: {ids} (SpecForge ships no DSpark recipe: start from its DFlash "
+        "offline one)",
+        reads_vocab_mapping=False,
+    ),
+    SpecForge(
+        "specforge-eagle3",
+        "aux_hidden_state_layer_ids: {ids} under model: in a copy of the recipe YAML (or "
+        "eagle_config.eagle_aux_hidden_state_layer_ids in the draft config; a dotted override does not parse a "
+        "list here)",
+        recipe="examples/configs/qwen3.5-35b-a3b-eagle3-offline.yaml",
+    ),
+    Speculators(),
+    ModelOpt(),
+    NemoDSparkCache(),
+)
 
 
 def vocab_mapping(token_freq: dict[int, int], draft_vocab: int, target_vocab: int):

@@ -117,19 +117,7 @@ class ReportBuilder:
 
     def report(self) -> DataReport:
         total = {key: sum(s[key] for s in self.sources) for key in (*COUNTS, "tokens")}
-        return DataReport(
-            rows=total["rows"],
-            kept=total["kept"],
-            truncated=total["truncated"],
-            skipped_empty=total["skipped_empty"],
-            skipped_malformed=total["skipped_malformed"],
-            skipped_too_long=total["skipped_too_long"],
-            skipped_duplicate=total["skipped_duplicate"],
-            tokens=total["tokens"],
-            max_length=self.max_length,
-            examples=self.examples,
-            sources=self.sources,
-        )
+        return DataReport(**total, max_length=self.max_length, examples=self.examples, sources=self.sources)
 
     def check_usable(self, labels: list[str]) -> None:
         """A source none of whose rows is usable is an error naming it: extracting nothing is never meant."""

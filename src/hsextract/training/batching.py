@@ -163,13 +163,5 @@ class TokenBudgetBatches:
         self._skip = state["consumed"]
 
     def _identity(self) -> dict:
-        return {
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "max_tokens": self.max_tokens,
-            "max_samples": self.max_samples,
-            "window_files": self.window_files,
-            "num_samples": len(self.lengths),
-        }
+        names = ("seed", "shuffle", "rank", "world_size", "max_tokens", "max_samples", "window_files")
+        return {**{name: getattr(self, name) for name in names}, "num_samples": len(self.lengths)}

@@ -37,6 +37,23 @@ def has_consecutive_loss_tokens(loss_mask) -> bool:
     return bool((m[:-1] & m[1:]).any()) if m.size > 1 else False
 
 
+def by_name(*named) -> dict:
+    """A registry of schemas or formats, by their ``name``."""
+    return {n.name: n for n in named}
+
+
+def _dspark_record(s: dict, ids_dtype: str, mask_dtype: str) -> dict:
+    """The DSpark caches' four tensors, the tokens and their mask as ``torch.<dtype>``."""
+    import torch
+
+    return {
+        "input_ids": s["input_ids"].to(getattr(torch, ids_dtype)),
+        "loss_mask": s["loss_mask"].to(getattr(torch, mask_dtype)),
+        "target_hidden_states": s["hidden_states"],
+        "target_last_hidden_states": s["final_hidden_state"],
+    }
+
+
 class Schema:
     """One trainer's per-sample dict. Subclasses say what a sample becomes and what the output must hold."""
 
@@ -143,14 +160,7 @@ class DeepSpecDSpark(Schema):
     preset = "dspark"
 
     def record(self, s):
-        import torch
-
-        return {
-            "input_ids": s["input_ids"].to(torch.int32),
-            "loss_mask": s["loss_mask"].to(torch.uint8),
-            "target_hidden_states": s["hidden_states"],
-            "target_last_hidden_states": s["final_hidden_state"],
-        }
+        return _dspark_record(s, "int32", "uint8")
 
 
 class NemoDSpark(Schema):
@@ -173,12 +183,7 @@ class NemoDSpark(Schema):
         return None
 
     def record(self, s):
-        return {
-            "input_ids": s["input_ids"].long(),
-            "loss_mask": s["loss_mask"].long(),
-            "target_hidden_states": s["hidden_states"],
-            "target_last_hidden_states": s["final_hidden_state"],
-        }
+        return _dspark_record(s, "int64", "int64")
 
     def item(self, record, s=None):
         if self.seq_length is None:
@@ -287,20 +292,17 @@ class ModelOpt(Schema):
         }
 
 
-SCHEMAS: dict[str, Schema] = {
-    s.name: s
-    for s in (
-        Raw(),
-        SpecForgeDFlash(),
-        SpecForgeDFlash2(),
-        SpecForgeDSpark(),
-        SpecForgeEagle3(),
-        Speculators(),
-        ModelOpt(),
-        DeepSpecDSpark(),
-        NemoDSpark(),
-    )
-}
+SCHEMAS: dict[str, Schema] = by_name(
+    Raw(),
+    SpecForgeDFlash(),
+    SpecForgeDFlash2(),
+    SpecForgeDSpark(),
+    SpecForgeEagle3(),
+    Speculators(),
+    ModelOpt(),
+    DeepSpecDSpark(),
+    NemoDSpark(),
+)
 
 
 def get_schema(schema: str | Schema) -> Schema:
