@@ -411,5 +411,19 @@ def demo(root, shards, conversations):
     )
 
 
+def entry() -> None:
+    """The console script: the CLI, then an exit that skips the interpreter's teardown (run/procs.py says why)."""
+    from hsextract.run.procs import exit_now
+
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # what SystemExit itself would do with a message
+        print(code, file=sys.stderr)
+    exit_now(code if isinstance(code, int) else int(code is not None))
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -37,7 +37,9 @@ STOP_GRACE_S = 30.0
 
 # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
 # module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
-WORKER_ENTRY = "import sys; from hsextract.run.worker import main; sys.exit(main())"
+WORKER_ENTRY = (
+    "from hsextract.run.procs import exit_now; from hsextract.run.worker import main; exit_now(main())"
+)
 
 
 def _die_with_launcher():

@@ -41,7 +41,7 @@ PIN_ENV = "HSEXTRACT_PRESTART_PIN"
 (run/hostmem.py)."""
 
 
-ENTRY = "import sys; from hsextract.run.prestart import main; sys.exit(main())"
+ENTRY = "from hsextract.run.procs import exit_now; from hsextract.run.prestart import main; exit_now(main())"
 
 """A ``-c`` program, as the worker's own entry (launcher.py says why)."""
 

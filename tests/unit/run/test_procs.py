@@ -1,0 +1,55 @@
+"""``exit_now``: the interpreter's exit without its teardown, in real processes (what it skips can only be seen
+from outside)."""
+
+import subprocess
+import sys
+
+PROGRAM = """
+import atexit, sys, threading, time
+from pathlib import Path
+from hsextract.run.procs import exit_now
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+if sys.argv[2] == "thread":
+    def late():
+        time.sleep(0.3)
+        (out / "thread").write_text("finished")
+    threading.Thread(target=late).start()
+sys.stdout.write("unflushed")
+exit_now(int(sys.argv[3]))
+"""
+
+
+def run(tmp_path, mode: str, code: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", PROGRAM, str(tmp_path), mode, str(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_exit_now_keeps_the_code_the_exit_handlers_and_the_buffered_output(tmp_path):
+    r = run(tmp_path, "plain", 3)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "unflushed"
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_exit_now_waits_for_a_running_non_daemon_thread_as_the_interpreter_would(tmp_path):
+    r = run(tmp_path, "thread", 0)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "thread").read_text() == "finished"
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_the_cli_entry_exits_with_clicks_codes():
+    version = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and "hsextract" in version.stdout, version.stderr
+    usage = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "nonsense"], capture_output=True, text=True
+    )
+    assert usage.returncode == 2 and "No such command" in usage.stderr, usage.stderr
