@@ -198,6 +198,8 @@ def _run_shards(
                     del procs[s]
                     if rc != 0:
                         failed[s] = rc
+                    else:
+                        stalls.finished(s)
             progress = {s: ShardProgress.load(run_dir, s) for s in todo}
             for s, p in procs.items():
                 stalls.check(s, p, progress[s])

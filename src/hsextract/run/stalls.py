@@ -115,7 +115,7 @@ class StallWatch:
         if same_stall(stall, old):
             return
         if old is not None:
-            self.echo(f"shard {shard}: {old.process} pid {old.pid} recovered after {now - old.since:.0f} s")
+            self._recovered(shard, old, now)
         if stall is not None:
             log = self.run_dir.log_file(shard, "uploader" if stall.process == "uploader" else "")
             self.echo(
@@ -125,3 +125,13 @@ class StallWatch:
             self.current[shard] = stall
         else:
             self.current.pop(shard, None)
+
+    def finished(self, shard: int) -> None:
+        """The shard's worker exited 0: a stall printed for it has ended, even if no check saw the heartbeat come
+        back before the exit."""
+        old = self.current.pop(shard, None)
+        if old is not None:
+            self._recovered(shard, old, time.time())
+
+    def _recovered(self, shard: int, old: Stall, now: float) -> None:
+        self.echo(f"shard {shard}: {old.process} pid {old.pid} recovered after {now - old.since:.0f} s")

@@ -107,3 +107,22 @@ def test_the_launcher_says_a_stall_once_and_its_recovery_once(tmp_path, monkeypa
     watch.check(0, worker, fresh)
     assert len(lines) == 3 and "uploader pid 99 stalled: no heartbeat" in lines[2]
     assert str(RunDir(tmp_path).log_file(0, "uploader")) in lines[2]
+
+
+def test_a_stall_that_ends_with_the_worker_exiting_0_is_said_to_have_recovered(tmp_path, monkeypatch):
+    """A worker may finish between two checks (the launcher polls): its shard's stall is not left unsaid."""
+    clock = [NOW]
+    monkeypatch.setattr("hsextract.run.stalls.time.time", lambda: clock[0])
+    lines = []
+    watch = StallWatch(RunDir(tmp_path), TIMEOUT, lines.append)
+    worker = SimpleNamespace(pid=4242_4242)
+    stalled = ShardProgress(
+        shard=0, state="running", pid=worker.pid, updated_at=clock[0], stall_timeout_s=TIMEOUT
+    )
+    stalled.stalled_process, stalled.stalled_pid, stalled.stall_reason = "uploader", 99, "no heartbeat"
+    watch.check(0, worker, stalled)
+    watch.finished(1)  # another shard, never stalled: nothing to say
+    clock[0] += 30
+    watch.finished(0)
+    watch.finished(0)
+    assert len(lines) == 2 and lines[1] == "shard 0: uploader pid 99 recovered after 30 s", lines
