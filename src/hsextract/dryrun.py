@@ -30,6 +30,7 @@ from hsextract.layers import (
 )
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.capture import model_final_norm
+from hsextract.model.checkpoint import check_checkpoint
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.model.target_topk import TopkAgreement, check_target_topk
 from hsextract.output import (
@@ -90,6 +91,7 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
 
 def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> DryRunResult:
     """Run the proof, the health check and the estimate. ``lm``: a model already loaded (tests)."""
+    check_checkpoint(cfg.model, weights=lm is None and not cfg.random_weights)
     _config, text, num_layers = load_model_config(cfg.model)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)

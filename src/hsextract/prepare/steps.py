@@ -22,6 +22,7 @@ from hsextract.config import DTYPE_BYTES, RunConfig
 from hsextract.devices import check_device
 from hsextract.errors import HsextractError
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
+from hsextract.model.checkpoint import check_checkpoint, weights_fingerprint
 from hsextract.model.config_record import recorded_model_config
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
@@ -52,7 +53,7 @@ from hsextract.prepare.tokenize import (
     tokenizer_fingerprint,
     unique_sample_ids,
 )
-from hsextract.prepare.tokenizer_record import WEIGHT_SUFFIXES, RecordedTokenizer, records_dir
+from hsextract.prepare.tokenizer_record import RecordedTokenizer, records_dir
 from hsextract.run.rundir import RunDir
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
@@ -81,6 +82,7 @@ def prepare_run(
     transformers): the launcher starts its workers' imports then."""
     run_dir = RunDir(cfg.run_dir)
     check_places(cfg)
+    check_checkpoint(cfg.model, weights=not cfg.random_weights)  # files only: a tokenizer, every weight file
     run_dir.root.mkdir(parents=True, exist_ok=True)
     if on_checked is not None:
         on_checked()
@@ -115,6 +117,7 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The places, then the model config, the layer ids, the output and the staging space: fails fast, writes
     nothing."""
     check_places(cfg)
+    check_checkpoint(cfg.model, weights=not cfg.random_weights)
     return check_model_and_output(cfg)
 
 
@@ -282,10 +285,6 @@ def tokenize(
     return samples, report, renamed
 
 
-SAMPLES_PER_WEIGHT_FILE = 16
-SAMPLE_BYTES = 1 << 16
-
-
 def model_identity(model: str, config) -> dict:
     config_file = Path(model) / "config.json"
     digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.exists() else ""
@@ -295,23 +294,6 @@ def model_identity(model: str, config) -> dict:
         "model_config_hash": digest,
         "model_weights_hash": weights_fingerprint(Path(model)),
     }
-
-
-def weights_fingerprint(model_dir: Path) -> str:
-    """A cheap hash that changes when the weights do: per weight file its name, size, and 16 x 64 KiB spread over
-    it (header included). Reads ~1 MB per file instead of 54 GB; any retrained or re-saved checkpoint differs in
-    the sampled bytes. Empty for a hub id or a config-only directory."""
-    if not model_dir.is_dir():
-        return ""
-    h = hashlib.sha256()
-    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            for i in range(SAMPLES_PER_WEIGHT_FILE):
-                f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES_PER_WEIGHT_FILE - 1))
-                h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()[:16]
 
 
 def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> dict:

@@ -18,6 +18,7 @@ import logging
 from importlib import metadata
 from pathlib import Path
 
+from hsextract.model.checkpoint import WEIGHT_SUFFIXES
 from hsextract.prepare.fast_tokenizer import PROBE, direct_backend
 from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer, valid_snapshot
 from hsextract.prepare.tiktoken_bpe import disabled, spec_from_json, spec_of, spec_to_json
@@ -27,11 +28,6 @@ from hsextract.storage.fileio import atomic_write, user_cache_dir, write_json
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-"""Files of a model directory that hold weights: never read for the tokenizer's key (tens of GB)."""
 
 
 def records_dir(run_cache: Path) -> Path:

@@ -1,0 +1,161 @@
+"""What a local checkpoint directory must hold before anything is prepared: a tokenizer and whole weight files.
+
+transformers builds an empty tokenizer from a directory with only a config (every row then fails, blamed on the
+data), and a missing or cut-short weight file surfaces only when a worker loads it, after preparation, where a
+rerun cannot fix it. Both are said here, from file names, sizes and safetensors headers alone: no import, no
+tensor read. The caller gives a local directory (a Hub id is resolved to its cached snapshot first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from hsextract.errors import HsextractError
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.txt",
+    "tekken.json",
+)
+
+"""Any one of these (or ``vocab.json`` with ``merges.txt``, or a ``*.tiktoken`` file) is a tokenizer's vocabulary."""
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+"""Files of a model directory that hold weights: never read whole for a key or a fingerprint (tens of GB)."""
+
+
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def check_checkpoint(model_dir: str | Path, *, weights: bool = True) -> None:
+    """Refuse a local model directory without a tokenizer, or (``weights``) without every weight file whole,
+    naming what is missing. Anything but a directory is left to the config's own check."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return
+    if (problem := missing_tokenizer(root)) is not None:
+        raise HsextractError(f"--model {root}: {problem}")
+    if weights and (problem := missing_weights(root)) is not None:
+        raise HsextractError(f"--model {root}: {problem}")
+
+
+def _holds(root: Path) -> str:
+    names = sorted(p.name for p in root.iterdir())
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f"it holds {shown}" if names else "it is empty"
+
+
+def missing_tokenizer(root: Path) -> str | None:
+    """Why ``root`` has no tokenizer, or None when it has one."""
+    if any((root / name).is_file() for name in TOKENIZER_FILES) or any(root.glob("*.tiktoken")):
+        return None
+    if (root / "vocab.json").is_file():
+        if (root / "merges.txt").is_file():
+            return None
+        return "has vocab.json but no merges.txt: the tokenizer is incomplete; copy merges.txt from the checkpoint"
+    if _remote_tokenizer(root):
+        return None  # a tokenizer class of the checkpoint's own code (trust_remote_code) finds its own files
+    return (
+        f"has no tokenizer: none of {', '.join(TOKENIZER_FILES[:2])}, vocab.json + merges.txt, vocab.txt or "
+        f"*.tiktoken is there ({_holds(root)}). Copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
+        "from the checkpoint the weights came from into it"
+    )
+
+
+def _remote_tokenizer(root: Path) -> bool:
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    return isinstance(auto_map, dict) and "AutoTokenizer" in auto_map
+
+
+def missing_weights(root: Path) -> str | None:
+    """Why ``root``'s weights cannot load (no file, a file its index names absent, a safetensors file cut short),
+    or None when they are all there."""
+    for index_name in WEIGHT_INDEXES:
+        index = root / index_name
+        if not index.is_file():
+            continue
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{index_name} is not a weight index (no readable weight_map): download it again"
+        absent = [n for n in names if not (root / n).is_file()]
+        if absent:
+            shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
+            return (
+                f"{len(absent)} of the {len(names)} weight files {index_name} names are missing ({shown}): "
+                "the download is incomplete; fetch them into the directory"
+            )
+        return _first_cut_short(root / n for n in names)
+    for name in WEIGHT_FILES:
+        if (root / name).is_file():
+            return _first_cut_short([root / name])
+    return (
+        f"has no weights: none of {', '.join(WEIGHT_FILES + WEIGHT_INDEXES)} is there ({_holds(root)}). "
+        "Give the checkpoint's directory, or download its weights into this one"
+    )
+
+
+def _first_cut_short(paths) -> str | None:
+    for path in paths:
+        if path.suffix == ".safetensors" and (problem := safetensors_problem(path)) is not None:
+            return f"{path.name} {problem}: the download is incomplete or the file damaged; fetch it again"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file's header or length, read from its header alone; None if whole."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"has {size} bytes, not even a header"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"has {size} bytes but its header alone claims {n}"
+            header = json.loads(f.read(n))
+        end = max(
+            (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return "has no readable safetensors header"
+    if size < 8 + n + end:
+        return f"has {size:,} bytes of the {8 + n + end:,} its header describes"
+    return None
+
+
+SAMPLES_PER_WEIGHT_FILE = 16
+SAMPLE_BYTES = 1 << 16
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A cheap hash that changes when the weights do: per weight file its name, size, and 16 x 64 KiB spread over
+    it (header included). Reads ~1 MB per file instead of 54 GB; any retrained or re-saved checkpoint differs in
+    the sampled bytes. Empty for a hub id or a config-only directory."""
+    if not model_dir.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(SAMPLES_PER_WEIGHT_FILE):
+                f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES_PER_WEIGHT_FILE - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
