@@ -49,6 +49,26 @@ def _user_errors(fn):
     return wrapper
 
 
+def _says_waits(fn):
+    """A command that reads an output says on stderr what its storage waits for (a first contact unanswered for a
+    few seconds, each retry) instead of waiting silently."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("hsextract.storage")
+        logger.addHandler(handler)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            logger.removeHandler(handler)
+
+    return wrapper
+
+
 def _int_list(value):
     if value is None or isinstance(value, tuple):
         return value
@@ -214,6 +234,7 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
     help="With --serve: port (0 picks a free one).",
 )
 @_user_errors
+@_says_waits
 def status(run_dir, as_json, s3_endpoint_url, serve, host, port):
     """Per-shard progress of a run, live or finished. Given a run dir: this node's shards with rates and states.
     Given an output (s3://bucket/prefix or a directory): every node's and shard's progress, from the output alone."""
@@ -257,6 +278,7 @@ def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
 @click.argument("output")
 @click.option("--s3-endpoint-url", help="S3-compatible endpoint, for an s3:// OUTPUT.")
 @_user_errors
+@_says_waits
 def finalize(output, s3_endpoint_url):
     """Write OUTPUT's manifest if every batch of the job is done; checks each batch in the output first."""
     from hsextract.output import finalize_output
@@ -278,6 +300,7 @@ def finalize(output, s3_endpoint_url):
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @_user_errors
+@_says_waits
 def verify(output, s3_endpoint_url, workers, as_json):
     """Check every file of a finished output against its manifest: size, CRC32, header and sample checksums.
 
@@ -347,6 +370,7 @@ def verify(output, s3_endpoint_url, workers, as_json):
 @click.option("--shard-size", type=int, help="nemo-dspark: samples per shard (default 16).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @_user_errors
+@_says_waits
 def export(
     output,
     dest,

@@ -44,6 +44,52 @@ def test_a_read_command_fails_in_seconds_naming_an_endpoint_that_refuses_connect
     assert took < 20, f"{command[0]} took {took:.0f} s to give up on a refused endpoint"
 
 
+@pytest.fixture
+def silent_endpoint():
+    """An endpoint that accepts connections (the kernel completes them) and never answers a byte."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("command", ["status", "verify", "export"])
+def test_a_read_command_says_what_it_waits_for_and_gives_up_on_an_endpoint_that_never_answers(
+    command, silent_endpoint, tmp_path, monkeypatch
+):
+    from hsextract.storage import s3
+
+    # The same logic on a shorter clock: 30 s and 3 s in a real run (checked below).
+    monkeypatch.setattr(s3, "FIRST_CONTACT_S", 1.0)
+    monkeypatch.setattr(s3, "READING_ATTEMPTS", 1)
+    monkeypatch.setattr(s3, "WAIT_NOTICE_S", 0.2)
+    extra = ["--format", "speculators", str(tmp_path / "d")] if command == "export" else []
+    start = time.monotonic()
+    result = _cli(command, "s3://demo-bucket/run1", *extra, "--s3-endpoint-url", silent_endpoint)
+    took = time.monotonic() - start
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"waiting for the S3 endpoint {silent_endpoint} to answer"), lines
+    assert "s3://demo-bucket/run1" in lines[0] and "giving up after ~1 s" in lines[0]
+    assert f"error: the S3 endpoint {silent_endpoint} gave no answer" in lines[-1], lines
+    assert "--s3-endpoint-url" in lines[-1] and "Traceback" not in result.output
+    assert took < 8, f"{command} took {took:.0f} s to give up"
+
+
+def test_a_reading_sink_gives_up_a_first_contact_within_30_s_and_a_writing_one_waits():
+    from hsextract.storage import s3
+
+    url = f"http://127.0.0.1:{free_port()}"
+    reading = open_sink("s3://b/p", url, reading=True)._client.meta.config
+    attempts = reading.retries["total_max_attempts"]
+    assert reading.read_timeout * attempts <= s3.FIRST_CONTACT_S <= 30
+    assert reading.connect_timeout * attempts <= 30 and s3.WAIT_NOTICE_S <= 5
+    writing = open_sink("s3://b/p", url)._client.meta.config
+    assert writing.read_timeout == 120  # an upload's long waits on a busy store are not cut short
+
+
 def test_open_output_fails_at_once_on_an_endpoint_never_reached():
     endpoint = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()

@@ -14,6 +14,7 @@ import base64
 import logging
 import os
 import random
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from hsextract.storage.s3_errors import (
     find_cause,
     is_transient,
     never_connected,
+    no_answer,
+    unanswered,
     unreachable,
 )
 
@@ -52,6 +55,23 @@ log = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
+
+
+FIRST_CONTACT_S = 30.0
+
+"""A command that reads an output gives up on an endpoint that accepted a connection but never answered after
+about this long (botocore's attempts x its read timeout): a socket that answers nothing is a wrong endpoint far more
+often than an outage. Once the endpoint has answered, outages are waited out to the sink's deadline."""
+
+
+WAIT_NOTICE_S = 3.0
+
+"""A reading sink whose first request is unanswered this long says on its log what it waits for."""
+
+
+READING_ATTEMPTS = 3
+
+"""botocore's attempts at each request of a reading sink, the first included."""
 
 
 def resolve_endpoint(endpoint_url: str | None) -> str | None:
@@ -99,10 +119,16 @@ class S3Sink(Sink):
         self.retry_deadline_s = retry_deadline_s
         self.unreached_fails_fast = unreached_fails_fast
         self._answered = False  # the endpoint has answered a request of this sink (an error response counts)
+        self._wait_said = False
+        retries = {"mode": "standard", "max_attempts": botocore_max_attempts}  # retries, after the first
+        if unreached_fails_fast:  # the first contact is given up after ~FIRST_CONTACT_S (_retrying)
+            retries = {"mode": "standard", "total_max_attempts": READING_ATTEMPTS}
+            read_timeout_s = min(read_timeout_s, FIRST_CONTACT_S / READING_ATTEMPTS)
+            connect_timeout_s = min(connect_timeout_s, FIRST_CONTACT_S / READING_ATTEMPTS)
         config = Config(
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
-            retries={"mode": "standard", "max_attempts": botocore_max_attempts},
+            retries=retries,
             max_pool_connections=max(10, 2 * max_concurrency),
             tcp_keepalive=True,
         )
@@ -377,6 +403,14 @@ class S3Sink(Sink):
 
     def _retrying(self, what: str, operation: Callable[[], T]) -> T:
         """Run ``operation``, retrying transient failures with backoff until ``retry_deadline_s`` has passed."""
+        notice = self._wait_notice(what)
+        try:
+            return self._retry_loop(what, operation)
+        finally:
+            if notice is not None:
+                notice.cancel()
+
+    def _retry_loop(self, what: str, operation: Callable[[], T]) -> T:
         start = time.monotonic()
         failures = 0
         while True:
@@ -388,8 +422,12 @@ class S3Sink(Sink):
                 cause = find_cause(exc)
                 if answered(cause):
                     self._answered = True
-                elif self.unreached_fails_fast and not self._answered and never_connected(cause):
-                    raise HsextractError(unreachable(cause, self)) from exc
+                elif self.unreached_fails_fast and not self._answered:
+                    if never_connected(cause):
+                        raise HsextractError(unreachable(cause, self)) from exc
+                    if no_answer(cause) or time.monotonic() - start > FIRST_CONTACT_S:
+                        waited = time.monotonic() - start
+                        raise HsextractError(unanswered(cause, self, what, waited)) from exc
                 refusal = explain_refusal(cause, self)
                 if refusal is not None:
                     raise HsextractError(refusal) from exc
@@ -415,6 +453,28 @@ class S3Sink(Sink):
                     describe_transient(cause, self),
                 )
                 time.sleep(pause)
+
+    def _wait_notice(self, what: str) -> threading.Timer | None:
+        """For a reading sink's first contact: a line on its log, once, if no answer came in ``WAIT_NOTICE_S``."""
+        if not self.unreached_fails_fast or self._answered or self._wait_said:
+            return None
+
+        def say() -> None:
+            if not self._answered and not self._wait_said:
+                self._wait_said = True
+                log.warning(
+                    "waiting for the S3 endpoint %s to answer the %s in %s (giving up after ~%.0f s without "
+                    "an answer)",
+                    self.endpoint,
+                    what,
+                    self.url,
+                    FIRST_CONTACT_S,
+                )
+
+        timer = threading.Timer(WAIT_NOTICE_S, say)
+        timer.daemon = True
+        timer.start()
+        return timer
 
 
 def answered(exc: BaseException) -> bool:

@@ -82,6 +82,22 @@ def never_connected(exc: BaseException) -> bool:
     return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
 
 
+def no_answer(exc: BaseException) -> bool:
+    """A connection was made but no answer came in the read timeout."""
+    from botocore.exceptions import ReadTimeoutError
+
+    return isinstance(exc, ReadTimeoutError)
+
+
+def unanswered(exc: BaseException, sink, what: str, waited_s: float) -> str:
+    """The message for an endpoint that never answered a reading command's first request."""
+    return (
+        f"the S3 endpoint {sink.endpoint} gave no answer to the {what} in {sink.url} within {waited_s:.0f} s "
+        f"({type(exc).__name__}): is an S3 server listening there? check --s3-endpoint-url (or "
+        "AWS_ENDPOINT_URL_S3)"
+    )
+
+
 def unreachable(exc: BaseException, sink) -> str:
     """The message for an endpoint that was never reached: most often the wrong one."""
     if "amazonaws.com" in sink.endpoint:
