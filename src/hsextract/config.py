@@ -84,6 +84,10 @@ class RunConfig:
     too_long: str = _opt("truncate", choices=TOO_LONG_POLICIES)
     """``truncate`` keeps the first ``max_length`` tokens, ``skip`` drops the sample. Both are counted."""
 
+    max_bad_rows: int | float | None = _opt(None)
+    """Stop before any weight loads when more rows than this are malformed or empty: a count (``100``) or a
+    fraction of the rows read (``0.01``). Default: no limit; bad rows are skipped, counted and the first shown."""
+
     max_tokens_per_batch: int = _opt(65536)
     """Bound on rows x longest row of a batch (padded tokens)."""
 
@@ -199,6 +203,7 @@ class RunConfig:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.too_long not in TOO_LONG_POLICIES:
             raise HsextractError(f"--too-long {self.too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
+        object.__setattr__(self, "max_bad_rows", _bad_rows_limit(self.max_bad_rows))
         k = self.target_topk
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
             raise HsextractError(f"--target-topk must be a whole number of tokens, got {k!r}")
@@ -315,6 +320,23 @@ def field_docs() -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(doc.value.value)
     return docs
+
+
+def _bad_rows_limit(value) -> int | float | None:
+    """``--max-bad-rows`` as a count (int) or a fraction in [0, 1) (float)."""
+    number = value
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                number = kind(value.strip())
+                break
+            except ValueError:
+                continue
+    if value is None or (type(number) is int and number >= 0) or (type(number) is float and 0 <= number < 1):
+        return number
+    raise HsextractError(
+        f"--max-bad-rows {value!r}: give a count of rows (100) or a fraction of the rows read (0.01)"
+    )
 
 
 def node_shards(total_shards: int, nodes: int, rank: int) -> list[int]:

@@ -48,3 +48,46 @@ def parse(cls, data: Any, on_error):
         return _adapter(cls).validate_json(text, strict=True)
     except ValidationError as e:
         raise on_error(problems(e)) from None
+
+
+# -- records that prove themselves ---------------------------------------------------------------------------------
+SEAL_KEY = "checksum"
+
+"""The key under which a JSON record hsextract writes carries the checksum of its own content (``seal``)."""
+
+
+def content_checksum(value: Any) -> str:
+    """sha256 of ``value``'s canonical JSON (sorted keys, no spaces): the same for the value and its reading back."""
+    import hashlib
+
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(record: dict) -> dict:
+    """``record`` with the checksum of the rest of its content under ``SEAL_KEY``: an edit of any field, even a
+    right-typed one, is then seen by ``unseal``."""
+    body = {k: v for k, v in record.items() if k != SEAL_KEY}
+    return {**body, SEAL_KEY: content_checksum(body)}
+
+
+def seal_problem(record: Any, *, required: bool = True) -> str | None:
+    """Why ``record`` does not prove itself (not an object, no checksum where one is ``required``, or one that does
+    not match its content), or None."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    if SEAL_KEY not in record:
+        return "it carries no checksum of its content" if required else None
+    body = {k: v for k, v in record.items() if k != SEAL_KEY}
+    if record[SEAL_KEY] != content_checksum(body):
+        return "its content does not match its checksum (edited or damaged)"
+    return None
+
+
+def unseal(record: Any, on_error, *, required: bool = True) -> dict:
+    """The content of a sealed ``record`` (its checksum removed); one that does not prove itself raises
+    ``on_error(problem)``. ``required=False`` accepts a record without a checksum (written before records carried
+    one)."""
+    if (problem := seal_problem(record, required=required)) is not None:
+        raise on_error(problem)
+    return {k: v for k, v in record.items() if k != SEAL_KEY}

@@ -142,6 +142,28 @@ def test_a_rerun_of_a_finished_run_replaces_an_edited_manifest_and_exit_0_means_
     assert_verified(tmp_path / "out")
 
 
+def test_an_edited_job_file_is_refused_by_name_and_no_sound_batch_record_or_manifest_is_deleted(
+    tmp_path, tiny_model, dataset, reference
+):
+    """Two samples swapped in the output's plan.json: the run and finalize blamed the batch files, deleted every
+    completion record and the manifest of a sound output, recomputed, and exited 1 on every rerun."""
+    copy_finished_run(reference, tmp_path)
+    out = tmp_path / "out"
+    plan_file = out / "hsextract" / "plan.json"
+    plan = json.loads(plan_file.read_text())
+    a, b = plan["batches"][0][4], plan["batches"][1][4]
+    a[0], b[0] = b[0], a[0]
+    plan_file.write_text(json.dumps(plan))
+    sound = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p != plan_file}
+    for command in (args_for(tmp_path, tiny_model, dataset), ("finalize", out), ("verify", out)):
+        r = run_cli(*command, check=False)
+        said = (r.stdout + r.stderr).strip()
+        assert r.returncode == 2 and "hsextract/plan.json" in said and "Traceback" not in said, said
+        assert "nothing was changed" in said.splitlines()[-1], said
+        assert {p: p.read_bytes() for p in sound} == sound, command
+    assert set(out.rglob("*")) >= set(sound)
+
+
 # -- 3. a damaged file is never listed in a manifest -------------------------------------------------------------
 def test_a_flipped_byte_in_an_uploaded_local_file_is_found_before_the_manifest_and_recomputed(
     tmp_path, tiny_model, dataset, reference

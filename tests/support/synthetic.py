@@ -8,10 +8,10 @@ the loss masks vary so that SpecForge's DFlash schema leaves some samples out.
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from hsextract.output import (
     publish_job_files,
     read_file_head,
     run_file_metadata,
+    sample_ids_checksum,
     stored_record,
     write_batch_file,
     write_done,
@@ -84,9 +85,12 @@ def make_output(
         plan_hash=plan_hash,
         file_metadata={},
         vocab_size=1000,
+        sample_ids_sha256=sample_ids_checksum(json.dumps(ids).encode()),
     )
     claim_output(sink, job_record(plan=plan, nodes=1, run_dir="synthetic", host="synthetic"))
-    publish_job_files(sink, {"plan": plan.to_json(), "info": asdict(info), "samples": ids, "data_report": {}})
+    publish_job_files(
+        sink, {"plan": plan.to_json(), "info": info.to_json(), "samples": ids, "data_report": {}}
+    )
     run_meta = run_file_metadata(
         layout=layout,
         presets={},

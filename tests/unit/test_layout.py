@@ -100,13 +100,9 @@ KNOWN_UPWARD = {
         "hsextract.prepare.source_spec",
     ): "RunConfig checks --data with the sources' own parser",
     (
-        "hsextract.output.verify",
+        "hsextract.output.jobfiles",
         "hsextract.prepare.plan",
     ): "the output holds its plan; Plan's record lives in prepare/",
-    (
-        "hsextract.output.finalize",
-        "hsextract.prepare.plan",
-    ): "the manifest is built from the plan; Plan's record lives in prepare/",
     (
         "hsextract.prepare.steps",
         "hsextract.run.rundir",

@@ -18,40 +18,14 @@ last, and a lost run dir loses nothing:
 
 from __future__ import annotations
 
-import json
-
 from hsextract.errors import HsextractError
+from hsextract.output.batch import read_head
 from hsextract.output.final_norm import read_final_norm_meta
+from hsextract.output.jobfiles import load_job_files
+from hsextract.output.keys import parse_batch_key
 from hsextract.output.manifest import build_manifest, delete_manifest, has_manifest, write_manifest
-from hsextract.output.records import JOB_FILES, RunInfo, check_batches, done_in_output, done_key
-from hsextract.prepare.plan import Plan
-
-
-def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
-    plan, info = load_plan(sink)
-    return plan, info, _job_file(sink, "samples"), _job_file(sink, "data_report")
-
-
-def load_plan(sink) -> tuple[Plan, RunInfo]:
-    """The job's plan and run info alone (status needs no sample ids: ~20 MB of JSON at 1M samples)."""
-    plan = Plan.from_json(_job_file(sink, "plan"), where=f"{sink.url}/{JOB_FILES['plan']}")
-    info = RunInfo.from_json(_job_file(sink, "info"), where=f"{sink.url}/{JOB_FILES['info']}")
-    return plan, info
-
-
-def _job_file(sink, name: str):
-    def get(name: str):
-        try:
-            return json.loads(sink.get_bytes(JOB_FILES[name]))
-        except FileNotFoundError:
-            raise HsextractError(
-                f"{sink.url} has no {JOB_FILES[name]}: not an hsextract output, or its first node has not "
-                "finished preparing yet"
-            ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HsextractError(f"{sink.url}/{JOB_FILES[name]} is damaged ({e})") from None
-
-    return get(name)
+from hsextract.output.records import check_batches, done_in_output, done_key, stored_record, write_done
+from hsextract.storage.base import StoredObject
 
 
 def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -> dict:
@@ -87,6 +61,57 @@ def _damaged(sink, problems: dict[str, str], planned: int, echo) -> tuple[int, s
     return 1, set(problems)
 
 
+RECORD_PROBLEMS = ("its completion record", "completion record of another plan")
+
+"""Problems of a completion record itself (it does not prove itself, lacks the file's checksums, or names another
+plan than the claim's): the file decides."""
+
+
+def _rewrite_sound_records(sink, problems: dict[str, str], plan_hash: str, echo) -> dict[str, str]:
+    """Where a batch's completion record is the problem, the file decides: one sound by its own header and checksums
+    that names this plan and its batch gets its record written again from it; the rest are returned."""
+    left = {}
+    for key, why in problems.items():
+        record = _own_record(sink, key, plan_hash) if why.startswith(RECORD_PROBLEMS) else None
+        if record is None:
+            left[key] = why
+        else:
+            write_done(sink, record, plan_hash)
+            echo(f"output check: {key}: {why}; recorded again from its file, which is sound")
+    return left
+
+
+def _refuse_if_sound(sink, problems: dict[str, str], plan_hash: str) -> None:
+    """Headers that contradict the manifest built from the job files: a file sound by its own header and checksums
+    that names this plan and its batch makes the job files the suspect. Refused naming them; nothing touched."""
+    for key, why in sorted(problems.items()):
+        if _own_record(sink, key, plan_hash) is not None:
+            raise HsextractError(
+                f"batch file {sink.url}/{key} is sound by its own header and checksums but disagrees with the job "
+                f"files ({why}): {sink.url}/hsextract/ (plan.json, run.json, sample_ids.json) was edited or "
+                "damaged; nothing was changed. Restore it, or rerun the job's command with --restart"
+            )
+
+
+def _own_record(sink, key: str, plan_hash: str) -> dict | None:
+    """The completion record the batch file at ``key`` earns on its own: its header names this plan, its shard
+    and batch id, and its bytes match its header's checksums (``check_file``); None if it does not."""
+    from hsextract.output.verify import check_file
+
+    shard, batch_id = parse_batch_key(key)
+    try:
+        size = sink.size(key)
+        crc = check_file(
+            sink,
+            {"key": key, "size": size},
+            expect={"plan_hash": plan_hash, "shard": shard, "batch_id": batch_id},
+        )
+        head = read_head(lambda o, n: sink.read_range(key, o, n), HsextractError)
+    except (FileNotFoundError, IsADirectoryError, HsextractError):  # CorruptOutputError is one
+        return None
+    return stored_record(StoredObject(key, size, crc), sink.url, head)
+
+
 def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
     """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
     are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
@@ -106,6 +131,8 @@ def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
         return 0, todo
     # The full check: on a store that keeps no CRC32 (a local output) each file is read once to compute it.
     problems, records = check_batches(sink, keys, plan.plan_hash, full=True)
+    if problems and not _rewrite_sound_records(sink, problems, plan.plan_hash, echo):
+        problems, records = check_batches(sink, keys, plan.plan_hash)
     if problems:
         return _damaged(sink, problems, len(keys), echo)
     # Written even over a manifest already there: built from the plan and the records just checked, it is the
@@ -116,7 +143,9 @@ def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
     # that records its checksum.
     entry, unreadable = write_index(sink, manifest)
     if unreadable:
-        return _damaged(sink, {k: e.problem for k, e in unreadable.items()}, len(keys), echo)
+        problems = {k: e.problem for k, e in unreadable.items()}
+        _refuse_if_sound(sink, problems, plan.plan_hash)
+        return _damaged(sink, problems, len(keys), echo)
     manifest["sample_index"] = entry
     write_manifest(sink, manifest)
     echo(

@@ -12,7 +12,7 @@ from hsextract.errors import HsextractError
 from hsextract.output.batch import StateLayout, header_checksum
 from hsextract.output.manifest import STORED_FIELDS
 from hsextract.storage.fileio import load_json, write_json
-from hsextract.validation import parse
+from hsextract.validation import parse, seal, unseal
 
 JOB = "hsextract/job.json"
 
@@ -32,24 +32,41 @@ DONE_PREFIX = "hsextract/done/"
 
 # -- the claim ------------------------------------------------------------------------------------------------------
 def job_record(*, plan, nodes: int, run_dir: str, host: str) -> dict:
-    return {
-        "plan_hash": plan.plan_hash,
-        "shards": plan.shards,
-        "nodes": nodes,
-        "fingerprint": plan.fingerprint,
-        "started_by": {"run_dir": run_dir, "host": host, "time": time.time()},
-    }
+    """The claim, sealed (validation.seal): an edit of it is seen, and it vouches for the job files beside it."""
+    return seal(
+        {
+            "plan_hash": plan.plan_hash,
+            "shards": plan.shards,
+            "nodes": nodes,
+            "fingerprint": plan.fingerprint,
+            "started_by": {"run_dir": run_dir, "host": host, "time": time.time()},
+        }
+    )
 
 
 def read_job(sink) -> dict | None:
+    """The output's claim (its checksum checked), or None if it has none; a damaged one raises, naming it. A claim
+    without a checksum is an older hsextract's."""
     try:
-        return json.loads(sink.get_bytes(JOB))
+        raw = sink.get_bytes(JOB)
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raw = b"(a directory)"
+
+    def damaged(problem) -> HsextractError:
+        return HsextractError(
+            f"{sink.url}/{JOB} (the output's claim) is damaged ({problem}): nothing was changed; restore it, or "
+            "delete it only if no run writes there"
+        )
+
+    try:
+        job = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HsextractError(
-            f"{sink.url}/{JOB} is damaged ({e}); delete it only if no run writes there"
-        ) from None
+        raise damaged(e) from None
+    if not isinstance(unseal(job, damaged, required=False).get("plan_hash"), str):
+        raise damaged("no plan_hash string")
+    return job
 
 
 def claim_output(sink, job: dict) -> dict:
@@ -91,10 +108,51 @@ def forget_job(sink) -> None:
     sink.delete(JOB)
 
 
+def job_file_bytes(name: str, value) -> bytes:
+    """A job file's bytes as published: the dict records sealed (validation.seal), the plan as it is (its
+    ``plan_hash`` proves it), the sample ids as a plain list (their sha256 is in the sealed run info)."""
+    if name == "data_report":
+        value = seal(value)
+    return value if isinstance(value, bytes) else json.dumps(value).encode()
+
+
 def publish_job_files(sink, files: dict[str, object]) -> None:
-    """Put the job files next to the claim, each only if absent: every node of a job computes the same ones."""
+    """Put the job files next to the claim, each only if absent: every node of a job computes the same ones. One
+    already there that differs from this node's is refused by name, touching nothing: the claim says the job is
+    this plan's, so that file was edited or damaged."""
     for name, value in files.items():
-        sink.put_bytes_if_absent(JOB_FILES[name], json.dumps(value).encode())
+        body = job_file_bytes(name, value)
+        if sink.put_bytes_if_absent(JOB_FILES[name], body):
+            continue
+        try:
+            held = sink.get_bytes(JOB_FILES[name])
+        except (FileNotFoundError, IsADirectoryError):
+            held = None
+        if held != body and not _same_json(held, body):
+            raise HsextractError(
+                f"{sink.url}/{JOB_FILES[name]} differs from what this job's preparation makes of the same data "
+                "and plan (edited or damaged): nothing was changed; delete that file and rerun (it is published "
+                "again from the data), or rerun with --restart"
+            )
+
+
+def _same_json(a: bytes | None, b: bytes) -> bool:
+    """The same JSON value; one published by an hsextract that sealed nothing is compared without the seal and
+    what came with it."""
+    try:
+        old, new = json.loads(a), json.loads(b)
+    except (TypeError, ValueError):
+        return False
+    if isinstance(old, dict) and isinstance(new, dict) and "checksum" not in old:
+        new = {k: v for k, v in new.items() if k not in ("checksum", "sample_ids_sha256")}
+    return old == new
+
+
+def sample_ids_checksum(raw: bytes) -> str:
+    """The sha256 of ``sample_ids.json``'s bytes, recorded in the sealed run info."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
 # -- completion records ---------------------------------------------------------------------------------------------
@@ -115,17 +173,31 @@ def stored_record(stored, output_url: str, head: bytes | None) -> dict:
 def write_done(sink, record: dict, plan_hash: str) -> None:
     """Record a verified batch in the output. Deterministic content (no output URL, no time): a recomputed batch
     writes the same bytes."""
-    done = {**{k: v for k, v in record.items() if k != "output"}, "plan_hash": plan_hash}
+    done = seal({**{k: v for k, v in record.items() if k != "output"}, "plan_hash": plan_hash})
     sink.put_bytes(done_key(record["key"]), json.dumps(done, sort_keys=True).encode())
 
 
 def read_done(sink, key: str) -> dict | None:
-    """The completion record of batch ``key``; None if there is none or it is unreadable."""
+    """The completion record of batch ``key``; None if there is none or it does not prove itself."""
+    record, _problem = read_done_checked(sink, key)
+    return record
+
+
+def read_done_checked(sink, key: str) -> tuple[dict | None, str | None]:
+    """The completion record of batch ``key`` (its checksum checked and removed), or None and why: ``None`` when
+    there is none, else what is wrong with it. A record without a checksum is an older hsextract's."""
     try:
         record = json.loads(sink.get_bytes(done_key(key)))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
+    except FileNotFoundError:
+        return None, None
+    except IsADirectoryError:
+        return None, "its completion record is a directory"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, "its completion record is not JSON"
+    try:
+        return unseal(record, ValueError, required=False), None
+    except ValueError as e:
+        return None, f"its completion record is damaged ({e})"
 
 
 def done_in_output(sink, prefix: str = "") -> set[str]:
@@ -147,9 +219,9 @@ def check_batches(
     records: dict[str, dict] = {}
 
     def check(key: str) -> str | None:
-        record = read_done(sink, key)
+        record, damaged = read_done_checked(sink, key)
         if record is None:
-            return "no completion record"
+            return damaged or "no completion record"
         if not all(isinstance(record.get(f), t) for f, t in STORED_FIELDS.items()):
             return (
                 "its completion record lacks the file's checksums (a staged file without a readable header?)"
@@ -206,6 +278,9 @@ class RunInfo:
     """Each preset the layers name -> its layer ids (layers.py); empty for explicit ids."""
     target_topk: int | None = None
     """K of the target's top-k stored beside the states (``--target-topk``), or None."""
+    sample_ids_sha256: str | None = None
+    """The sha256 of the output's ``hsextract/sample_ids.json`` (``sample_ids_checksum``): the list proves itself
+    through this sealed record."""
 
     @property
     def layout(self):
@@ -215,11 +290,12 @@ class RunInfo:
         )
 
     def to_json(self) -> dict:
-        """Every field; ``target_topk`` only when set, so that a run without it writes run.json as before."""
+        """Every field, sealed (validation.seal); ``target_topk`` and ``sample_ids_sha256`` only when set."""
         d = asdict(self)
-        if d["target_topk"] is None:
-            del d["target_topk"]
-        return d
+        for optional in ("target_topk", "sample_ids_sha256"):
+            if d[optional] is None:
+                del d[optional]
+        return seal(d)
 
     def save(self, run_dir) -> None:
         write_json(run_dir.info_file, self.to_json())
@@ -232,6 +308,33 @@ class RunInfo:
 
     @classmethod
     def from_json(cls, d: dict, where: str = "run.json") -> RunInfo:
-        return parse(
-            cls, d, lambda problems: HsextractError(f"{where} is damaged ({problems}): rerun with --restart")
-        )
+        """Its checksum checked (one without is an older hsextract's), then every field, strictly: sizes and counts
+        positive, layer ids in range and sorted, one type per layer id."""
+
+        def damaged(problems) -> HsextractError:
+            return HsextractError(
+                f"{where} is damaged ({problems}): nothing was changed; rerun with --restart to prepare it again"
+            )
+
+        body = {k: v for k, v in d.items() if k != "checksum"} if isinstance(d, dict) else d
+        info = parse(cls, body, damaged)  # first: a wrong type is named by its field
+        unseal(d, damaged, required=False)
+        if problem := info._problem():
+            raise damaged(problem)
+        return info
+
+    def _problem(self) -> str | None:
+        if self.num_layers < 1 or self.hidden_size < 1:
+            return f"num_layers {self.num_layers}, hidden_size {self.hidden_size}: both must be positive"
+        if list(self.layer_ids) != sorted(set(self.layer_ids)) or not all(
+            0 <= k < self.num_layers for k in self.layer_ids
+        ):
+            return f"layer_ids {list(self.layer_ids)} are not sorted distinct ids of {self.num_layers} layers"
+        if len(self.layer_types) != len(self.layer_ids):
+            return f"{len(self.layer_types)} layer_types for {len(self.layer_ids)} layer_ids"
+        for name, value in (("vocab_size", self.vocab_size), ("target_topk", self.target_topk)):
+            if value is not None and value < 1:
+                return f"{name} {value} is not positive"
+        if self.pad_token_id < 0 or (self.vocab_size is not None and self.pad_token_id >= self.vocab_size):
+            return f"pad_token_id {self.pad_token_id} is not an id of the vocabulary ({self.vocab_size})"
+        return None

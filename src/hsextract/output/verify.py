@@ -14,21 +14,20 @@ storage client release the GIL; xxhash does not, so on a local disk more than a 
 
 from __future__ import annotations
 
-import json
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from hsextract.errors import CorruptOutputError, HsextractError
+from hsextract.errors import CorruptOutputError
 from hsextract.output.batch import new_checksum, update_checksum
 from hsextract.output.batchfile import BatchFile
 from hsextract.output.final_norm import read_checked_final_norm
+from hsextract.output.jobfiles import load_job_files
 from hsextract.output.manifest import MANIFEST, header_expectations, read_manifest, require_checksums
 from hsextract.output.records import JOB_FILES
 from hsextract.output.sample_index import check_sample_index
-from hsextract.prepare.plan import Plan
 from hsextract.storage import open_sink
 from hsextract.storage.base import Sink
 
@@ -130,13 +129,9 @@ def check_against_plan(sink: Sink, manifest: dict) -> None:
     """The manifest lists exactly the batches of the plan the output holds (``hsextract/plan.json``), in order,
     with their samples: a batch entry dropped, repeated or altered by hand is ``CorruptOutputError``. Outputs
     without a plan (older hsextract) are checked against their batch headers only."""
-    try:
-        plan = Plan.from_json(sink.get_bytes(JOB_FILES["plan"]), where=JOB_FILES["plan"])
-        sample_ids = json.loads(sink.get_bytes(JOB_FILES["samples"]))
-    except FileNotFoundError:
+    if not sink.exists(JOB_FILES["plan"]):
         return
-    except (ValueError, HsextractError) as e:
-        raise CorruptOutputError(sink.url, JOB_FILES["plan"], f"is damaged ({e})") from None
+    plan, _info, sample_ids, _report = load_job_files(sink)  # each proves itself, or is named
 
     def differs(problem: str) -> CorruptOutputError:
         return CorruptOutputError(

@@ -20,9 +20,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
-from typing_extensions import TypedDict  # pydantic reads TypedDicts from here before Python 3.12
+from typing_extensions import NotRequired, TypedDict  # pydantic reads TypedDicts from here before Python 3.12
 
 from hsextract.errors import HsextractError
 from hsextract.output import batch_key
@@ -140,29 +141,61 @@ class Plan:
 
     @classmethod
     def from_json(cls, body: dict | bytes | str, where: str = "the plan") -> Plan:
-        """The plan of ``to_json``'s value (or its JSON text), every field checked; a clear error if damaged."""
-        fields = parse(
-            PlanJson,
-            body,
-            lambda problems: HsextractError(
-                f"{where} (the plan) is damaged ({problems}): rerun the same command with --restart to start over"
-            ),
-        )
+        """The plan of ``to_json``'s value (or its JSON text), every field checked, and its recorded ``plan_hash``
+        against the hash of what it holds (the plan proves itself: an edit, even of two samples swapped, is
+        seen); a clear error naming ``where`` if damaged."""
+
+        def damaged(problems: str) -> HsextractError:
+            return HsextractError(
+                f"{where} (the plan) is damaged ({problems}): nothing was changed; rerun the same command with "
+                "--restart to start over"
+            )
+
+        fields = parse(PlanJson, body, damaged)
         batches = tuple(
             BatchSpec(batch_id=i, shard=s, sample_indices=tuple(idx), padded_length=p, num_tokens=n)
             for i, s, p, n, idx in fields["batches"]
         )
-        return cls(batches=batches, shards=fields["shards"], fingerprint=fields["fingerprint"])
+        plan = cls(batches=batches, shards=fields["shards"], fingerprint=fields["fingerprint"])
+        if problem := plan._problem():
+            raise damaged(problem)
+        recorded = fields.get("plan_hash")
+        if recorded is not None and recorded != plan.plan_hash:
+            raise damaged(f"its content hashes to {plan.plan_hash}, not its recorded plan_hash {recorded}")
+        return plan
+
+    def _problem(self) -> str | None:
+        """What no plan ``make_plan`` writes holds: a shard outside the count, a batch id out of order, a count
+        that is not positive, more tokens than its padded rows hold."""
+        if self.shards < 1:
+            return f"shards {self.shards} is not positive"
+        for i, b in enumerate(self.batches):
+            if (
+                b.batch_id != i
+                or not 0 <= b.shard < self.shards
+                or b.padded_length < 1
+                or not b.sample_indices
+            ):
+                return f"batch {i} (id {b.batch_id}, shard {b.shard}) does not fit the plan"
+            if not b.rows <= b.num_tokens <= b.padded_tokens:
+                return f"batch {i} holds {b.num_tokens} tokens in {b.rows} rows of {b.padded_length}"
+        if self.batches:
+            every = np.sort(np.concatenate([np.asarray(b.sample_indices) for b in self.batches]))
+            if not np.array_equal(every, np.arange(len(every))):
+                return "its batches do not hold each sample index 0..N-1 exactly once"
+        return None
 
 
 class PlanJson(TypedDict):
-    """What ``Plan.to_json`` writes and ``from_json`` reads (``format`` and ``plan_hash`` are written for people;
-    the hash is computed again)."""
+    """What ``Plan.to_json`` writes and ``from_json`` reads (the hash is computed again and must match)."""
 
+    format: Literal[1]
     shards: int
     fingerprint: dict
     batches: list[tuple[int, int, int, int, list[int]]]
     """Per batch: id, shard, padded length, tokens, sample indices."""
+    plan_hash: NotRequired[str]
+    """Checked against the hash of the rest: the plan proves itself."""
 
 
 def _batch_fields(b: BatchSpec) -> dict:

@@ -276,6 +276,9 @@ def tokenize(
     if len(report.sources) > 1:
         for line in report.source_lines():
             echo(f"  {line}")
+    for line in report.first_problems():
+        echo(f"  {line}")
+    report.check_bad_rows(cfg.max_bad_rows)
     samples, renamed = unique_sample_ids(samples)
     if renamed:
         echo(
