@@ -48,6 +48,9 @@ class DataReport:
     """Rows whose token ids equal an earlier row's (``--dedupe`` only)."""
     sources: list[dict] = field(default_factory=list)
     """Per source, in order: name, location, kind, options, identity, and the counts above."""
+    unrendered: dict[str, int] = field(default_factory=dict)
+    """Kept rows carrying what the chat template left out of the tokens: ``reasoning`` (a template that ignores
+    it, or drops it before the last user query, as Qwen's do) and ``tools`` (a template without a tools section)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,11 +61,47 @@ class DataReport:
 
     def summary(self) -> str:
         """One line for the console, e.g. ``300 rows: 297 kept (3 truncated to 2048 tokens), 2 empty, ...``."""
-        return f"{_summary(self.to_json(), self.max_length)}; {self.tokens} tokens"
+        return (
+            f"{_summary(self.to_json(), self.max_length)}; {self.tokens} tokens{_unrendered(self.unrendered)}"
+        )
 
     def source_lines(self) -> list[str]:
         """One line per source (for a mix), e.g. ``tools (hf:org/tools): 50 rows: 49 kept, 1 malformed``."""
-        return [f"{s['name']} ({s['source']}): {_summary(s, self.max_length)}" for s in self.sources]
+        return [
+            f"{s['name']} ({s['source']}): {_summary(s, self.max_length)}{_unrendered(s.get('unrendered') or {})}"
+            for s in self.sources
+        ]
+
+    def first_problems(self) -> list[str]:
+        """The first skipped row of each kind, with its reason, for the console (the report keeps 5 of each)."""
+        lines, seen = [], set()
+        for e in self.examples:
+            if e["kind"] in ("malformed", "empty", "too_long") and e["kind"] not in seen:
+                seen.add(e["kind"])
+                where = f"row {e['row']}" + (f" of {e['source']}" if "source" in e else "")
+                lines.append(
+                    f"first {e['kind'].replace('_', ' ')} row: {where} (id {e['id']}): {e['reason']}"
+                )
+        return lines
+
+    def check_bad_rows(self, limit: int | float | None) -> None:
+        """``--max-bad-rows``: more malformed or empty rows than a count, or than a fraction of the rows read, stop
+        the preparation."""
+        bad = self.skipped_malformed + self.skipped_empty
+        allowed = limit if limit is None or isinstance(limit, int) else limit * self.rows
+        if allowed is None or bad <= allowed:
+            return
+        share = f"{limit:g} of the rows read, {allowed:.1f}" if isinstance(limit, float) else f"{limit}"
+        first = [e for e in self.examples if e["kind"] in ("malformed", "empty")]
+        raise HsextractError(
+            f"{bad} of {self.rows} rows are malformed or empty, more than --max-bad-rows allows ({share}). "
+            f"First problems: {grouped_problems(first)}. Fix those rows, or raise --max-bad-rows to skip them"
+        )
+
+
+def _unrendered(counts: dict) -> str:
+    """``; reasoning not rendered in 3 rows`` (what the template left out), or nothing."""
+    return "".join(f"; {what} not rendered in {n} rows" for what, n in sorted(counts.items()) if n)
 
 
 def _summary(counts: dict, max_length: int) -> str:
@@ -96,11 +135,22 @@ class ReportBuilder:
     def __init__(self, described_sources: list[dict], max_length: int, *, labelled: bool):
         self.max_length = max_length
         self.labelled = labelled
-        self.sources = [{**d, **dict.fromkeys(COUNTS, 0), "tokens": 0} for d in described_sources]
+        self.sources = [
+            {**d, **dict.fromkeys(COUNTS, 0), "tokens": 0, "unrendered": {}} for d in described_sources
+        ]
         self.examples: list[dict] = []
         self._per_kind: dict[str, int] = {}
 
-    def add(self, source: int, position: int, sample_id: str, status: str, reason: str, tokens: int) -> None:
+    def add(
+        self,
+        source: int,
+        position: int,
+        sample_id: str,
+        status: str,
+        reason: str,
+        tokens: int,
+        unrendered: tuple[str, ...] = (),
+    ) -> None:
         counts = self.sources[source]
         counts["rows"] += 1
         if status in _STATUS_COUNT:
@@ -114,23 +164,65 @@ class ReportBuilder:
         if status in ("kept", "truncated"):
             counts["kept"] += 1
             counts["tokens"] += tokens
+            for what in unrendered:
+                counts["unrendered"][what] = counts["unrendered"].get(what, 0) + 1
 
     def report(self) -> DataReport:
         total = {key: sum(s[key] for s in self.sources) for key in (*COUNTS, "tokens")}
-        return DataReport(**total, max_length=self.max_length, examples=self.examples, sources=self.sources)
+        unrendered: dict[str, int] = {}
+        for s in self.sources:
+            for what, n in s["unrendered"].items():
+                unrendered[what] = unrendered.get(what, 0) + n
+        return DataReport(
+            **total,
+            max_length=self.max_length,
+            examples=self.examples,
+            sources=self.sources,
+            unrendered=unrendered,
+        )
 
     def check_usable(self, labels: list[str]) -> None:
         """A source none of whose rows is usable is an error naming it: extracting nothing is never meant."""
         for label, counts in zip(labels, self.sources, strict=True):
             if counts["kept"] or counts["skipped_duplicate"]:
                 continue
-            problems = "; ".join(
-                f"row {e['row']} ({e['kind']}): {e['reason']}"
-                for e in self.examples
-                if e.get("source", counts["name"]) == counts["name"]
-            )
+            examples = [e for e in self.examples if e.get("source", counts["name"]) == counts["name"]]
+            problems = grouped_problems(examples)
             raise HsextractError(
                 f"no usable samples in {label}: {_summary(counts, self.max_length)}."
                 + (f" First problems: {problems}." if problems else "")
-                + " Fix the rows (or the source's columns= option) or drop the source."
+                + f" {advice(counts, examples, self.max_length)}"
             )
+
+
+def grouped_problems(examples: list[dict]) -> str:
+    """``rows 0, 1, 2 (malformed): the same reason`` once per distinct reason, in the order first seen."""
+    by_reason: dict[tuple[str, str], list[str]] = {}
+    for e in examples:
+        by_reason.setdefault((e["kind"], e["reason"]), []).append(str(e["row"]))
+    return "; ".join(
+        f"{'rows' if len(rows) > 1 else 'row'} {', '.join(rows)} ({kind}): {reason}"
+        for (kind, reason), rows in by_reason.items()
+    )
+
+
+def advice(counts: dict, examples: list[dict], max_length: int) -> str:
+    """What to do about a source without a usable row, from what its rows' problems were."""
+    reasons = " ".join(e["reason"] for e in examples)
+    if counts["skipped_too_long"] and not (counts["skipped_malformed"] or counts["skipped_empty"]):
+        return (
+            f"Every row is longer than --max-length {max_length} with --too-long skip: raise --max-length (and "
+            f"--max-tokens-per-batch with it), or give --too-long truncate to keep each row's first {max_length} "
+            "tokens."
+        )
+    if "tokenizer" in reasons or "chat template" in reasons:
+        return (
+            "The rows need what --model's tokenizer lacks: give the model directory its tokenizer's files and chat "
+            "template (the checkpoint's own), or pre-tokenized rows made with that tokenizer."
+        )
+    if "none of the fields" in reasons:
+        return (
+            "Map the source's columns onto the row fields with its columns= option, e.g. "
+            "'data.jsonl?columns=messages:dialog' (docs/DATA.md), or drop the source."
+        )
+    return "Fix the rows or drop the source (docs/DATA.md lists the row kinds)."
