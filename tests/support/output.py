@@ -34,7 +34,7 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
 
     fields = dict(
         model=str(model),
-        data=str(data),
+        data=data if isinstance(data, tuple) else str(data),  # a tuple: several sources
         output=str(root / "out"),
         run_dir=str(root / "run"),
         staging=str(root / "staging"),

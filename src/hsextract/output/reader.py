@@ -145,8 +145,18 @@ class Output:
         try:
             key, row = self._where[str(sample_id)]
         except KeyError:
-            raise KeyError(f"sample {sample_id!r} is not in this output") from None
+            raise KeyError(
+                f"sample {sample_id!r} is not in this output{self._id_hint(str(sample_id))}"
+            ) from None
         return self._file(key).sample(row, self._view)
+
+    def _id_hint(self, sample_id: str) -> str:
+        """For a missed id: the ids of a mix of sources are ``name/id`` (only scanned on a miss)."""
+        matches = [i for i in self._order if i.endswith("/" + sample_id)][:3]
+        if matches:
+            return f"; ids of a mix of sources carry the source's name: {', '.join(map(repr, matches))}"
+        first = self._order[0] if self._order else ""
+        return f" (its ids read like {first!r})" if "/" in first else ""
 
     def __iter__(self):
         for batch in self.manifest["batches"]:
