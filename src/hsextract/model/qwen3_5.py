@@ -255,6 +255,17 @@ def _decoder_layer_forward(
     return _mlp_residual(self.mlp, h, residual)
 
 
+def _layer_forward(layer):
+    """The fused layer forward: the fp8 one where the layer's linears are ``Fp8Linear`` (qwen3_5_fp8.py; None
+    where it cannot run them: the layer keeps its stock forward over the swapped modules), else the bf16 one."""
+    from hsextract.model import fp8, qwen3_5_fp8
+
+    if not any(isinstance(mod, fp8.Fp8Linear) for mod in layer.modules()):
+        return _decoder_layer_forward
+    ops = types.SimpleNamespace(lib=_libs(), joined=_joined, causal_sdpa=_causal_sdpa)
+    return qwen3_5_fp8.layer_forward(layer, ops)
+
+
 def is_right_padded(mask) -> bool:
     """True when every row of a 2-D 0/1 mask is ones then zeros (no padding at all included)."""
     m = mask.to(bool)
@@ -410,7 +421,8 @@ def apply(lm, mode: str = "fused") -> list[str]:
             _patch(mod, _attention_forward, "attention", swapped)
     for mod in lm.modules():
         if isinstance(mod, m.Qwen3_5DecoderLayer) and {"rms_norm", "silu_mul"} <= swapped:
-            _patch(mod, _decoder_layer_forward, "residual_add_rms_norm", swapped)
+            if forward := _layer_forward(mod):
+                _patch(mod, forward, "residual_add_rms_norm", swapped)
         elif isinstance(mod, m.Qwen3_5TextModel):
             handle = mod.register_forward_pre_hook(_drop_right_padding_mask, with_kwargs=True)
             mod._hsx_mask_hook = handle

@@ -143,6 +143,7 @@ def run_file_metadata(
     chat_template_hash: str,
     plan_hash: str,
     kernels: str,
+    compute: str = "bf16",
 ) -> dict[str, str]:
     """The run-wide part of every batch file's metadata."""
     layer_ids = layout.layer_ids
@@ -162,6 +163,7 @@ def run_file_metadata(
         "chat_template_hash": chat_template_hash,
         "plan_hash": plan_hash,
         "kernels": kernels,
+        "compute": compute,
         "hsextract_version": __version__,
     }
 

@@ -1,0 +1,158 @@
+"""Triton kernels that end in the fp8 recipe's activation quantization: each writes e4m3 values and one float32 scale
+per token per 128 columns (``amax / 448``) straight from its float32 result, so no pass over a bf16 activation is
+left between the kernel that produces it and the block-scaled GEMM that reads it (fp8.py has the recipe).
+
+Each returns ``(q [M, K] e4m3, scale [M, K/128])``, the scale a [K/128, M] tensor transposed: the outer-dim-major
+layout ``torch._scaled_mm`` takes for 1x128 blocks. The kernels:
+
+- ``quantize_rows``: any [M, K] activation (the input of a linear whose producer is not fused);
+- ``rms_norm_quant``: Qwen3.5's RMSNorm ``x / rms(x) * (1 + w)``, optionally after ``s = residual + x`` (the sum,
+  rounded to the activation dtype as stock, written too) and optionally the normed bf16 as well (the Gated-DeltaNet's
+  ``in_proj_a``/``in_proj_b`` stay bf16 linears and read it);
+- ``silu_mul_quant``: ``silu(g) * u`` from the joined gate/up GEMM's [M, 2I] output;
+- ``gated_rms_norm_quant``: the Gated-DeltaNet's ``w * o / rms(o) * silu(z)`` per head vector;
+- ``sigmoid_gate_quant``: the attention output times ``sigmoid(gate)``, per head vector.
+"""
+
+from __future__ import annotations
+
+import types
+
+_K = None
+
+GROUP = 128
+
+
+def _kernels():
+    global _K
+    if _K is None:
+        import triton
+
+        from hsextract.model import fp8_triton
+
+        _K = types.SimpleNamespace(
+            triton=triton,
+            quantize_rows=fp8_triton.quantize_rows,
+            rms_norm_quant=fp8_triton.rms_norm_quant,
+            silu_mul_quant=fp8_triton.silu_mul_quant,
+            head_quant=fp8_triton.head_quant,
+        )
+    return _K
+
+
+def _outputs(M: int, K: int, device):
+    import torch
+
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty((K // GROUP, M), dtype=torch.float32, device=device)
+    return q, s
+
+
+def _check_k(K: int) -> None:
+    if K % GROUP:
+        raise ValueError(f"fp8 activation quantization needs a multiple of {GROUP} columns, got {K}")
+
+
+def quantize_rows(x):
+    """``x`` [M, K] (last dim contiguous) -> ``(q, scale)`` by the recipe."""
+    k = _kernels()
+    M, K = x.shape
+    _check_k(K)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q, s = _outputs(M, K, x.device)
+    ng = min(8, k.triton.next_power_of_2(K // GROUP))
+    k.quantize_rows[(M, k.triton.cdiv(K // GROUP, ng))](x, q, s, M, K, x.stride(0), NG=ng, num_warps=4)
+    return q, s.t()
+
+
+def rms_norm_quant(x, weight, eps: float, residual=None, normed: bool = False):
+    """``rms_norm_1p(x)`` [M, K] quantized: ``(q, scale)``, then the sum ``residual + x`` when ``residual`` is
+    given, then the normed activation in ``x``'s dtype when ``normed``."""
+    import torch
+
+    k = _kernels()
+    M, K = x.shape
+    _check_k(K)
+    q, s = _outputs(M, K, x.device)
+    total = torch.empty_like(x) if residual is not None else x
+    out = torch.empty_like(x) if normed else x
+    block = k.triton.next_power_of_2(K)
+    k.rms_norm_quant[(M,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        q,
+        s,
+        total,
+        out,
+        M,
+        K,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        eps,
+        HAS_RES=residual is not None,
+        HAS_NORMED=normed,
+        BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
+    )
+    result = (q, s.t())
+    if residual is not None:
+        result += (total,)
+    if normed:
+        result += (out,)
+    return result
+
+
+def silu_mul_quant(gu):
+    """``silu(gu[:, :I]) * gu[:, I:]`` quantized, for the joined gate/up output ``gu`` [M, 2I]."""
+    k = _kernels()
+    M, I2 = gu.shape
+    inner = I2 // 2
+    _check_k(inner)
+    q, s = _outputs(M, inner, gu.device)
+    ng = min(8, k.triton.next_power_of_2(inner // GROUP))
+    k.silu_mul_quant[(M, k.triton.cdiv(inner // GROUP, ng))](
+        gu, q, s, M, inner, gu.stride(0), NG=ng, num_warps=4
+    )
+    return q, s.t()
+
+
+def _head_quant(a, g, weight, eps: float, gated_norm: bool):
+    """``a``, ``g`` [B, T, H, D] (any strides but the last, which is 1) -> ``(q [B * T, H * D], scale)``."""
+    k = _kernels()
+    B, T, H, D = a.shape
+    _check_k(D)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    M = B * T
+    q, s = _outputs(M, H * D, a.device)
+    k.head_quant[(M * H,)](
+        a,
+        g,
+        weight if weight is not None else a,
+        q,
+        s,
+        M,
+        T,
+        H,
+        *a.stride()[:3],
+        *g.stride()[:3],
+        eps,
+        D=D,
+        GATED_NORM=gated_norm,
+        num_warps=4 if D <= 256 else 8,
+    )
+    return q, s.t()
+
+
+def gated_rms_norm_quant(o, z, weight, eps: float):
+    """The Gated-DeltaNet's output norm ``weight * rms_norm(o) * silu(z)`` quantized; ``o``, ``z`` [B, T, H, D]."""
+    return _head_quant(o, z, weight, eps, True)
+
+
+def sigmoid_gate_quant(attn, gate):
+    """``attn * sigmoid(gate)`` quantized; ``attn``, ``gate`` [B, T, H, D]."""
+    return _head_quant(attn, gate, None, 0.0, False)
