@@ -370,6 +370,7 @@ def export(
         + (f"; {len(skipped)} skipped ({next(iter(set(skipped.values())))})" if skipped else "")
     )
     echo(f"train with: {result['train_with']['command']}")
+    echo(f"  layer ids {result['train_with']['layer_ids']}: {result['train_with']['where']}")
     return result
 
 
