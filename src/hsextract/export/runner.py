@@ -245,6 +245,9 @@ def export(
 
     if fmt_name not in FORMATS:
         raise HsextractError(f"--format {fmt_name!r} is not one of {', '.join(FORMATS)}")
+    for name, value in (("--seq-length", seq_length), ("--shard-size", shard_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HsextractError(f"{name} must be a positive number of tokens or samples, got {value!r}")
     fmt = FORMATS[fmt_name]
     out = open_output(source, endpoint_url)
     manifest = out.manifest
@@ -267,7 +270,7 @@ def export(
             "shard_size": shard_size or 16,
         }
         schema = fmt.schema_for(cache["seq_length"])
-    elif seq_length or shard_size:
+    elif seq_length is not None or shard_size is not None:
         raise HsextractError(
             f"--seq-length and --shard-size are for sharded caches (nemo-dspark), not {fmt.name}"
         )

@@ -158,8 +158,37 @@ def read_manifest(sink) -> dict:
         and isinstance(index.get("xxh3"), str)
     ):
         raise damaged(f"has a sample_index entry without its key, size or checksum ({index!r})")
+    check_fields(manifest, damaged)
     check_consistent(manifest, damaged)
     return manifest
+
+
+COUNTS = {"hidden_size": 1, "num_layers": 1, "vocab_size": 1, "target_topk": 1, "num_samples": 0, "num_tokens": 0}
+
+"""The manifest's figures and their least value: ints (no bool, float or string), where present (None allowed for
+``vocab_size`` and ``target_topk``)."""
+
+
+def check_fields(manifest: dict, damaged) -> None:
+    """The manifest's own fields, strictly typed: a figure that is a string, a float, NaN or below its least value
+    is named (was: ``hidden_size: "64"`` or ``num_samples: NaN`` passed verify)."""
+    for name, least in COUNTS.items():
+        value = manifest.get(name)
+        if value is None and (name not in manifest or name in ("vocab_size", "target_topk")):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise damaged(f"has {name} {value!r}, not an int of at least {least}")
+    for name in ("dtype", "storage_dtype"):
+        value = manifest.get(name)
+        if name in manifest and not (isinstance(value, str) or (name == "storage_dtype" and value is None)):
+            raise damaged(f"has {name} {value!r}, not a dtype's name")
+    types = manifest.get("layer_types")
+    if types is not None and (
+        not isinstance(types, list)
+        or len(types) != len(manifest["layer_ids"])
+        or not all(isinstance(t, str) for t in types)
+    ):
+        raise damaged(f"has layer_types {types!r}, not one name per layer id")
 
 
 def _all_strings(values: list) -> bool:
@@ -241,6 +270,11 @@ def header_expectations(manifest: dict, entry: dict) -> dict:
         expect["slot_layer_ids"] = list(manifest["slot_layer_ids"])
     if manifest.get("target_topk"):
         expect["target_topk"] = manifest["target_topk"]
+    for field in ("dtype", "hidden_size"):  # what the files say of their states, against the manifest's word
+        if field in manifest:
+            expect[field] = manifest[field]
+    if "storage_dtype" in manifest:
+        expect["storage_dtype"] = manifest["storage_dtype"] or ""
     for field in ("batch_id", "shard"):
         if field in entry:
             expect[field] = entry[field]

@@ -15,6 +15,7 @@ holds: docs/FORMAT.md and docs/TRAINING.md.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -163,6 +164,24 @@ class Output:
             yield from self.batch_samples(batch["key"])
 
 
+def _layer_ids(layers) -> tuple[int, ...]:
+    """Layer ids from ``"1,3"`` or a sequence of ints, strictly (no ``4.7`` served as 4, no ``False`` as 0);
+    ``ValueError`` for a string that is not ids (a preset's name, perhaps)."""
+    if isinstance(layers, str):
+        parts = [p.strip() for p in layers.split(",") if p.strip()]
+        if not all(p.isascii() and p.isdigit() for p in parts):
+            raise ValueError(layers)
+        return tuple(int(p) for p in parts)
+    try:
+        parts = list(layers)
+    except TypeError:
+        raise HsextractError(f"layers={layers!r} is neither layer ids nor a preset's name") from None
+    bad = [k for k in parts if isinstance(k, bool) or not isinstance(k, numbers.Integral)]
+    if bad:
+        raise HsextractError(f"layers={layers!r}: {bad[0]!r} is not a layer id (an int)")
+    return tuple(int(k) for k in parts)
+
+
 def served_layers(manifest: dict, layers) -> tuple[int, ...] | None:
     """The layer ids to serve for ``layers``: None (every captured layer), a preset name the output records (or
     whose ids, computed from the depth, it stores), or ids in the order wanted, each one the output stores."""
@@ -170,8 +189,7 @@ def served_layers(manifest: dict, layers) -> tuple[int, ...] | None:
         return None
     stored = StateLayout.from_manifest(manifest)
     try:
-        parts = layers.split(",") if isinstance(layers, str) else layers
-        ids = tuple(int(k) for k in parts if str(k).strip())
+        ids = _layer_ids(layers)
     except ValueError:
         name, presets = layers.strip().lower(), manifest.get("presets") or {}
         if name in presets:

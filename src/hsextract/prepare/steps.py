@@ -42,6 +42,7 @@ from hsextract.output import (
     read_job,
     read_manifest,
     run_file_metadata,
+    sample_ids_checksum,
 )
 from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
 from hsextract.prepare.publish import prepare_once
@@ -445,6 +446,7 @@ def write_run_files(
     write_json(run_dir.data_report_file, data_report)
     samples.save(run_dir.tokens_file)
     fp = plan.fingerprint
+    sample_ids_json = json.dumps(samples.sample_ids).encode()
     info = RunInfo(
         layer_ids=model.layer_ids,
         layer_types=tuple(layer_types(model.text_config)[k] for k in model.layer_ids),
@@ -457,6 +459,7 @@ def write_run_files(
         vocab_size=getattr(model.text_config, "vocab_size", None),
         presets=model.presets,
         target_topk=model.layout.target_topk,
+        sample_ids_sha256=sample_ids_checksum(sample_ids_json),
         file_metadata=run_file_metadata(
             layout=model.layout,
             presets=model.presets,
@@ -474,12 +477,5 @@ def write_run_files(
     cfg.save(run_dir.config_file)
     info.save(run_dir)
     plan.save(run_dir.plan_file)
-    publish_job_files(
-        open_sink(cfg.output, cfg.s3_endpoint_url),
-        {
-            "plan": plan.to_json(),
-            "info": info.to_json(),
-            "samples": samples.sample_ids,
-            "data_report": data_report,
-        },
-    )
+    files = dict(plan=plan.to_json(), info=info.to_json(), samples=sample_ids_json, data_report=data_report)
+    publish_job_files(open_sink(cfg.output, cfg.s3_endpoint_url), files)
