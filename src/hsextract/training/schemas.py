@@ -79,9 +79,11 @@ class Schema:
             return layers
         if self.preset in presets:
             return self.preset
+        example = next(iter(presets))
         raise HsextractError(
             f"this output holds the layers of several presets ({', '.join(presets)}): say which ones {self.name} "
-            f"reads with layers= (a preset, e.g. {next(iter(presets))!r}, or ids)"
+            f"reads: --layers {example} on `hsextract export`, layers={example!r} in Python (a preset the output "
+            "records, or ids in the order wanted)"
         )
 
     def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
@@ -106,6 +108,10 @@ class Raw(Schema):
 
     name = "raw"
     needs_final_state = False
+
+    def layers_for(self, manifest, layers):
+        """Every captured layer unless told: the reader's dict serves any drafter's, a union's included."""
+        return layers
 
     def record(self, s):
         return s

@@ -1,0 +1,53 @@
+"""Exports of an output of several presets, through `hsextract export` (click's CliRunner, in this process): a
+trainer's own preset is taken, a format that serves any drafter asks for --layers, and the `train with:` lines
+name the layer ids where the trainer's config takes them."""
+
+import pytest
+from click.testing import CliRunner
+from support.cli import write_mixed_dataset
+from support.output import write_output
+
+from hsextract.cli import main
+
+N = 8  # the tiny model's layers
+EAGLE3 = [1, N // 2 - 1, N - 4]  # FACTS.md: EAGLE-3's default, output-of-layer ids
+DFLASH2 = [1, 2, 3, 4, 5]  # 5 ids ending at N-3, round(N / 4.5) = 2 apart, clipped at 1: all of 1..5 here
+
+
+@pytest.fixture(scope="module")
+def union(tmp_path_factory, tiny_model, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("union")
+    data = write_mixed_dataset(root / "data.jsonl", tiny_tokenizer, n_chat=6)
+    return write_output(root, tiny_model, data, layers="dflash2,eagle3", shards=1)
+
+
+def _export(union, dest, *args):
+    result = CliRunner().invoke(
+        main, ["export", str(union), str(dest), "--num-proc", "1", "--no-progress", *args]
+    )
+    assert isinstance(result.exception, SystemExit | None), result.exception
+    return result
+
+
+def test_a_format_for_any_drafter_asks_for_layers_on_the_command_line(union, tmp_path):
+    for fmt in ("speculators", "modelopt"):
+        result = _export(union, tmp_path / fmt, "--format", fmt)
+        assert result.exit_code == 2, result.output
+        assert "several presets (dflash2, eagle3)" in result.stderr
+        assert "--layers dflash2 on `hsextract export`" in result.stderr, result.stderr
+        assert not (tmp_path / fmt).exists()
+
+
+def test_train_with_names_the_layer_ids_where_the_trainer_takes_them(union, tmp_path):
+    result = _export(union, tmp_path / "sf2", "--format", "specforge-dflash2")
+    assert result.exit_code == 0, result.output
+    compact = ",".join(map(str, DFLASH2))  # one shell word
+    expected = (
+        f'layer ids {DFLASH2}: draft model config: "dflash_config": {{"target_layer_ids": [{compact}]}}'
+    )
+    assert expected in result.stdout, result.stdout
+    result = _export(union, tmp_path / "spec", "--format", "speculators", "--layers", "eagle3")
+    assert result.exit_code == 0, result.output
+    vllm = [k + 1 for k in EAGLE3]  # speculators counts the input of layer k
+    assert f"--target-layer-ids {' '.join(map(str, vllm))}" in result.stdout
+    assert f"  layer ids {vllm}: --target-layer-ids" in result.stdout
