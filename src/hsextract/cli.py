@@ -406,6 +406,22 @@ def export(
 
 
 @main.command()
+@click.option("--model", required=True, help="Local checkpoint directory or Hub id (org/name).")
+@click.option(
+    "--layers", default="dflash,dflash2,dspark,eagle3", show_default=True, help="Presets (a union) or ids."
+)
+@click.option("--revision", help="With a Hub id: the branch, tag or commit.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_user_errors
+def layers(model, layers, revision, as_json):
+    """The layer ids each preset picks for MODEL, in hsextract's count and vLLM's, from its config.json alone."""
+    from hsextract.model.layer_map import format_layer_map, layer_map
+
+    result = layer_map(model, layers, revision)
+    click.echo(json.dumps(result, indent=2) if as_json else format_layer_map(result))
+
+
+@main.command()
 @click.option("--root", default="demo", show_default=True, help="Where the tiny model, data and output go.")
 @click.option("--shards", default=2, show_default=True)
 @click.option("--conversations", default=300, show_default=True)
