@@ -152,9 +152,10 @@ def main():
 @click.option(
     "--restart", is_flag=True, help="Discard the progress of a different previous plan in --run-dir."
 )
+@click.option("--yes", is_flag=True, help="With --restart: delete a finished output without asking.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @_user_errors
-def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
+def run(only_shards, restart, yes, no_progress, nodes, node_rank, **opts):
     """Extract hidden states; rerun the same command to resume after a crash."""
     from hsextract.run.cluster import node_place
 
@@ -181,6 +182,7 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
             echo=click.echo,
             show_progress=not no_progress,
             on_checked=early.start,
+            confirm=_confirm(yes),
         )
         click.echo(
             f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
@@ -194,6 +196,15 @@ def run(only_shards, restart, no_progress, nodes, node_rank, **opts):
             prestarted=early,
         )
     sys.exit(code)
+
+
+def _confirm(yes: bool):
+    """How a destructive step is confirmed: --yes, else a question on a terminal, else not at all (refused)."""
+    if yes:
+        return lambda question: True
+    if sys.stdin.isatty():
+        return lambda question: click.confirm(question, default=False)
+    return None
 
 
 @main.command("dry-run")

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,22 +30,15 @@ from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_ker
 from hsextract.output import (
     RunInfo,
     StateLayout,
-    claim_output,
-    delete_manifest,
-    describe_job,
     estimate_file_bytes,
-    forget_job,
-    has_manifest,
-    job_record,
     publish_job_files,
-    read_job,
-    read_manifest,
     run_file_metadata,
     sample_ids_checksum,
 )
-from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
+from hsextract.prepare.accept import accept_plan
+from hsextract.prepare.plan import Plan, make_plan
 from hsextract.prepare.publish import prepare_once
-from hsextract.prepare.sources import Mix, changed_files, resolve_sources
+from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
     TokenizedSamples,
@@ -76,11 +68,18 @@ def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> S
 
 
 def prepare_run(
-    cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True, on_checked=None
+    cfg: RunConfig,
+    *,
+    restart: bool = False,
+    echo=print,
+    show_progress: bool = True,
+    on_checked=None,
+    confirm=None,
 ) -> Plan:
     """Validate everything, tokenize, plan; write the run files. Loads no weights. ``on_checked()`` is called
     once the places are checked and the run dir exists, before the model's config is read (which imports
-    transformers): the launcher starts its workers' imports then."""
+    transformers): the launcher starts its workers' imports then. ``confirm(question)``: whether a ``restart``
+    may delete a finished output (None: it may not)."""
     run_dir = RunDir(cfg.run_dir)
     check_places(cfg)
     check_checkpoint(cfg.model, weights=not cfg.random_weights)  # files only: a tokenizer, every weight file
@@ -106,7 +105,7 @@ def prepare_run(
         )
         once.check_plan(plan)
         check_output_space(cfg, plan, model)
-        accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe())
+        accept_plan(cfg, run_dir, plan, restart=restart, echo=echo, data=mix.describe(), confirm=confirm)
         report_json = {**report.to_json(), "duplicate_ids_renamed": renamed}
         write_run_files(cfg, run_dir, plan, model, tokenizer, samples, report_json)
         once.publish(plan)
@@ -321,116 +320,6 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         # A lone dflash or eagle3 hashes as before presets were recorded; every other preset set is part of the job.
         **({"presets": model.presets} if set(model.presets) not in (set(), {"dflash"}, {"eagle3"}) else {}),
     }
-
-
-def accept_plan(
-    cfg: RunConfig, run_dir: RunDir, plan: Plan, *, restart: bool, echo=print, data: list[dict] | None = None
-) -> None:
-    """Resume only the same plan; ``restart`` clears a different (or damaged) one. Then claim the output.
-    ``data``: the sources as described now, whose changed files a refusal names."""
-    sink = open_sink(cfg.output, cfg.s3_endpoint_url)
-    new_run_dir = not run_dir.plan_file.exists()
-    if not new_run_dir:
-        try:
-            old = Plan.load(run_dir.plan_file)
-        except HsextractError:
-            if not restart:
-                raise
-            old = None
-        # An equal plan has the same hash: comparing spares hashing the old one (seconds at 1M samples).
-        if old is None or (old != plan and old.plan_hash != plan.plan_hash):
-            if not restart:
-                changes = fingerprint_changes(old.fingerprint, plan.fingerprint)
-                if data is not None and run_dir.data_report_file.is_file():
-                    try:
-                        before = json.loads(run_dir.data_report_file.read_text()).get("sources") or []
-                    except (OSError, ValueError, AttributeError):
-                        before = []
-                    changes += changed_files(before, data)
-                if old.shards != plan.shards:
-                    changes.append(f"shards: {old.shards} -> {plan.shards}")
-                raise HsextractError(
-                    f"run dir {run_dir.root} holds a different plan; resuming would mix two jobs. What changed:\n  "
-                    + "\n  ".join(changes or ["the batches (same settings, different samples)"])
-                    + "\nRerun with the original settings to resume, or add --restart to start over."
-                )
-            reset_run(cfg, run_dir, sink, old, plan)
-            echo(
-                f"--restart: cleared progress and staging of the previous plan in {run_dir.root}, and its "
-                f"manifest and batch files in {cfg.output}"
-            )
-    claim(cfg, sink, plan, new_run_dir=new_run_dir)
-
-
-def claim(cfg: RunConfig, sink, plan: Plan, *, new_run_dir: bool) -> None:
-    """Claim the output for this plan, or accept it if this plan holds it already (a rerun, another node, a lost
-    run dir); refuse an output held by another job, naming it and what differs."""
-    if new_run_dir and read_job(sink) is None:
-        refuse_unclaimed_batches(cfg, sink, plan)
-    job = job_record(
-        plan=plan, nodes=cfg.nodes, run_dir=str(Path(cfg.run_dir).resolve()), host=socket.gethostname()
-    )
-    held = claim_output(sink, job)
-    if held.get("plan_hash") == plan.plan_hash and held.get("nodes", 1) != cfg.nodes:
-        raise HsextractError(
-            f"output {cfg.output} is being written by this job on {held.get('nodes', 1)} node(s), but this node "
-            f"was started as one of {cfg.nodes}: every node (and every rerun) must give the same node count"
-        )
-    if held.get("plan_hash") != plan.plan_hash:
-        changes = fingerprint_changes(held.get("fingerprint", {}), plan.fingerprint)
-        if held.get("shards") != plan.shards:
-            changes.append(f"shards: {held.get('shards')} -> {plan.shards} (nodes x shards per node)")
-        raise HsextractError(
-            f"output {cfg.output} is held by another job ({describe_job(held)}); two jobs never share an output. "
-            + ("What differs:\n  " + "\n  ".join(changes) + "\n" if changes else "")
-            + "Choose another --output, or rerun that job's own command to resume it."
-        )
-
-
-def refuse_unclaimed_batches(cfg: RunConfig, sink, plan: Plan) -> None:
-    """An output without a claim (written by an older hsextract, or by hand) may still hold batches: writing into
-    it would mix two jobs' states without a trace."""
-    if has_manifest(sink):
-        other = read_manifest(sink).get("plan_hash")
-        if other == plan.plan_hash:
-            return  # the same job, finished before (its run dir was lost): rerunning rewrites identical batches
-        raise HsextractError(
-            f"output {cfg.output} already holds a finished run with another plan ({other}); "
-            "choose a new --output, or delete that one first"
-        )
-    existing = sink.list_keys("shard-")
-    if existing:
-        raise HsextractError(
-            f"output {cfg.output} already holds {len(existing)} batch file(s) (e.g. {existing[0]}) but run dir "
-            f"{cfg.run_dir} is new, so nothing says which job wrote them: rerun with that job's --run-dir to "
-            "resume it, or choose a new --output"
-        )
-
-
-def reset_run(cfg: RunConfig, run_dir: RunDir, sink, old: Plan | None, new: Plan) -> None:
-    """--restart: forget the old plan (``None`` when its file is damaged) here and in the output."""
-    # The manifest goes first: from here on the output is no longer the old plan's, and until the new manifest is
-    # written it is not complete. Batch files the new plan does not overwrite would be left over from the old one.
-    held = read_job(sink)
-    # Another node of this job may have restarted the output onto the new plan first: then only local state goes.
-    if held is None or held.get("plan_hash") != new.plan_hash:
-        mine = held is not None and (
-            (old is not None and held.get("plan_hash") == old.plan_hash)
-            or held.get("started_by", {}).get("run_dir") == str(run_dir.root.resolve())
-        )
-        if held is not None and not mine:
-            raise HsextractError(
-                f"--restart: output {cfg.output} is held by another job ({describe_job(held)}), not this run dir's: "
-                "nothing was cleared. Choose another --output."
-            )
-        delete_manifest(sink)
-        old_keys = {b.key for b in old.batches} if old is not None else set(sink.list_keys("shard-"))
-        for key in old_keys - {b.key for b in new.batches}:
-            sink.delete(key)
-        forget_job(sink)
-    shutil.rmtree(run_dir.progress_dir, ignore_errors=True)
-    shutil.rmtree(cfg.staging_dir, ignore_errors=True)
-    run_dir.complete_file.unlink(missing_ok=True)
 
 
 def write_run_files(

@@ -6,8 +6,8 @@ import pytest
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.output import claim_output, job_record, read_job
+from hsextract.prepare.accept import reset_run
 from hsextract.prepare.plan import make_plan
-from hsextract.prepare.steps import reset_run
 from hsextract.run.rundir import RunDir
 from hsextract.storage.local import LocalSink
 
