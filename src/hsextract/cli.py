@@ -324,9 +324,10 @@ def verify(output, s3_endpoint_url, workers, as_json):
     else:
         for e in report.bad:
             click.echo(f"BAD {e}")
-        size = f"{report.bytes / 1e9:.2f} GB" if report.bytes >= 1e8 else f"{report.bytes / 1e6:.1f} MB"
+        from hsextract.run.progress import format_bytes
+
         verdict = "all good" if report.ok else f"{len(report.bad)} bad"
-        click.echo(f"verified {report.files} files ({size}) of {report.url}: {verdict}")
+        click.echo(f"verified {report.describe()} ({format_bytes(report.bytes)}) of {report.url}: {verdict}")
     sys.exit(0 if report.ok else 1)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hsextract.prepare.report import DataReport
-from hsextract.run.progress import format_duration
+from hsextract.run.progress import format_bytes, format_duration
 
 
 def storage_lines(rows: list[dict]) -> list[str]:
@@ -13,7 +13,7 @@ def storage_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         ids = ", ".join(map(str, r["layer_ids"])) + (" + final state" if r["final_state"] else "")
         per_token = " | ".join(f"{r['bytes_per_token'][k]:,} B" for k in kinds)
-        total = " | ".join(f"{r['total_bytes'][k] / 1e9:,.2f} GB" for k in kinds)
+        total = " | ".join(format_bytes(r["total_bytes"][k]) for k in kinds)
         lines.append(f"  {r['name']:<9}[{ids}] {r['slots']} slots: {per_token}; {total}")
     return lines
 
@@ -76,12 +76,12 @@ def format_report(report: dict) -> str:
         ),
         f"plan: {est['batches']} batches, per shard {est['batches_per_shard']}, padding waste {100 * est['padding_waste']:.2f}%",
         f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
-        f"{est['total_bytes'] / 1e9:,.2f} GB in total; the forward runs layers 0..{est['layers_run'] - 1}",
+        f"{format_bytes(est['total_bytes'])} in total; the forward runs layers 0..{est['layers_run'] - 1}",
         *storage_lines(est["storage"]),
         *(
             [
                 f"target top-{est['target_topk']['k']}: +{est['target_topk']['bytes_per_token']:,} bytes/token "
-                f"(ids int32 + log-probs float32, every token), {est['target_topk']['total_bytes'] / 1e9:,.2f} GB "
+                f"(ids int32 + log-probs float32, every token), {format_bytes(est['target_topk']['total_bytes'])} "
                 f"for the job ({100 * est['target_topk']['share_of_output']:.1f}% of the output)"
             ]
             if est.get("target_topk")

@@ -45,6 +45,14 @@ class VerifyReport:
     files: int
     bytes: int
     bad: list[CorruptOutputError] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)
+    """The files checked beside the batch files (counted in ``files``): ``the sample index``, ``the final norm``."""
+
+    def describe(self) -> str:
+        """``3 batch files, the sample index and the final norm``."""
+        n = self.files - len(self.others)
+        parts = [f"{n} batch file{'s' if n != 1 else ''}", *self.others]
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
     @property
     def ok(self) -> bool:
@@ -196,6 +204,7 @@ def verify_output(
             report.bad = [e for e in pool.map(check, batches) if e is not None]
     if manifest.get("sample_index"):
         report.files += 1
+        report.others.append("the sample index")
         try:
             report.bytes += check_sample_index(sink, manifest)
         except CorruptOutputError as e:
@@ -203,6 +212,7 @@ def verify_output(
     final = manifest.get("final_state")
     if final and final.get("norm"):
         report.files += 1
+        report.others.append("the final norm")
         try:
             report.bytes += len(read_checked_final_norm(sink, final["norm"]))
         except CorruptOutputError as e:

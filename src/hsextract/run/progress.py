@@ -189,6 +189,15 @@ def _json_kind(value) -> str:
     )
 
 
+def format_bytes(n: float) -> str:
+    """``812 B``, ``4.1 MB``, ``2.90 GB``, ``15.7 TB``: a size in the unit that fits (a tiny job is not ``0.00 GB``)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:,.2f} {unit}" if value < 10 else f"{value:,.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def format_duration(seconds: float) -> str:
     """``1h02m`` or ``3m05s``: ETAs in the status table and the dry run."""
     s = int(seconds)

@@ -10,6 +10,8 @@ import pytest
 from click.testing import CliRunner
 from support.damage import DAMAGES, copy_output, manifest_batches, manifest_without_batches, truncate_manifest
 
+from hsextract.run.progress import format_bytes
+
 
 @pytest.fixture
 def output(written_output, tmp_path):
@@ -32,7 +34,9 @@ def test_intact_output_verifies_clean(output):
     assert r.returncode == 0
     batches = manifest_batches(output)
     index = json.loads((output / "manifest.json").read_text())["sample_index"]  # checked as one more file
-    assert f"verified {len(batches) + 1} files" in r.stdout and "all good" in r.stdout
+    size = format_bytes(sum(b["size"] for b in batches) + index["size"])
+    assert f"verified {len(batches)} batch files and the sample index ({size}) of" in r.stdout, r.stdout
+    assert "all good" in r.stdout
     assert "BAD" not in r.stdout
     report = json.loads(run_cli("verify", output, "--json").stdout)
     assert report["ok"] is True and report["bad"] == [] and report["files"] == len(batches) + 1

@@ -53,3 +53,12 @@ def test_durations_read_as_minutes_and_seconds_then_hours_and_minutes():
         "1h02m",
         "25h00m",
     ]
+
+
+def test_sizes_are_said_in_the_unit_that_fits():
+    from hsextract.run.progress import format_bytes
+
+    cases = {0: "0 B", 812: "812 B", 4_123: "4.12 kB", 4_100_000: "4.10 MB", 15_700_000: "15.7 MB"}
+    cases |= {2_904_000_000: "2.90 GB", 15.7e12: "15.7 TB", 1_234.5e12: "1,234.5 TB"}
+    for n, text in cases.items():
+        assert format_bytes(n) == text, n
