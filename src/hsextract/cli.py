@@ -1,5 +1,5 @@
-"""The command line: ``hsextract run | dry-run | status | finalize | verify | export | demo``. The only module that
-imports click.
+"""The command line: ``hsextract run | regenerate | dry-run | status | finalize | verify | export | demo``. The only
+module that imports click.
 
 Options mirror RunConfig's fields; ``--config FILE.yaml`` fills them from a file (configs/), and options given on
 the command line override it. User errors print one message and exit with status 2.
@@ -20,6 +20,8 @@ import click
 from hsextract.config import REQUIRED, RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError, disk_full, install_redaction
+from hsextract.regenerate.config import REQUIRED as REGENERATE_REQUIRED
+from hsextract.regenerate.config import RegenerateConfig
 from hsextract.run.procs import Terminated, stop_on_signals
 from hsextract.run.rundir import default_run_dir
 
@@ -83,12 +85,12 @@ def _help(doc: str, default) -> str:
     return text if default is None else f"{text} [default: {default}]"
 
 
-def _config_option(f: dataclasses.Field) -> Callable:
-    """The click option of one RunConfig field: flag, type, choices and help from the field itself. Every option
-    defaults to None, so that a value from --config is overridden only by an option actually given."""
+def _config_option(f: dataclasses.Field, cls: type = RunConfig, required: tuple = REQUIRED) -> Callable:
+    """The click option of one field of a config class: flag, type, choices and help from the field itself. Every
+    option defaults to None, so that a value from --config is overridden only by an option actually given."""
     flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-    help = _help(config_field_docs().get(f.name, ""), f.default)
-    if f.name in REQUIRED:  # not click's required=True: the --config file may give it
+    help = _help(config_field_docs(cls).get(f.name, ""), f.default)
+    if f.name in required:  # not click's required=True: the --config file may give it
         help += " [required, here or in --config]"
     kind = str(f.type)
     if kind == "bool":
@@ -99,17 +101,17 @@ def _config_option(f: dataclasses.Field) -> Callable:
         return click.option(flag, f.name, multiple=True, default=None, help=help)
     if kind.startswith("tuple[int, ...] | None"):
         return click.option(flag, f.name, callback=lambda _ctx, _p, v: _int_list(v), default=None, help=help)
-    types = {"int": int, "int | None": int, "float": float}
+    types = {"int": int, "int | None": int, "float": float, "float | None": float}
     return click.option(flag, f.name, type=types.get(kind, str), default=None, help=help)
 
 
-def config_options(*commands: str) -> Callable:
-    """The RunConfig fields whose ``cli`` metadata is one of ``commands``, as click options, plus --config."""
+def config_options(*commands: str, cls: type = RunConfig, required: tuple = REQUIRED) -> Callable:
+    """The fields of ``cls`` whose ``cli`` metadata is one of ``commands``, as click options, plus --config."""
 
     def decorate(fn):
-        fields = [f for f in dataclasses.fields(RunConfig) if f.metadata.get("cli") in commands]
+        fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli") in commands]
         for f in reversed(fields):
-            fn = _config_option(f)(fn)
+            fn = _config_option(f, cls, required)(fn)
         return click.option(
             "--config",
             "config_file",
@@ -205,6 +207,24 @@ def _confirm(yes: bool):
     if sys.stdin.isatty():
         return lambda question: click.confirm(question, default=False)
     return None
+
+
+@main.command()
+@config_options("regenerate", cls=RegenerateConfig, required=REGENERATE_REQUIRED)
+@click.option(
+    "--restart", is_flag=True, help="Delete what --output holds from other settings and start over."
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@_user_errors
+def regenerate(restart, no_progress, config_file, **opts):
+    """Answer the prompts of a data mix with the served target (OpenAI-compatible servers: vLLM, SGLang) and
+    write the replies where `hsextract run --data` takes them; rerun the same command to resume."""
+    from hsextract.regenerate.runner import regenerate as run_regenerate
+
+    values = load_yaml(config_file, RegenerateConfig) if config_file else {}
+    values.update({key: value for key, value in opts.items() if value is not None and value != ()})
+    cfg = RegenerateConfig(**values)
+    sys.exit(run_regenerate(cfg, restart=restart, show_progress=not no_progress, echo=click.echo))
 
 
 @main.command("dry-run")

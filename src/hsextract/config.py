@@ -307,9 +307,9 @@ class RunConfig:
 
 
 @functools.cache
-def field_docs() -> dict[str, str]:
-    """Each RunConfig field's docstring (the string literal under it), read from this module's source."""
-    body = ast.parse(inspect.getsource(RunConfig)).body[0].body
+def field_docs(cls: type | None = None) -> dict[str, str]:
+    """Each field's docstring (the string literal under it) of RunConfig or another config class, from its source."""
+    body = ast.parse(inspect.getsource(cls or RunConfig)).body[0].body
     docs = {}
     for node, doc in zip(body, body[1:], strict=False):
         if (
@@ -353,15 +353,15 @@ def run_staging_dir(staging_root: str | None, run_dir: str | os.PathLike) -> Pat
     return Path(staging_root or DEFAULT_STAGING_ROOT) / f"{resolved.name}-{digest}"
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Options from a YAML file in ``configs/``; keys are RunConfig field names (``-`` or ``_``)."""
+def load_yaml(path: str | Path, cls: type | None = None) -> dict:
+    """Options from a YAML file in ``configs/``; keys are the field names of RunConfig or ``cls`` (``-`` or ``_``)."""
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise HsextractError(f"config file {path} does not exist") from None
     if not isinstance(raw, dict):
         raise HsextractError(f"config file {path} must hold a mapping of option: value")
-    known = {f.name for f in dataclasses.fields(RunConfig)}
+    known = {f.name for f in dataclasses.fields(cls or RunConfig)}
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")

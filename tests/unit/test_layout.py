@@ -25,6 +25,17 @@ def test_uploader_and_storage_import_no_torch():
     assert out.strip() == "", f"the uploader's imports pull in {out.strip()}"
 
 
+def test_regenerate_imports_no_torch():
+    """``hsextract regenerate`` is a light process: thousands of requests in flight, no model."""
+    code = (
+        "import sys\n"
+        "import hsextract.cli, hsextract.regenerate.runner\n"
+        "print(','.join(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "", f"regenerate's imports pull in {out.strip()}"
+
+
 def _imports() -> dict[str, set[str]]:
     """Every module's project imports, lazy ones (inside functions) included."""
     modules = {}
@@ -90,7 +101,7 @@ FLOORS = [
     {"prepare"},
     {"run"},
     {"dryrun_report"},
-    {"status", "export", "dryrun", "demo"},
+    {"status", "export", "dryrun", "demo", "regenerate"},
     {"cli"},
 ]
 

@@ -7,6 +7,7 @@ row is held for it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 
 from hsextract.errors import HsextractError
@@ -71,6 +72,24 @@ class DataReport:
             f"{s['name']} ({s['source']}): {_summary(s, self.max_length)}{_unrendered(s.get('unrendered') or {})}"
             for s in self.sources
         ]
+
+    def regenerated_lines(self) -> list[str]:
+        """Per source written by ``hsextract regenerate``: the served model and the options its replies came from,
+        e.g. ``regen: replies of Qwen/Qwen3.6-27B (max_tokens 4096, temperature 0.6, turns all)``."""
+        lines = []
+        for s in self.sources:
+            regenerated = (s.get("identity") or {}).get("regenerated")
+            if not regenerated:
+                continue
+            settings = regenerated.get("settings") or {}
+            options = {**(settings.get("request") or {}), "turns": settings.get("turns")}
+            if settings.get("drop_truncated"):
+                options["drop_truncated"] = True
+            shown = ", ".join(
+                f"{k} {json.dumps(v) if isinstance(v, dict) else v}" for k, v in options.items()
+            )
+            lines.append(f"{s['name']}: replies of {settings.get('served_model')} ({shown})")
+        return lines
 
     def first_problems(self) -> list[str]:
         """The first skipped row of each kind, with its reason, for the console (the report keeps 5 of each)."""

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,6 +24,27 @@ from hsextract.prepare.chat import UnreadableRow
 from hsextract.storage.fileio import write_json
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
+
+
+REGENERATE_SETTINGS = "regenerate.json"
+
+"""The settings record of an ``hsextract regenerate`` output; the rows of a directory that holds one are its chunk
+files only (``REGENERATED_CHUNK``), never its records."""
+
+
+REGENERATED_CHUNK = re.compile(r"^chunk-(\d{6,})\.jsonl\.(zst|gz)$")
+
+
+def regenerated_summary(data: bytes, where: str) -> dict:
+    """What a data report shows of a regenerate output's record: its settings, the served model, its inputs."""
+    try:
+        record = json.loads(data)
+    except ValueError as e:
+        raise HsextractError(f"{where} is damaged ({e}): rerun hsextract regenerate on it") from None
+    if not isinstance(record, dict):
+        raise HsextractError(f"{where} is damaged (not an object): rerun hsextract regenerate on it")
+    inputs = [{"name": s.get("name"), "source": s.get("source")} for s in record.get("sources") or []]
+    return {"settings": record.get("settings"), "served": record.get("served"), "inputs": inputs}
 
 
 ACCEPTED_FORMATS = (

@@ -14,7 +14,13 @@ import tempfile
 from pathlib import Path
 
 from hsextract.errors import HsextractError
-from hsextract.prepare.rows import DATA_SUFFIXES, file_format
+from hsextract.prepare.rows import (
+    DATA_SUFFIXES,
+    REGENERATE_SETTINGS,
+    REGENERATED_CHUNK,
+    file_format,
+    regenerated_summary,
+)
 from hsextract.storage.fileio import write_json
 
 log = logging.getLogger(__name__)
@@ -56,14 +62,32 @@ def fetch_s3_files(
             objects.append({"key": k, **info})
     except HsextractError as e:
         raise HsextractError(f"data source {label}: {e}") from None
-    return files, {"kind": "s3", "bucket": bucket, "objects": objects}
+    identity = {"kind": "s3", "bucket": bucket, "objects": objects}
+    if regenerated := _regenerated(sink, key, location):
+        identity["regenerated"] = regenerated
+    return files, identity
 
 
 def _data_keys(sink, key: str) -> list[str]:
     if key and file_format(Path(key)) and sink.object_info(key) is not None:
         return [key]
     prefix = key if not key or key.endswith("/") else key + "/"
-    return [k for k in sink.list_keys(prefix) if file_format(Path(k))]
+    keys = [k for k in sink.list_keys(prefix) if file_format(Path(k))]
+    if (
+        prefix + REGENERATE_SETTINGS in keys
+    ):  # an ``hsextract regenerate`` output: its chunks, not its records
+        keys = [k for k in keys if REGENERATED_CHUNK.match(k[len(prefix) :])]
+    return keys
+
+
+def _regenerated(sink, key: str, location: str) -> dict | None:
+    prefix = key if not key or key.endswith("/") else key + "/"
+    try:
+        return regenerated_summary(
+            sink.get_bytes(prefix + REGENERATE_SETTINGS), location + "/" + REGENERATE_SETTINGS
+        )
+    except FileNotFoundError:
+        return None
 
 
 def _fetched(sink, key: str, info: dict, path: Path) -> Path:

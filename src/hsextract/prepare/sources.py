@@ -274,17 +274,31 @@ def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, en
         return Source(spec, name, label, "hub_folder", dataset=dataset, identity=identity)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and rowio.file_format(p))
+        regenerated = _regenerated(path)
+        if regenerated is not None:  # an ``hsextract regenerate`` output: its chunks, not its records
+            files = [p for p in files if p.parent == path and rowio.REGENERATED_CHUNK.match(p.name)]
         if not files:
             raise HsextractError(
                 f"data source {label}: the directory holds no data file (none ends in "
                 f"{', '.join(rowio.DATA_SUFFIXES)}) and is no saved or Hub-layout dataset"
             )
-        return _files_source(spec, name, label, "files", files, memo_dir=cache_dir)
+        source = _files_source(spec, name, label, "files", files, memo_dir=cache_dir)
+        if regenerated is not None:
+            source.identity["regenerated"] = regenerated
+        return source
     try:
         rowio._data_format(path)
     except HsextractError as e:
         raise HsextractError(f"data source {label}: {e}") from None
     return _files_source(spec, name, label, "files", [path], memo_dir=cache_dir)
+
+
+def _regenerated(path: Path) -> dict | None:
+    """The summary of a regenerate output's record, when ``path`` is one."""
+    record = path / rowio.REGENERATE_SETTINGS
+    if not record.is_file():
+        return None
+    return rowio.regenerated_summary(record.read_bytes(), f"{path}/{rowio.REGENERATE_SETTINGS}")
 
 
 def _files_source(

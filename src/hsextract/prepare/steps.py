@@ -276,6 +276,8 @@ def tokenize(
     if len(report.sources) > 1:
         for line in report.source_lines():
             echo(f"  {line}")
+    for line in report.regenerated_lines():
+        echo(f"  {line}")
     for line in report.first_problems():
         echo(f"  {line}")
     report.check_bad_rows(cfg.max_bad_rows)

@@ -1,0 +1,303 @@
+"""Chat completions from one or more OpenAI-compatible servers, many requests in flight in one process.
+
+Each request goes to the healthy endpoint with the fewest requests in flight (a retry to another one than the
+last, where there is one). 429, 5xx, timeouts and dropped or refused connections are retried with exponential
+backoff and jitter, ``max_retries`` times; then the row fails with its cause and is left for the next run. An
+endpoint that has answered nothing but failures for ``endpoint_down_s`` is taken out of the rotation; when none
+is left the run stops. A 401 or 403 stops the run at once, naming the key's variable; another 4xx fails the row
+without retries (the server refused that request), and a run whose first requests are all refused stops, saying
+why, instead of refusing every row. ``check_endpoints`` asks every server's ``/models`` first, so a server that
+is down or does not serve the model fails the command in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from hsextract.errors import HsextractError
+
+CHECK_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+REFUSALS_BEFORE_STOP = 20
+
+"""Requests refused (4xx) in a row, with none answered yet, after which the run stops: they all would be."""
+
+
+class Stop(HsextractError):
+    """The run cannot go on (the key refused, every endpoint down, every request refused): no row is requested
+    any more; finished rows are still written."""
+
+
+class RowFailed(Exception):
+    """A request failed for good in this run; ``cause`` counts it in the report."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long to wait before retrying a request that may succeed later."""
+
+    max_retries: int = 5
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+
+    @staticmethod
+    def retried(status: int) -> bool:
+        """429 (overloaded), 408 and every 5xx are worth another try; other statuses are answers."""
+        return status in (408, 429) or 500 <= status < 600
+
+    def delay(self, retry: int, retry_after: float | None = None, draw=random.random) -> float:
+        """Seconds before retry number ``retry`` (0-based): doubling from ``first_backoff_s`` up to
+        ``max_backoff_s``, times a draw in [0.5, 1) so that requests that failed together do not return
+        together; at least the server's ``Retry-After`` (capped like the rest)."""
+        base = min(self.max_backoff_s, self.first_backoff_s * 2**retry)
+        wait = base * (0.5 + 0.5 * draw())
+        if retry_after is not None and retry_after > 0:
+            wait = max(wait, min(retry_after, self.max_backoff_s))
+        return wait
+
+
+@dataclass
+class Endpoint:
+    url: str
+    in_flight: int = 0
+    failing_since: float | None = None
+    """When its current run of failures began (None after a success)."""
+    down: bool = False
+
+    def succeeded(self) -> None:
+        self.failing_since = None
+
+    def failed(self, now: float, down_after_s: float) -> bool:
+        """Count a failure; True when this one takes the endpoint out of the rotation."""
+        if self.failing_since is None:
+            self.failing_since = now
+        if not self.down and now - self.failing_since >= down_after_s:
+            self.down = True
+            return True
+        return False
+
+
+@dataclass
+class EndpointPool:
+    endpoints: list[Endpoint]
+    down_after_s: float
+    went_down: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, urls, down_after_s: float) -> EndpointPool:
+        return cls([Endpoint(u) for u in urls], down_after_s)
+
+    def pick(self, avoid: Endpoint | None = None) -> Endpoint:
+        """The healthy endpoint with the fewest requests in flight, other than ``avoid`` where possible."""
+        healthy = [e for e in self.endpoints if not e.down]
+        if not healthy:
+            raise Stop(
+                "every endpoint failed for "
+                f"{self.down_after_s:g} s and was taken out ({', '.join(self.went_down)}): rows not written are "
+                "requested again by the next run; check the servers, then rerun the same command"
+            )
+        others = [e for e in healthy if e is not avoid] or healthy
+        return min(others, key=lambda e: e.in_flight)
+
+    def failed(self, endpoint: Endpoint) -> None:
+        if endpoint.failed(time.monotonic(), self.down_after_s):
+            self.went_down.append(endpoint.url)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A try that may succeed later: why it failed, the server's ``Retry-After``, whether the endpoint is to blame."""
+
+    cause: str
+    retry_after: float | None = None
+    endpoint_fault: bool = True
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    retries: int = 0
+    in_flight: int = 0
+    answered: int = 0
+    tokens: int = 0
+    refused_in_a_row: int = 0
+
+
+class ChatClient:
+    """``complete(messages, tools)`` -> the reply as stored (the server's message with its ``finish_reason``)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        pool: EndpointPool,
+        served_model: str,
+        options: dict,
+        *,
+        headers: dict | None = None,
+        policy: RetryPolicy | None = None,
+        timeout_s: float = 600.0,
+        key_env: str | None = None,
+    ):
+        self.session, self.pool, self.policy = session, pool, policy or RetryPolicy()
+        self.served_model, self.options = served_model, options
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+        self.key_env = key_env
+        self.counters = Counters()
+
+    async def complete(self, messages: list[dict], tools: list | None) -> dict:
+        body = {"model": self.served_model, "messages": messages, **self.options}
+        if tools:
+            body["tools"] = tools
+        data = json.dumps(body, ensure_ascii=False).encode()
+        retry, avoid = 0, None
+        while True:
+            endpoint = self.pool.pick(avoid)
+            outcome = await self._attempt(endpoint, data)
+            if not isinstance(outcome, Retry):
+                return outcome
+            if outcome.endpoint_fault:
+                self.pool.failed(endpoint)
+            if retry >= self.policy.max_retries:
+                raise RowFailed(f"{outcome.cause} ({retry + 1} tries)")
+            self.counters.retries += 1
+            await asyncio.sleep(self.policy.delay(retry, outcome.retry_after))
+            retry, avoid = retry + 1, endpoint
+
+    async def _attempt(self, endpoint: Endpoint, data: bytes) -> dict | Retry:
+        """The reply, or a ``Retry``; raises ``RowFailed`` for a refused request and ``Stop`` for a refused key."""
+        counters = self.counters
+        counters.requests += 1
+        counters.in_flight += 1
+        endpoint.in_flight += 1
+        try:
+            async with self.session.post(
+                endpoint.url + "/chat/completions", data=data, headers=self.headers, timeout=self.timeout
+            ) as response:
+                status = response.status
+                payload = await response.read()
+                retry_after = _retry_after(response.headers.get("Retry-After"))
+        except asyncio.TimeoutError:
+            return Retry("timeout")
+        except aiohttp.ClientConnectorError:
+            return Retry("connection refused")
+        except (aiohttp.ClientError, OSError):  # dropped mid-reply, reset, closed without an answer
+            return Retry("connection dropped")
+        finally:
+            counters.in_flight -= 1
+            endpoint.in_flight -= 1
+        if status == 200:
+            try:
+                reply, tokens = parse_reply(payload)
+            except ValueError as e:
+                return Retry(f"bad reply ({e})")
+            endpoint.succeeded()
+            counters.answered += 1
+            counters.tokens += tokens
+            counters.refused_in_a_row = 0
+            return reply
+        if status in (401, 403):
+            raise Stop(auth_message(endpoint.url, status, self.key_env))
+        if self.policy.retried(status):
+            return Retry(f"HTTP {status}", retry_after, endpoint_fault=status != 429)  # 429: busy, not broken
+        counters.refused_in_a_row += 1
+        detail = _detail(payload)
+        if counters.answered == 0 and counters.refused_in_a_row >= REFUSALS_BEFORE_STOP:
+            raise Stop(
+                f"{endpoint.url} refused the first {counters.refused_in_a_row} requests (HTTP {status}: {detail}); "
+                "check the sampling options and --served-model"
+            )
+        raise RowFailed(f"refused (HTTP {status}: {detail})")
+
+
+def parse_reply(payload: bytes) -> tuple[dict, int]:
+    """The stored reply (the first choice's message as returned, plus its ``finish_reason``) and the completion
+    tokens the server counted."""
+    try:
+        data = json.loads(payload)
+        choice = data["choices"][0]
+        message = choice["message"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"no choices[0].message in the response: {type(e).__name__} {e}") from None
+    if not isinstance(message, dict):
+        raise ValueError("choices[0].message is not an object")
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    tokens = usage.get("completion_tokens")
+    return {**message, "finish_reason": choice.get("finish_reason")}, tokens if isinstance(tokens, int) else 0
+
+
+def auth_message(url: str, status: int, key_env: str | None) -> str:
+    if key_env:
+        return f"{url} refused the API key in ${key_env} (HTTP {status}): check the key that variable holds"
+    return f"{url} wants an API key (HTTP {status}): put it in an environment variable and pass --api-key-env NAME"
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _detail(payload: bytes) -> str:
+    """The server's own words about a refused request, short."""
+    try:
+        data = json.loads(payload)
+        error = data.get("error", data.get("detail", data)) if isinstance(data, dict) else data
+        text = error.get("message", error) if isinstance(error, dict) else error
+    except ValueError:
+        text = payload.decode(errors="replace")
+    return " ".join(str(text).split())[:300]
+
+
+async def check_endpoints(
+    session: aiohttp.ClientSession, urls, served_model: str, headers: dict, key_env: str | None
+) -> dict:
+    """Every endpoint's ``/models``, at once: one that refuses connections, does not answer, refuses the key or
+    does not list the model is an error naming it. Returns the model ids each listed."""
+    results = await asyncio.gather(*(_check(session, url, served_model, headers, key_env) for url in urls))
+    return dict(zip(urls, results, strict=True))
+
+
+async def _check(
+    session, url: str, served_model: str, headers: dict, key_env: str | None
+) -> list[str] | None:
+    timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S, sock_connect=CHECK_TIMEOUT_S)
+    try:
+        async with session.get(url + "/models", headers=headers, timeout=timeout) as response:
+            status, payload = response.status, await response.read()
+    except aiohttp.ClientConnectorError as e:
+        raise HsextractError(
+            f"endpoint {url} refuses connections ({e.os_error or e}): is its server up and listening there? "
+            "(leave that --endpoint out to go on without it)"
+        ) from None
+    except asyncio.TimeoutError:
+        raise HsextractError(
+            f"endpoint {url} does not answer GET /models within {CHECK_TIMEOUT_S:g} s"
+        ) from None
+    except (aiohttp.ClientError, OSError) as e:
+        raise HsextractError(f"endpoint {url} cannot be reached: {type(e).__name__} {e}") from None
+    if status in (401, 403):
+        raise HsextractError(auth_message(url, status, key_env))
+    if status != 200:
+        return None  # some servers list no models (or not this one): the first request decides
+    try:
+        ids = [m["id"] for m in json.loads(payload)["data"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if ids and served_model not in ids:
+        raise HsextractError(
+            f"endpoint {url} does not serve --served-model {served_model}: its /v1/models lists "
+            f"{', '.join(map(str, ids))}"
+        )
+    return ids

@@ -1,0 +1,242 @@
+"""The options of ``hsextract regenerate``: one dataclass the CLI is built from and a YAML file loads into.
+
+As with ``RunConfig``, the docstring under a field is its ``--help`` text and YAML keys are the field names. What
+the servers are asked (``request_options``) and what shapes the rows (``settings``) are recorded in the output;
+a rerun whose settings differ is refused. Endpoints, concurrency, timeouts and chunking may change between runs:
+they decide how the rows are fetched, not what they are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from hsextract.errors import HsextractError, redact
+
+TURNS = ("all", "first")
+COMPRESSIONS = ("zstd", "gzip")
+REQUIRED = ("endpoint", "served_model", "data", "output")
+"""Fields without a default: given on the command line or in the --config file."""
+
+
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
+)
+"""Template arguments the server sets itself: a value for them in ``chat_template_kwargs`` would be overridden."""
+
+
+def _opt(default, *, flag: str | None = None, choices: tuple | None = None):
+    return field(default=default, metadata={"cli": "regenerate", "flag": flag, "choices": choices})
+
+
+@dataclass(kw_only=True, frozen=True)
+class RegenerateConfig:
+    endpoint: tuple[str, ...] | str = _opt(None)
+    """Base URL of an OpenAI-compatible server, e.g. ``http://gpu-node:8000/v1`` (``/v1`` is added to a URL without
+    a path); give it several times to spread the requests over several servers."""
+
+    served_model: str = _opt(None)
+    """The model name the servers serve (vLLM's and SGLang's ``--served-model-name``, else the model they were
+    started with), sent as the requests' ``model``; checked against each server's ``/v1/models``."""
+
+    data: tuple[str | dict, ...] | str = _opt(None)
+    """Data sources, as ``hsextract run`` takes them (docs/DATA.md): files, globs, directories, ``hf:org/name``,
+    ``s3://bucket/prefix``, several for a mix, options as ``path?limit=500&name=chat``. Rows keep the ids ``run``
+    gives them."""
+
+    output: str = _opt(None)
+    """Directory or ``s3://bucket/prefix`` for the replies: compressed JSONL chunks and ``regenerate.json``.
+    ``hsextract run --data`` takes it as it is; rerun the same command to resume."""
+
+    api_key_env: str | None = _opt(None)
+    """Name of the environment variable that holds the servers' API key (sent as ``Authorization: Bearer``). The
+    key is never an option's value and is never written or printed."""
+
+    max_tokens: int | None = _opt(None)
+    """The most tokens one reply may have (``max_tokens``); a reply cut there has ``finish_reason`` ``length``."""
+
+    temperature: float | None = _opt(None)
+    """Sampling temperature sent to the servers (their default when not given)."""
+
+    top_p: float | None = _opt(None)
+    """Nucleus sampling ``top_p`` sent to the servers."""
+
+    top_k: int | None = _opt(None)
+    """``top_k`` sent to the servers (vLLM and SGLang take it; OpenAI's API does not)."""
+
+    seed: int | None = _opt(None)
+    """The sampling ``seed`` sent with every request (not the draw of ``fraction`` rows: that is ``data_seed``)."""
+
+    chat_template_kwargs: str | None = _opt(None)
+    """Template arguments as a JSON object, sent as the requests' ``chat_template_kwargs`` (vLLM, SGLang), e.g.
+    ``'{"enable_thinking": true}'``; give ``hsextract run`` the same. A YAML mapping works too."""
+
+    turns: str = _opt("all", choices=TURNS)
+    """``all``: every assistant turn regenerated in order, each request holding the regenerated turns before it;
+    ``first``: the first exchange only. A conversation is regenerated up to its first tool result or tool call."""
+
+    drop_truncated: bool = _opt(False)
+    """Leave out rows with a reply cut at ``max_tokens`` (they are kept and counted by default)."""
+
+    dedupe: bool = _opt(False)
+    """Request once the rows whose prompts (system, user and tools) are identical, across all sources; the rest
+    are counted as duplicates."""
+
+    data_seed: int = _opt(0)
+    """Draws the rows of sources given ``fraction`` or ``sample`` (``run``'s ``seed``)."""
+
+    concurrency: int = _opt(64)
+    """Requests in flight at once, over all endpoints (one process keeps thousands in flight)."""
+
+    request_timeout_s: float = _opt(600.0, flag="--request-timeout")
+    """Seconds one request may take, reply included, before it is retried."""
+
+    max_retries: int = _opt(5)
+    """Retries of a request that failed with 429, a 5xx, a timeout or a dropped connection (with backoff) before
+    its row counts as failed; a failed row is not written and is requested again by the next run."""
+
+    endpoint_down_s: float = _opt(60.0, flag="--endpoint-down-after")
+    """Seconds of nothing but failures (connections refused or dropped, 5xx, timeouts) after which an endpoint is
+    taken out of the rotation for the rest of the run; its rows go to the others."""
+
+    chunk_rows: int = _opt(1000)
+    """Rows per chunk file. A chunk is written whole or not at all: after a crash, a rerun requests again only
+    the rows of no complete chunk."""
+
+    chunk_interval_s: float = _opt(60.0, flag="--chunk-interval")
+    """Seconds after which the finished rows are written as a chunk even if fewer than ``chunk_rows``."""
+
+    compression: str = _opt("zstd", choices=COMPRESSIONS)
+    """Chunk files are ``.jsonl.zst`` (with frame checksums) or ``.jsonl.gz``."""
+
+    s3_endpoint_url: str | None = _opt(None)
+    """For an S3-compatible ``s3://`` output or data source; ``AWS_ENDPOINT_URL_S3`` is honoured too."""
+
+    def __post_init__(self):
+        from hsextract.prepare.source_spec import parse_sources
+
+        missing = [name for name in REQUIRED if not getattr(self, name)]
+        if missing:
+            raise HsextractError(
+                "missing "
+                + ", ".join("--" + m.replace("_", "-") for m in missing)
+                + " (hsextract regenerate --help lists every option)"
+            )
+        endpoints = (self.endpoint,) if isinstance(self.endpoint, str) else tuple(self.endpoint)
+        object.__setattr__(self, "endpoint", tuple(_endpoint_url(e) for e in endpoints))
+        if len(set(self.endpoint)) != len(self.endpoint):
+            raise HsextractError(f"--endpoint lists the same server twice: {', '.join(self.endpoint)}")
+        if isinstance(self.data, Path):
+            object.__setattr__(self, "data", str(self.data))
+        elif isinstance(self.data, list):
+            object.__setattr__(self, "data", tuple(self.data))
+        parse_sources(self.data)
+        object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
+        if self.turns not in TURNS:
+            raise HsextractError(f"--turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
+        if self.compression not in COMPRESSIONS:
+            raise HsextractError(
+                f"--compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        for name in ("max_tokens", "concurrency", "chunk_rows"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise HsextractError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.max_retries < 0:
+            raise HsextractError(f"--max-retries must be 0 or more, got {self.max_retries}")
+        for name, flag in (
+            ("request_timeout_s", "--request-timeout"),
+            ("endpoint_down_s", "--endpoint-down-after"),
+            ("chunk_interval_s", "--chunk-interval"),
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise HsextractError(f"{flag} must be a positive number of seconds, got {value}")
+        if self.api_key_env is not None and not self.api_key_env.replace("_", "").isalnum():
+            raise HsextractError(
+                f"--api-key-env takes the NAME of an environment variable (e.g. OPENAI_API_KEY), not the key: "
+                f"got a value of {len(self.api_key_env)} characters that is no variable name"
+            )
+
+    def api_key(self) -> str | None:
+        """The key from ``api_key_env``; a variable that is not set is an error naming it."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise HsextractError(
+                f"--api-key-env {self.api_key_env}: the variable is not set (or empty) in this environment; "
+                f"export {self.api_key_env}=... first"
+            )
+        return key
+
+    def request_options(self) -> dict:
+        """The request body's fields besides ``model`` and ``messages``: the sampling options given, as vLLM and
+        SGLang take them (a field not given is not sent, so that the server's default applies)."""
+        out = {
+            k: getattr(self, k)
+            for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+            if getattr(self, k) is not None
+        }
+        if self.chat_template_kwargs:
+            out["chat_template_kwargs"] = json.loads(self.chat_template_kwargs)
+        return out
+
+    def settings(self) -> dict:
+        """What decides the rows written: a rerun with other settings is another job (``ledger.check_settings``)."""
+        return {
+            "served_model": self.served_model,
+            "request": self.request_options(),
+            "turns": self.turns,
+            "drop_truncated": self.drop_truncated,
+            "dedupe": self.dedupe,
+            "data_seed": self.data_seed,
+            "compression": self.compression,
+        }
+
+
+def template_kwargs_json(value) -> str | None:
+    """``--chat-template-kwargs`` (JSON text, or a YAML mapping) as canonical JSON; anything but an object of
+    arguments the server leaves to the user is an error."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        parsed = value
+    else:
+        try:
+            parsed = json.loads(value)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise HsextractError(
+                f"--chat-template-kwargs {value!r} is not JSON ({e}); give an object, e.g. "
+                """'{"enable_thinking": false}'"""
+            ) from None
+    if not isinstance(parsed, dict):
+        raise HsextractError(
+            f"--chat-template-kwargs must be a JSON object of template arguments, got {value!r}"
+        )
+    reserved = sorted(set(parsed) & RESERVED_TEMPLATE_ARGS)
+    if reserved:
+        raise HsextractError(
+            f"--chat-template-kwargs: {', '.join(reserved)} are set by the server, not by the user"
+        )
+    return json.dumps(parsed, sort_keys=True)
+
+
+def _endpoint_url(given) -> str:
+    if not isinstance(given, str) or not given.strip():
+        raise HsextractError(f"--endpoint {given!r} is not a URL: give http://HOST:PORT/v1")
+    url = given.strip().rstrip("/")
+    if redact(url) != url:
+        raise HsextractError(
+            f"--endpoint {redact(url)} carries credentials in its URL: give the key through --api-key-env VAR"
+        )
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise HsextractError(
+            f"--endpoint {given!r} is not an http:// or https:// URL: give http://HOST:PORT/v1"
+        )
+    return url if parts.path else url + "/v1"

@@ -1,0 +1,238 @@
+"""OpenAI-compatible servers on loopback for ``hsextract regenerate``: the real one and what stands in front of it.
+
+- ``start_transformers_serve``: transformers' own ``transformers serve`` over a tiny model laid out as a Hub
+  snapshot in a Hugging Face cache of its own (served offline, on the CPU, under the Hub id it is asked for).
+- ``FaultProxy``: forwards to an upstream server and plants faults the tests choose (5xx answers, stalls,
+  connections closed without an answer, a refused key), logging the first user message of every request it sees.
+- ``InstantServer``: answers every chat request at once (or after ``delay_s``) with a fixed reply: the client's
+  own cost is measured against it (scripts/bench_regenerate.py), in a thread or in a process of its own
+  (``python tests/support/chat_servers.py PORT [DELAY_S]``).
+Each runs its asyncio loop in a thread of its own, so the test's thread stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hub_cache_with(model_dir: Path, cache: Path, repo_id: str) -> Path:
+    """``model_dir``'s files as the snapshot of Hub repo ``repo_id`` in a Hugging Face cache at ``cache``."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / SNAPSHOT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.is_file():
+            shutil.copy2(f, snapshot / f.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(SNAPSHOT)
+    return cache
+
+
+class ServedModel:
+    """A ``transformers serve`` process; ``url`` is its ``/v1`` base."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, model: str, log: Path):
+        self.proc, self.port, self.model, self.log = proc, port, model, log
+        self.url = f"http://127.0.0.1:{port}/v1"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def start_transformers_serve(
+    model_dir: Path, root: Path, repo_id: str = "hsextract/tiny-qwen3_5"
+) -> ServedModel:
+    """``transformers serve`` pinned to ``repo_id`` (``model_dir`` in a cache of its own), offline, on the CPU;
+    returns once ``/health`` answers."""
+    cache = hub_cache_with(model_dir, root / "hf-cache", repo_id)
+    port, log = free_port(), root / "serve.log"
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    serve = Path(sys.executable).with_name("transformers")
+    command = [str(serve), "serve", repo_id, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--device", "cpu", "--dtype", "float32"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    served = ServedModel(proc, port, repo_id, log)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"transformers serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return served
+        except OSError:
+            time.sleep(0.2)
+    served.stop()
+    raise RuntimeError(f"transformers serve did not listen within 180 s:\n{log.read_text()[-3000:]}")
+
+
+class _LoopThread:
+    """An aiohttp application served on 127.0.0.1 from a thread of its own."""
+
+    def __init__(self, app: web.Application, port: int = 0):
+        self.app, self._port = app, port
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self._ready.wait(30)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(self.app, access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self._port, backlog=4096)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        async def close():
+            await self.runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def first_user_message(body: dict) -> str | None:
+    return next((m.get("content") for m in body.get("messages") or [] if m.get("role") == "user"), None)
+
+
+class FaultProxy(_LoopThread):
+    """Forwards ``/v1/*`` to ``upstream``; each request is first offered to the faults planted (``plant``)."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream.rstrip("/")
+        self.seen: list[str] = []
+        """The first user message of every chat request that reached the proxy, in order."""
+        self.faults: list[dict] = []
+        self.lock = threading.Lock()
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/v1/{tail:.*}", self._handle)
+        self.session: ClientSession | None = None
+        super().__init__(app)
+
+    def plant(
+        self, kind: str, times: int | None = None, *, match: str | None = None, status: int = 500
+    ) -> None:
+        """``kind``: ``status`` (answer ``status``), ``stall`` (never answer), ``drop`` (close the connection
+        unanswered); on the next ``times`` chat requests (None: all) whose body holds ``match`` (None: any)."""
+        with self.lock:
+            self.faults.append({"kind": kind, "times": times, "match": match, "status": status})
+
+    def clear(self) -> None:
+        with self.lock:
+            self.faults.clear()
+            self.seen.clear()
+
+    def _fault(self, text: str) -> dict | None:
+        with self.lock:
+            for fault in self.faults:
+                if fault["times"] == 0 or (fault["match"] is not None and fault["match"] not in text):
+                    continue
+                if fault["times"] is not None:
+                    fault["times"] -= 1
+                return fault
+        return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        data = await request.read()
+        if request.path.endswith("/chat/completions"):
+            text = data.decode(errors="replace")
+            with self.lock:
+                self.seen.append(first_user_message(json.loads(data)))
+            fault = self._fault(text)
+            if fault is not None:
+                if fault["kind"] == "status":
+                    return web.json_response({"error": {"message": "planted fault"}}, status=fault["status"])
+                if fault["kind"] == "stall":
+                    await asyncio.sleep(3600)
+                if fault["kind"] == "drop":
+                    request.transport.close()
+                    raise ConnectionResetError("planted: connection closed unanswered")
+        if self.session is None:
+            self.session = ClientSession(timeout=ClientTimeout(total=600))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
+        async with self.session.request(
+            request.method, self.upstream + request.path[len("/v1") :], data=data, headers=headers
+        ) as upstream:
+            body = await upstream.read()
+            return web.Response(body=body, status=upstream.status, content_type=upstream.content_type)
+
+
+REPLY = {"role": "assistant", "content": "an instant reply", "reasoning_content": None, "tool_calls": None}
+
+
+class InstantServer(_LoopThread):
+    """``/v1/models`` lists ``model``; every chat request is answered ``REPLY`` after ``delay_s``, or ``status``."""
+
+    def __init__(self, model: str = "instant", delay_s: float = 0.0, port: int = 0, status: int = 200):
+        self.model, self.delay_s, self.status = model, delay_s, status
+        self.requests = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        super().__init__(app, port)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.status in (401, 403):
+            return web.json_response({"error": {"message": "bad key"}}, status=self.status)
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.requests += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
+        if self.status != 200:
+            return web.json_response({"error": {"message": "refused"}}, status=self.status)
+        body = {
+            "id": "x",
+            "object": "chat.completion",
+            "model": self.model,
+            "choices": [{"index": 0, "message": REPLY, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
+        }
+        return web.json_response(body)
+
+
+if __name__ == "__main__":  # the benchmark's endpoint, in a process of its own
+    server = InstantServer(port=int(sys.argv[1]), delay_s=float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
+    print(f"listening on {server.url}", flush=True)
+    try:
+        while True:
+            time.sleep(1)
+            print(f"requests {server.requests} most_in_flight {server.most_in_flight}", flush=True)
+    except KeyboardInterrupt:
+        server.stop()

@@ -1,0 +1,231 @@
+"""``hsextract regenerate`` through click's CliRunner: option errors in one line before any request, the checks
+of the servers, and a whole job against a loopback server that answers at once (the real server's scenarios are
+in tests/scenarios/test_regenerate.py)."""
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+from support.chat_servers import InstantServer
+
+from hsextract.cli import main
+from hsextract.regenerate.ledger import Ledger
+
+
+@pytest.fixture
+def server():
+    s = InstantServer(model="org/model")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(23)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _regenerate(*args, env=None):
+    return CliRunner().invoke(main, ["regenerate", "--no-progress", *map(str, args)], env=env)
+
+
+def _args(server, data, out, *extra):
+    return ["--endpoint", server.url, "--served-model", "org/model", "--data", data, "--output", out, *extra]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "x.jsonl"], "missing --endpoint, --served-model, --output"),
+        (
+            ["--endpoint", "gpu-node:8000", "--served-model", "m", "--data", "x", "--output", "o"],
+            "not an http",
+        ),
+        (
+            ["--endpoint", "http://u:secret@h/v1", "--served-model", "m", "--data", "x", "--output", "o"],
+            "--api-key-env",
+        ),
+        (
+            [
+                "--endpoint",
+                "http://h/v1",
+                "--endpoint",
+                "http://h/v1/",
+                "--served-model",
+                "m",
+                "--data",
+                "x",
+                "--output",
+                "o",
+            ],
+            "the same server twice",
+        ),
+        (
+            [
+                "--endpoint",
+                "http://h",
+                "--served-model",
+                "m",
+                "--data",
+                "x",
+                "--output",
+                "o",
+                "--chat-template-kwargs",
+                "[1]",
+            ],
+            "must be a JSON object",
+        ),
+        (
+            [
+                "--endpoint",
+                "http://h",
+                "--served-model",
+                "m",
+                "--data",
+                "x",
+                "--output",
+                "o",
+                "--chat-template-kwargs",
+                '{"tools": []}',
+            ],
+            "set by the server",
+        ),
+        (
+            [
+                "--endpoint",
+                "http://h",
+                "--served-model",
+                "m",
+                "--data",
+                "x",
+                "--output",
+                "o",
+                "--api-key-env",
+                "sk-abc.def",
+            ],
+            "NAME of an environment variable",
+        ),
+        (
+            [
+                "--endpoint",
+                "http://h",
+                "--served-model",
+                "m",
+                "--data",
+                "x",
+                "--output",
+                "o",
+                "--api-key-env",
+                "HSX_UNSET_KEY",
+            ],
+            "HSX_UNSET_KEY: the variable is not set",
+        ),
+        (["--endpoint", "http://h", "--served-model", "m", "--data", "x?limit=0", "--output", "o"], "limit"),
+    ],
+)
+def test_option_errors_are_one_line(args, message):
+    result = _regenerate(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert "secret" not in result.output
+
+
+def test_a_server_that_refuses_connections_fails_in_seconds(data, tmp_path):
+    started = time.monotonic()
+    result = _regenerate(
+        "--endpoint",
+        "http://127.0.0.1:9/v1",
+        "--served-model",
+        "m",
+        "--data",
+        data,
+        "--output",
+        tmp_path / "out",
+    )
+    assert result.exit_code == 2 and "refuses connections" in result.output, result.output
+    assert time.monotonic() - started < 10
+
+
+def test_a_model_the_server_does_not_serve_is_refused_listing_what_it_serves(server, data, tmp_path):
+    result = _regenerate(
+        "--endpoint", server.url, "--served-model", "org/other", "--data", data, "--output", tmp_path / "out"
+    )
+    assert result.exit_code == 2 and "lists org/model" in result.output, result.output
+    assert server.requests == 0
+
+
+def test_a_refused_key_stops_before_any_request_naming_the_variable(server, data, tmp_path):
+    server.status = 401
+    result = _regenerate(
+        *_args(server, data, tmp_path / "out", "--api-key-env", "HSX_KEY"), env={"HSX_KEY": "sk-very-secret"}
+    )
+    assert result.exit_code == 2 and "$HSX_KEY" in result.output and "sk-very-secret" not in result.output
+    assert server.requests == 0
+
+
+def test_a_job_writes_every_row_once_and_a_rerun_requests_nothing(server, data, tmp_path):
+    out = tmp_path / "out"
+    result = _regenerate(
+        *_args(
+            server,
+            data,
+            out,
+            "--chunk-rows",
+            "7",
+            "--concurrency",
+            "5",
+            "--seed",
+            "3",
+            "--chat-template-kwargs",
+            '{"enable_thinking": true}',
+        )
+    )
+    assert result.exit_code == 0, result.output
+    assert "wrote 23 rows in 4 chunk(s)" in result.output
+    assert server.requests == 23
+    done = Ledger(str(out)).done()
+    assert done.written == {f"c{i}" for i in range(23)} and done.chunks == 4
+    record = json.loads((out / "regenerate.json").read_text())
+    assert record["settings"]["request"] == {"seed": 3, "chat_template_kwargs": {"enable_thinking": True}}
+    assert record["served"]["model"] == "org/model"
+    again = _regenerate(
+        *_args(
+            server,
+            data,
+            out,
+            "--chunk-rows",
+            "7",
+            "--concurrency",
+            "50",
+            "--seed",
+            "3",
+            "--chat-template-kwargs",
+            '{"enable_thinking":true}',
+        )
+    )
+    assert again.exit_code == 0 and "23 already in the output" in again.output, again.output
+    assert server.requests == 23
+    other = _regenerate(*_args(server, data, out, "--seed", "4"))
+    assert other.exit_code == 2 and "--seed 3 -> 4" in other.output
+
+
+def test_options_come_from_a_yaml_file_too(server, data, tmp_path):
+    config = tmp_path / "regen.yaml"
+    config.write_text(
+        f"endpoint: [{server.url}]\nserved-model: org/model\ndata:\n  - path: {data}\n    limit: 5\n"
+        f"output: {tmp_path / 'out'}\nchat_template_kwargs: {{enable_thinking: false}}\nmax_tokens: 16\n"
+    )
+    result = _regenerate("--config", config, "--temperature", "0.5")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "out" / "regenerate.json").read_text())
+    assert record["settings"]["request"] == {
+        "max_tokens": 16,
+        "temperature": 0.5,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    assert server.requests == 5
+    (tmp_path / "bad.yaml").write_text("layers: dflash\n")
+    assert "unknown option 'layers'" in _regenerate("--config", tmp_path / "bad.yaml").output
