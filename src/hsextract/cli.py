@@ -20,8 +20,7 @@ import click
 from hsextract.config import REQUIRED, RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError, disk_full, install_redaction
-from hsextract.regenerate.config import REQUIRED as REGENERATE_REQUIRED
-from hsextract.regenerate.config import RegenerateConfig
+from hsextract.regenerate import config as regenerate_config
 from hsextract.run.procs import Terminated, stop_on_signals
 from hsextract.run.rundir import default_run_dir
 
@@ -210,10 +209,8 @@ def _confirm(yes: bool):
 
 
 @main.command()
-@config_options("regenerate", cls=RegenerateConfig, required=REGENERATE_REQUIRED)
-@click.option(
-    "--restart", is_flag=True, help="Delete what --output holds from other settings and start over."
-)
+@config_options("regenerate", cls=regenerate_config.RegenerateConfig, required=regenerate_config.REQUIRED)
+@click.option("--restart", is_flag=True, help="Delete the chunks of other settings in --output, start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @_user_errors
 def regenerate(restart, no_progress, config_file, **opts):
@@ -221,9 +218,7 @@ def regenerate(restart, no_progress, config_file, **opts):
     write the replies where `hsextract run --data` takes them; rerun the same command to resume."""
     from hsextract.regenerate.runner import regenerate as run_regenerate
 
-    values = load_yaml(config_file, RegenerateConfig) if config_file else {}
-    values.update({key: value for key, value in opts.items() if value is not None and value != ()})
-    cfg = RegenerateConfig(**values)
+    cfg = regenerate_config.RegenerateConfig.given(config_file, opts)
     sys.exit(run_regenerate(cfg, restart=restart, show_progress=not no_progress, echo=click.echo))
 
 

@@ -162,6 +162,15 @@ class RegenerateConfig:
                 f"got a value of {len(self.api_key_env)} characters that is no variable name"
             )
 
+    @classmethod
+    def given(cls, config_file: str | None, options: dict) -> RegenerateConfig:
+        """From a YAML file's keys (``--config``), overridden by the options given on the command line."""
+        from hsextract.config import load_yaml
+
+        values = load_yaml(config_file, cls) if config_file else {}
+        values.update({k: v for k, v in options.items() if v is not None and v != ()})
+        return cls(**values)
+
     def api_key(self) -> str | None:
         """The key from ``api_key_env``; a variable that is not set is an error naming it."""
         if self.api_key_env is None:
