@@ -20,7 +20,8 @@ import click
 from hsextract.config import REQUIRED, RunConfig, load_yaml
 from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError, disk_full, install_redaction
-from hsextract.regenerate import config as regenerate_config
+from hsextract.regenerate.config import REQUIRED as REGENERATE_REQUIRED
+from hsextract.regenerate.config import RegenerateConfig
 from hsextract.run.procs import Terminated, stop_on_signals
 from hsextract.run.rundir import default_run_dir
 
@@ -128,11 +129,13 @@ def _build_config(**opts) -> RunConfig:
     values.update({key: value for key, value in opts.items() if value is not None and value != ()})
     if "gpus" in values:
         values["gpus"] = _int_list(values["gpus"])
-    if values.get("output") and not values.get("run_dir"):
+    defaulted = bool(values.get("output") and not values.get("run_dir"))
+    if defaulted:
         node_rank = values.get("node_rank", 0) if values.get("nodes", 1) > 1 else None
         values["run_dir"] = str(default_run_dir(values["output"], node_rank))
-        click.echo(f"run dir: {values['run_dir']} (from --output; rerun the same command here to resume)")
     cfg = RunConfig(**values)
+    if defaulted:  # said once the options hold: a refused command names no run dir
+        click.echo(f"run dir: {cfg.run_dir} (from --output; rerun the same command here to resume)")
     if values.get("device", "auto") == "auto":
         from hsextract.devices import resolve_device
 
@@ -209,8 +212,10 @@ def _confirm(yes: bool):
 
 
 @main.command()
-@config_options("regenerate", cls=regenerate_config.RegenerateConfig, required=regenerate_config.REQUIRED)
-@click.option("--restart", is_flag=True, help="Delete the chunks of other settings in --output, start over.")
+@config_options("regenerate", cls=RegenerateConfig, required=REGENERATE_REQUIRED)
+@click.option(
+    "--restart", is_flag=True, help="Delete what --output holds from other settings and start over."
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @_user_errors
 def regenerate(restart, no_progress, config_file, **opts):
@@ -218,7 +223,9 @@ def regenerate(restart, no_progress, config_file, **opts):
     write the replies where `hsextract run --data` takes them; rerun the same command to resume."""
     from hsextract.regenerate.runner import regenerate as run_regenerate
 
-    cfg = regenerate_config.RegenerateConfig.given(config_file, opts)
+    values = load_yaml(config_file, RegenerateConfig) if config_file else {}
+    values.update({key: value for key, value in opts.items() if value is not None and value != ()})
+    cfg = RegenerateConfig(**values)
     sys.exit(run_regenerate(cfg, restart=restart, show_progress=not no_progress, echo=click.echo))
 
 

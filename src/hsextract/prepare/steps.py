@@ -200,7 +200,9 @@ def check_no_overlap(cfg: RunConfig) -> None:
 
 
 def check_staging(staging: Path, need_bytes: int) -> None:
-    """The staging directory must be writable and hold at least one batch file, else fail before any work."""
+    """The staging directory must be writable and hold at least one batch file, else fail before any work. One
+    made here goes again (the workers make it): a run refused later leaves none behind."""
+    made = not staging.exists()
     try:
         staging.mkdir(parents=True, exist_ok=True)
         probe = staging / ".probe"
@@ -211,6 +213,8 @@ def check_staging(staging: Path, need_bytes: int) -> None:
             f"staging directory {staging} is not writable ({e.strerror}); choose another with --staging"
         ) from None
     free = shutil.disk_usage(staging).free
+    if made:
+        staging.rmdir()
     if free < need_bytes:
         raise HsextractError(
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "

@@ -198,8 +198,13 @@ class RunDir:
             raise
 
     def _holds_only_the_lock(self, top: Path) -> bool:
-        files = [p for p in top.rglob("*") if not p.is_dir()]
-        return not files or files == [self.locks_dir.absolute() / "launcher.lock"]
+        """Nothing but the lock and the data files' hash memos (redone in milliseconds) was written under ``top``."""
+        lock, memos = self.locks_dir.absolute() / "launcher.lock", self.cache_dir.absolute()
+        return all(
+            p == lock or (p.parent == memos and p.name.startswith("data-") and p.suffix == ".json")
+            for p in top.rglob("*")
+            if not p.is_dir()
+        )
 
     @contextmanager
     def _locked(self, *, exclusive: bool):
