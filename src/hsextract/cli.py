@@ -52,21 +52,14 @@ def _user_errors(fn):
 
 
 def _says_waits(fn):
-    """A command that reads an output says on stderr what its storage waits for (a first contact unanswered for a
-    few seconds, each retry) instead of waiting silently."""
+    """A command that reads an output says on stderr what its storage waits for, instead of waiting silently."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        import logging
+        from hsextract.storage import log_on_stderr
 
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger = logging.getLogger("hsextract.storage")
-        logger.addHandler(handler)
-        try:
+        with log_on_stderr():
             return fn(*args, **kwargs)
-        finally:
-            logger.removeHandler(handler)
 
     return wrapper
 

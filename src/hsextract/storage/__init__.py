@@ -4,7 +4,10 @@ This package never imports torch: it runs in the light uploader process (a test 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import sys
 import uuid
 from pathlib import Path
 
@@ -53,6 +56,20 @@ def open_sink(
     from hsextract.storage.s3 import S3Sink  # boto3 costs ~1 s to import; local runs never pay it
 
     return S3Sink(*where, endpoint_url, retry_deadline_s=retry_deadline_s, unreached_fails_fast=reading)
+
+
+@contextlib.contextmanager
+def log_on_stderr():
+    """The storage's log lines (a reading sink's first contact unanswered for a few seconds, each retry) on stderr
+    while the block runs: for the CLI's commands that read an output."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("hsextract.storage")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def preflight(output: str, endpoint_url: str | None = None) -> None:
