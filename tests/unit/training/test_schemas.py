@@ -25,7 +25,9 @@ def test_each_schema_reads_its_own_preset_of_a_union(schema, preset):
 def test_a_schema_without_its_preset_in_a_union_asks_which_layers():
     with pytest.raises(HsextractError, match="say which ones specforge-dspark reads: --layers dflash on"):
         SCHEMAS["specforge-dspark"].layers_for(UNION, None)
-    with pytest.raises(HsextractError, match="say which ones speculators reads: .* layers='dflash' in Python"):
+    with pytest.raises(
+        HsextractError, match="say which ones speculators reads: .* layers='dflash' in Python"
+    ):
         SCHEMAS["speculators"].layers_for(UNION, None)
     assert SCHEMAS["raw"].layers_for(UNION, None) is None  # the reader's dict: every captured layer
 
