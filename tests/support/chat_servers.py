@@ -101,7 +101,10 @@ class _LoopThread:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.app, access_log=None)
+        # Handlers end with their connection (a planted stall, a client that timed out) and stop at once on stop().
+        self.runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", self._port, backlog=4096)
         self.loop.run_until_complete(site.start())
@@ -109,9 +112,13 @@ class _LoopThread:
         self._ready.set()
         self.loop.run_forever()
 
+    async def _close(self) -> None:
+        """What the application holds besides its server (a client session)."""
+
     def stop(self) -> None:
         async def close():
             await self.runner.cleanup()
+            await self._close()
 
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -130,6 +137,8 @@ class FaultProxy(_LoopThread):
         self.seen: list[str] = []
         """The first user message of every chat request that reached the proxy, in order."""
         self.faults: list[dict] = []
+        self.delay_s = 0.0
+        """Added before every chat request is forwarded (a slower server)."""
         self.lock = threading.Lock()
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/v1/{tail:.*}", self._handle)
@@ -148,6 +157,10 @@ class FaultProxy(_LoopThread):
         with self.lock:
             self.faults.clear()
             self.seen.clear()
+
+    async def _close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
 
     def _fault(self, text: str) -> dict | None:
         with self.lock:
@@ -174,6 +187,8 @@ class FaultProxy(_LoopThread):
                 if fault["kind"] == "drop":
                     request.transport.close()
                     raise ConnectionResetError("planted: connection closed unanswered")
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
         if self.session is None:
             self.session = ClientSession(timeout=ClientTimeout(total=600))
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
@@ -192,6 +207,8 @@ class InstantServer(_LoopThread):
 
     def __init__(self, model: str = "instant", delay_s: float = 0.0, port: int = 0, status: int = 200):
         self.model, self.delay_s, self.status = model, delay_s, status
+        self.chat_status: int | None = None
+        """Chat requests' answer when not 200 (``status`` answers ``/v1/models`` too)."""
         self.requests = 0
         self.in_flight = 0
         self.most_in_flight = 0
@@ -215,8 +232,9 @@ class InstantServer(_LoopThread):
                 await asyncio.sleep(self.delay_s)
         finally:
             self.in_flight -= 1
-        if self.status != 200:
-            return web.json_response({"error": {"message": "refused"}}, status=self.status)
+        status = self.chat_status or self.status
+        if status != 200:
+            return web.json_response({"error": {"message": "refused"}}, status=status)
         body = {
             "id": "x",
             "object": "chat.completion",

@@ -229,3 +229,17 @@ def test_options_come_from_a_yaml_file_too(server, data, tmp_path):
     assert server.requests == 5
     (tmp_path / "bad.yaml").write_text("layers: dflash\n")
     assert "unknown option 'layers'" in _regenerate("--config", tmp_path / "bad.yaml").output
+
+
+def test_a_key_refused_mid_run_stops_every_request_at_once(server, data, tmp_path):
+    server.chat_status = 403  # /v1/models answers; the chat requests are refused
+    result = _regenerate(
+        *_args(server, data, tmp_path / "out", "--api-key-env", "HSX_KEY", "--concurrency", "4"),
+        env={"HSX_KEY": "sk-very-secret"},
+    )
+    assert result.exit_code == 2, result.output
+    assert (
+        "refused the API key in $HSX_KEY (HTTP 403)" in result.output
+        and "sk-very-secret" not in result.output
+    )
+    assert server.requests <= 4  # the requests already in flight, and no row after them
