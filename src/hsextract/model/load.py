@@ -6,25 +6,24 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 from hsextract.errors import HsextractError, load_or_explain
+from hsextract.hub import resolve_model
 from hsextract.model.fastload import fast_load_enabled
 from hsextract.model.warmup import ready_kernels
 
 
-def load_model_config(model: str):
-    """The model's config (no weights), its text config and layer count; a clear error if the path is wrong."""
+def load_model_config(model: str, trust_remote_code: bool = False):
+    """The model's config (no weights), its text config and layer count, from a checkpoint directory (a Hub id is
+    resolved to one first: model/hub.py); a clear error if the directory is wrong."""
     from transformers import AutoConfig
 
-    if os.path.sep in model or model.startswith(".") or Path(model).exists():
-        if not Path(model).exists():
-            raise HsextractError(f"--model {model}: no such directory")
-        if Path(model).is_dir() and not (Path(model) / "config.json").exists():
-            raise HsextractError(
-                f"--model {model}: directory has no config.json (is it a transformers checkpoint?)"
-            )
-    config = load_or_explain(model, "read its config", lambda: AutoConfig.from_pretrained(model))
+    model = resolve_model(model).path
+    config = load_or_explain(
+        model,
+        "read its config",
+        lambda: AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code),
+    )
     text = config.get_text_config()
     num_layers = getattr(text, "num_hidden_layers", None)
     if not num_layers:
@@ -66,16 +65,28 @@ def reader_threads(n: int | None):
 
 
 def load_model(
-    model: str, *, dtype: str, device: str, attn_implementation: str = "sdpa", random_weights=False
+    model: str,
+    *,
+    dtype: str,
+    device: str,
+    attn_implementation: str = "sdpa",
+    random_weights=False,
+    trust_remote_code: bool = False,
+    compute: str = "auto",
 ):
     """The causal LM in eval mode on ``device``. For a multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration)
-    transformers maps AutoModelForCausalLM to the text-only class and skips the vision tower's weights."""
+    transformers maps AutoModelForCausalLM to the text-only class and skips the vision tower's weights.
+    ``compute``: its linears' numerics (fp8_load.py); ``lm.hsx_compute`` says what that resolved to."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hsextract.model import fp8_load
+
     torch_dtype = getattr(torch, dtype)
+    fp8_checkpoint = not random_weights and fp8_load.is_fp8_checkpoint(model)
+    given = {"config": fp8_load.unquantized_config(model)} if fp8_checkpoint else {}
     if random_weights:
-        config = AutoConfig.from_pretrained(model).get_text_config()
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code).get_text_config()
         config._attn_implementation = attn_implementation
         with torch.device(device):
             lm = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -83,21 +94,34 @@ def load_model(
         # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
         placement = {} if device == "cpu" else {"device_map": {"": device}}
         lm = None
-        if device != "cpu" and fast_load_enabled():
+        if device != "cpu" and fast_load_enabled() and not trust_remote_code:
             lm = fast_from_pretrained(
-                model, dtype=torch_dtype, attn_implementation=attn_implementation, device=device
+                model, dtype=torch_dtype, attn_implementation=attn_implementation, device=device, **given
             )
         if lm is None:
             with reader_threads(None if device == "cpu" else load_threads()):
                 lm = AutoModelForCausalLM.from_pretrained(
-                    model, dtype=torch_dtype, attn_implementation=attn_implementation, **placement
+                    model,
+                    dtype=torch_dtype,
+                    attn_implementation=attn_implementation,
+                    trust_remote_code=trust_remote_code,
+                    **placement,
+                    **given,
                 )
     lm.eval()
     lm.requires_grad_(False)
+    lm.hsx_compute = fp8_load.apply_compute(
+        lm,
+        model=model,
+        compute=compute,
+        fp8_checkpoint=fp8_checkpoint,
+        device=torch.device(device),
+        dtype=torch_dtype,
+    )
     return lm
 
 
-def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device: str):
+def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device: str, config=None):
     """The model built by transformers from a state dict read by fastload.py (straight to ``device``); None when
     the checkpoint has no safetensors files or anything fails (the caller then loads it the usual way)."""
     import torch
@@ -114,7 +138,7 @@ def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device:
         t0 = time.perf_counter()
         state = read_state_dict(files, device)
         t_read = time.perf_counter() - t0
-        config = AutoConfig.from_pretrained(model)
+        config = config if config is not None else AutoConfig.from_pretrained(model)
         # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.
         model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
         t_class = time.perf_counter() - t0 - t_read
@@ -150,16 +174,20 @@ def load_model_for(cfg, device) -> object:
     from hsextract.model import qwen3_5 as kernels
 
     if cfg.kernel_mode == "fused" and device.type == "cuda":
-        kernels.check_shape(load_model_config(cfg.model)[1])  # before the weights
+        kernels.check_shape(load_model_config(cfg.model_path, cfg.trust_remote_code)[1])  # before the weights
     lm = load_model(
-        cfg.model,
+        cfg.model_path,
         dtype=cfg.dtype,
         device=str(device),
         attn_implementation=cfg.attn_implementation,
         random_weights=cfg.random_weights,
+        trust_remote_code=cfg.trust_remote_code,
+        compute=cfg.compute,
     )
     swapped = kernels.apply(lm, cfg.kernel_mode)
-    log.info("kernels: %s (%s)", cfg.kernel_mode, ", ".join(swapped) or "none swapped")
+    log.info(
+        "kernels: %s (%s), compute %s", cfg.kernel_mode, ", ".join(swapped) or "none swapped", lm.hsx_compute
+    )
     if device.type == "cuda":
         ready_kernels()
     return lm

@@ -3,16 +3,23 @@
 A row is pre-tokenized (kept as given), chat (``messages``, OpenAI's forms included), ShareGPT or plain ``text``;
 ``RowEncoder.encode`` never raises: a row it cannot encode comes back with its skip kind and reason. The mask is 1
 on what the assistant writes (its turns' content, ``<think>`` and tool calls included, and the end-of-turn token),
-and nothing about a template is hard-coded: the conversation is rendered once and tokenized with offsets (the ids
-``apply_chat_template`` gives), and each assistant turn is located by rendering the messages before it with the
-generation prompt and through it; a turn the template rewrote in later history (Qwen drops old ``<think>``) is
-found by the longest tail of its rendering, and one that cannot be found makes the row malformed, never mis-masked.
+and nothing about a template is hard-coded: the conversation is rendered once, with the template and arguments
+the server uses (``ChatOptions``), and tokenized with offsets (the ids ``apply_chat_template`` gives). Assistant
+turns are found by the role header every assistant turn opens with (probed: the common start of the generation
+prompt and of assistant turns early and late in a conversation, e.g. ``<|im_start|>assistant\n``), each up to
+its end-of-turn marker; a turn renders differently by its position (Qwen drops the reasoning of turns before the
+last user query), so a turn's own rendering is not searched for. Where the headers do not match the assistant
+messages one to one, each turn is located by rendering the messages before it with the generation prompt and
+through it, or by the longest tail of its rendering; a turn that cannot be found makes the row malformed, never
+mis-masked. Messages are taken as servers take them: tool-call ``arguments`` given as a JSON string are parsed
+into an object (as vLLM does), and ``reasoning`` is read as ``reasoning_content``.
 A long row is tokenized only as far as ``max_length`` needs: a prefix of ``(max_length + PREFIX_MARGIN_TOKENS) *``
 the longest token's characters, taken only when a cut twice as far gives the same tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -21,6 +28,17 @@ from typing import Any
 import numpy as np
 
 from hsextract.prepare.fast_tokenizer import OwnBackend
+from hsextract.prepare.messages import (  # noqa: F401 -- the row readers, re-exported for the encoder's callers
+    CHAT_ROLES,
+    SHAREGPT_ROLES,
+    UnreadableRow,
+    _chat_messages,
+    _malformed,
+    _RowSkipped,
+    _sharegpt_messages,
+    _tools,
+    _unrendered,
+)
 from hsextract.prepare.tiktoken_bpe import TiktokenEncoder, TokenizerDisagrees, spec_of
 
 SKIP_KINDS = ("malformed", "empty", "too_long")
@@ -37,23 +55,6 @@ PREFIX_MARGIN_TOKENS = 64
 FAR_TOO_LONG = 4
 
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-}
-
-
 _PROBE_USER = "hsextract probe question"
 
 
@@ -61,145 +62,125 @@ _PROBE_REPLY = "hsextract probe answer"
 
 
 @dataclass(frozen=True)
-class UnreadableRow:
-    """A JSONL line that is not valid JSON; ``read_rows`` yields it in the line's place so that it is counted."""
+class ChatOptions:
+    """How conversations are rendered, as the server renders them: its template (None: the tokenizer's own) and
+    the arguments every rendering gets (``chat_template_kwargs``, e.g. ``enable_thinking``)."""
 
-    reason: str
+    template: str | None = None
+    kwargs_json: str = "{}"
+    """The arguments as canonical JSON (sorted keys): hashable, and what the plan records."""
 
+    @classmethod
+    def of(cls, template: str | None = None, kwargs: dict | None = None) -> ChatOptions:
+        return cls(template, json.dumps(kwargs or {}, sort_keys=True))
 
-class _RowSkipped(Exception):
-    def __init__(self, kind: str, reason: str):
-        super().__init__(reason)
-        self.kind, self.reason = kind, reason
+    @property
+    def kwargs(self) -> dict:
+        return json.loads(self.kwargs_json)
 
-    def __reduce__(self):  # tokenizer pools send it back to the parent
-        return type(self), (self.kind, self.reason)
-
-
-def _malformed(reason: str) -> _RowSkipped:
-    return _RowSkipped("malformed", reason)
-
-
-def _drop_nones(value: Any) -> Any:
-    """Remove None-valued keys: Arrow (parquet, datasets) fills keys a row lacks with None when rows differ."""
-    if isinstance(value, dict):
-        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_nones(v) for v in value]
-    return value
-
-
-def _text_parts(content: Any, i: int, role: str) -> Any:
-    """OpenAI's list of content parts -> one string; anything else is returned as it is."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif (
-            isinstance(part, dict)
-            and part.get("type", "text") == "text"
-            and isinstance(part.get("text"), str)
-        ):
-            texts.append(part["text"])
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _malformed(
-                f"message {i} ({role}) has a content part of type {kind!r}; only text parts are read"
-            )
-    return "".join(texts)
+    def fingerprint(self) -> dict:
+        """What these options add to a plan's or a token cache's identity: nothing when they are the defaults,
+        so that plans made without them hash as before."""
+        out = {}
+        if self.template is not None:
+            out["chat_template_hash"] = hashlib.sha256(self.template.encode()).hexdigest()
+            out["chat_template_given"] = True
+        if self.kwargs:
+            out["chat_template_kwargs"] = self.kwargs
+        return out
 
 
-def _chat_messages(value: Any) -> list[dict]:
-    if not isinstance(value, list):
-        raise _malformed(f"'messages' is a {type(value).__name__}, not a list")
-    messages = []
-    for i, message in enumerate(_drop_nones(value)):
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            message = {**message, "content": _text_parts(message["content"], i, message.get("role"))}
-        if not isinstance(message, dict) or "role" not in message:
-            raise _malformed(f"message {i} is not an object with a 'role'")
-        role = message["role"]
-        if role not in CHAT_ROLES:
-            raise _malformed(
-                f"message {i} has unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}"
-            )
-        if "content" not in message and role == "assistant" and message.get("tool_calls"):
-            message = {**message, "content": ""}  # OpenAI style: content null next to tool calls
-        if not isinstance(message.get("content"), str):
-            raise _malformed(f"message {i} ({role}) has no string 'content'")
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise _malformed(f"message {i} ({role}) has a 'reasoning_content' that is not a string")
-        messages.append(message)
-    return messages
+DEFAULT_CHAT = ChatOptions()
 
 
-def _sharegpt_messages(value: Any, system: Any) -> list[dict]:
-    if not isinstance(value, list):
-        raise _malformed(f"'conversations' is a {type(value).__name__}, not a list")
-    messages = []
-    for i, turn in enumerate(value):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise _malformed(f"conversation turn {i} is not an object with 'from' and a string 'value'")
-        role = SHAREGPT_ROLES.get(turn.get("from"))
-        if role is None:
-            raise _malformed(
-                f"conversation turn {i} has unknown 'from' {turn.get('from')!r}; "
-                f"expected one of {', '.join(SHAREGPT_ROLES)}"
-            )
-        messages.append({"role": role, "content": turn["value"]})
-    # A row-level system prompt (LLaMA-Factory's layout) applies unless the conversation opens with its own.
-    if isinstance(system, str) and system and not (messages and messages[0]["role"] == "system"):
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
-
-
-def _tools(value: Any) -> list | None:
-    if value is None:
-        return None
-    if isinstance(value, str):  # some exports store the tool list as a JSON string
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise _malformed(f"'tools' is a string but not JSON ({e})") from e
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise _malformed("'tools' must be a list of objects")
-    return _drop_nones(value) or None
+def _common_prefix(texts: list[str]) -> str:
+    first = min(texts, key=len)
+    for n, ch in enumerate(first):
+        if any(t[n] != ch for t in texts):
+            return first[:n]
+    return first
 
 
 @dataclass(frozen=True)
 class ChatMarkers:
-    """Template text found by rendering a probe conversation, used to cut and locate assistant turns."""
+    """Template text found by rendering probe conversations, used to cut and locate assistant turns."""
 
     generation_header: str
     """What ``add_generation_prompt`` appends, e.g. ``<|im_start|>assistant\\n``; empty for Mistral-style templates."""
     end_of_turn: str
     """First chunk the template writes after an assistant message, e.g. ``<|im_end|>``; may be empty."""
+    role_header: str = ""
+    """What opens every assistant turn wherever it sits (and the generation prompt), e.g.
+    ``<|im_start|>assistant\\n``; empty when the probes share none."""
 
     @classmethod
-    def probe(cls, tokenizer) -> ChatMarkers:
+    def probe(cls, tokenizer, render, plain=None) -> ChatMarkers:
+        """``render(messages, generation_prompt)`` renders as the encoder does (template and arguments); ``plain``
+        without the arguments: the role header is what both write (``preserve_thinking`` opens every turn with
+        ``<think>``, which is the turn's own text, not its header)."""
         user = [{"role": "user", "content": _PROBE_USER}]
         try:
-            bare = tokenizer.apply_chat_template(user, tokenize=False)
-            prompted = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            bare = render(user, False)
+            prompted = render(user, True)
             header = prompted[len(bare) :] if prompted.startswith(bare) else ""
         except Exception:
             header = ""
         try:
-            text = tokenizer.apply_chat_template(
-                [*user, {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False
-            )
+            text = render([*user, {"role": "assistant", "content": _PROBE_REPLY}], False)
         except Exception:
             return cls(header, "")
         after = text[text.rfind(_PROBE_REPLY) + len(_PROBE_REPLY) :].lstrip()
         chunk = after.split()[0] if after.split() else ""
         # "<|im_end|><|endoftext|>" -> "<|im_end|>": a chunk that opens with a special token ends with it.
+        end = chunk
         for token in sorted(tokenizer.get_added_vocab(), key=len, reverse=True):
             if token and chunk.startswith(token):
-                return cls(header, token)
-        return cls(header, chunk)
+                end = token
+                break
+        heads = _assistant_heads(render, header, end) if header else []
+        if heads and plain is not None:
+            heads += _assistant_heads(plain, "", end) or [""]
+        return cls(header, end, _common_prefix(heads) if heads else "")
+
+
+def marked_text(tokenizer, ids, mask, limit: int = 2000) -> str:
+    """The tokens decoded, each run of loss-masked (assistant) tokens between ``«`` and ``»``: what the dry run
+    prints so that a user sees which text the drafter learns from."""
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    parts, start = [], 0
+    for end in [*(np.flatnonzero(np.diff(mask)) + 1).tolist(), len(ids)]:
+        text = tokenizer.decode(ids[start:end].tolist())
+        parts.append(f"«{text}»" if mask[start] else text)
+        start = end
+    text = "".join(parts)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+
+
+def _assistant_heads(render, generation_header: str, end_of_turn: str) -> list[str]:
+    """The generation prompt (if given) and the text before an assistant reply early (before a later user query)
+    and last in a conversation; empty if a probe fails."""
+    if not end_of_turn:
+        return []
+    early, late = _PROBE_REPLY + " one", _PROBE_REPLY + " two"
+    conversation = [
+        {"role": "user", "content": _PROBE_USER},
+        {"role": "assistant", "content": early},
+        {"role": "user", "content": _PROBE_USER + " again"},
+        {"role": "assistant", "content": late},
+    ]
+    try:
+        text = render(conversation, False)
+        before_first = render(conversation[:1], False)
+        before_last = render(conversation[:3], False)
+    except Exception:
+        return []
+    heads = [generation_header] if generation_header else []
+    for before, reply in ((before_first, early), (before_last, late)):
+        at = text.find(reply)
+        if not text.startswith(before) or at < len(before):
+            return []
+        heads.append(text[len(before) : at])
+    return heads
 
 
 def _longest_tail_in(text: str, pattern: str, lo: int, hi: int) -> tuple[int, int]:
@@ -235,15 +216,32 @@ def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.nd
 class RowEncoder:
     """Turns one row into ``(ids, mask)``, or raises ``_RowSkipped``; one per tokenizer process."""
 
-    def __init__(self, tokenizer, max_length: int, too_long: str, tiktoken=AUTO):
+    def __init__(
+        self, tokenizer, max_length: int, too_long: str, tiktoken=AUTO, chat: ChatOptions = DEFAULT_CHAT
+    ):
         """``tiktoken``: a checked ``TiktokenSpec`` (a pool's parent checks once for all its processes), None to
-        keep the tokenizer's own backend, or ``AUTO`` to check here."""
+        keep the tokenizer's own backend, or ``AUTO`` to check here. ``chat``: the template and its arguments."""
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.too_long = too_long
         self.vocab_size = len(tokenizer)
-        self.has_template = bool(tokenizer.chat_template)
-        self.markers = ChatMarkers.probe(tokenizer) if self.has_template else ChatMarkers("", "")
+        self.chat = chat
+        template = {"chat_template": chat.template} if chat.template is not None else {}
+        self._template_args = {**template, **chat.kwargs}
+        self.has_template = bool(chat.template or tokenizer.chat_template)
+        self.markers = (
+            ChatMarkers.probe(
+                tokenizer,
+                lambda m, g: self._render(m, None, g),
+                lambda m, g: tokenizer.apply_chat_template(
+                    m, tokenize=False, add_generation_prompt=g, **template
+                ),
+            )
+            if self.has_template
+            else ChatMarkers("", "")
+        )
+        self.unrendered: tuple[str, ...] = ()
+        """What the last row encoded carried that its rendering dropped (``reasoning``, ``tools``)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = backend is not None and (
             "ByteLevel(" in repr(backend.pre_tokenizer)
@@ -263,6 +261,7 @@ class RowEncoder:
         sample_id = str(index)
         if isinstance(row, dict) and row.get("id") is not None:
             sample_id = str(row["id"])
+        self.unrendered = ()
         try:
             ids, mask, cut_early = self._encode(row)
             status, reason = "kept", ""
@@ -371,7 +370,11 @@ class RowEncoder:
 
     def _render(self, messages: list[dict], tools: list | None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self._template_args,
         )
 
     def _try_render(self, messages: list[dict], tools: list | None, generation_prompt: bool) -> str | None:
@@ -397,6 +400,7 @@ class RowEncoder:
         if not ids.size:
             raise _RowSkipped("empty", "the conversation renders to no tokens")
         offsets = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        self.unrendered = _unrendered(messages, tools, full)
         mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
         if not mask.any() and not cut_early:  # cut early, ``encode`` refuses it as it does any cut row
             raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
@@ -404,6 +408,9 @@ class RowEncoder:
 
     def _assistant_spans(self, messages: list[dict], tools: list | None, full: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in ``full``, sorted and disjoint (see the module docstring)."""
+        by_header = self._spans_by_header(messages, full)
+        if by_header is not None:
+            return by_header
         spans: list[tuple[int, int]] = []
         cursor = 0
         for i, message in enumerate(messages):
@@ -430,6 +437,26 @@ class RowEncoder:
             if end > start:
                 spans.append((start, end))
                 cursor = end
+        return spans
+
+    def _spans_by_header(self, messages: list[dict], full: str) -> list[tuple[int, int]] | None:
+        """Each assistant turn from its role header to its end-of-turn marker; None unless the headers in ``full``
+        match the assistant messages one to one, each closed before the next opens."""
+        header, marker = self.markers.role_header, self.markers.end_of_turn
+        if not header or not marker:
+            return None
+        starts, at = [], full.find(header)
+        while at >= 0:
+            starts.append(at + len(header))
+            at = full.find(header, at + len(header))
+        if len(starts) != sum(m["role"] == "assistant" for m in messages):
+            return None
+        spans = []
+        for k, start in enumerate(starts):
+            end = full.find(marker, start)
+            if end < 0 or (k + 1 < len(starts) and end + len(marker) > starts[k + 1] - len(header)):
+                return None
+            spans.append((start, end + len(marker)))
         return spans
 
     def _cut_after_end_of_turn(self, text: str, start: int, end: int) -> int:

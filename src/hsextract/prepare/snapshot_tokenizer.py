@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
+from functools import cache, cached_property
 
 KEYS = ("backend", "chat_template", "special_tokens_map")
 
 
+@cache
 def _compiled(template: str):
     """``template`` in the sandboxed environment transformers renders chat templates in (same options, filters,
     globals and ``{% generation %}`` tag)."""
@@ -136,12 +137,21 @@ class SnapshotTokenizer:
     def _template(self):
         return _compiled(self.chat_template)
 
-    def apply_chat_template(self, conversation, tools=None, tokenize=False, add_generation_prompt=False):
+    def apply_chat_template(
+        self,
+        conversation,
+        tools=None,
+        tokenize=False,
+        add_generation_prompt=False,
+        chat_template: str | None = None,
+        **kwargs,
+    ):
         """The rendered text, as ``PreTrainedTokenizerBase.apply_chat_template(..., tokenize=False)`` gives it for
-        one conversation of message dicts and tools given as JSON schemas."""
+        one conversation of message dicts and tools given as JSON schemas; ``chat_template`` replaces the
+        tokenizer's template and ``kwargs`` go to the template, as there."""
         if tokenize:
             raise ValueError("a snapshot tokenizer renders only (tokenize=False)")
-        if self.chat_template is None:
+        if chat_template is None and self.chat_template is None:
             raise ValueError("the tokenizer has no chat template")
         if not conversation:
             raise ValueError(
@@ -149,12 +159,13 @@ class SnapshotTokenizer:
             )
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ValueError("tools must be JSON schemas (dicts)")
-        return self._template.render(
+        template = self._template if chat_template is None else _compiled(chat_template)
+        return template.render(
             messages=conversation,
             tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **self.special_tokens_map,
+            **{**self.special_tokens_map, **kwargs},
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -392,3 +393,52 @@ def changed_files(before: list[dict], now: list[dict]) -> list[str]:
         elif (a[1] is not None and a[1] != b[1]) or a[2] != b[2]:  # an older report has no file hashes
             lines.append(f"data file {name} changed ({a[0]} {a[1]} -> {b[1]}, {a[2]} -> {b[2]} bytes)")
     return lines
+
+
+AUTO_PARALLEL_MIN_BYTES = 16_000_000
+
+"""Data below this size is tokenized in the calling process. A pool starts ~6.5 s later (each spawned process
+unpickles the tokenizer, importing transformers) and one process tokenizes ~1.3 MB of JSONL chat rows a second:
+on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 cores they never did, up to 36 MB
+(docs/PERFORMANCE.md, scripts/bench_tokenize.py)."""
+
+
+AUTO_MAX_PROC = 16
+
+"""The most processes chosen unasked: each costs seconds to start and holds its own tokenizer; the parent, which
+reads the rows and gathers the results, would feed more (~80, docs/PERFORMANCE.md), unmeasured past 16."""
+
+
+def auto_num_proc(data: str | Path | Mix, cores: int | None = None) -> int:
+    """Tokenizing processes for ``data`` on this machine: 1 for small data or few cores, else up to 16."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        size = _data_bytes(data)
+    except OSError:
+        return 1
+    if cores < 4 or size < AUTO_PARALLEL_MIN_BYTES:
+        return 1
+    return min(cores, AUTO_MAX_PROC)
+
+
+def _data_bytes(data: str | Path | Mix) -> int:
+    """Bytes of text to tokenize, roughly: Parquet and compressed JSONL count 3x (text compresses about that much),
+    a limited or sampled source only its share."""
+    if isinstance(data, Mix):
+        total = 0
+        for s in data.sources:
+            if s.dataset is not None:
+                size = int(s.dataset.data.nbytes)
+            else:
+                size = sum(_data_bytes(f) for f in s.files)
+            share = s.spec.fraction or 1.0
+            if s.dataset is not None and (s.spec.limit or s.spec.sample):
+                share = min(1.0, (s.spec.limit or s.spec.sample) / max(1, len(s.dataset)))
+            total += int(size * share)
+        return total
+    path = Path(data)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    compressed = path.name.lower().endswith((".parquet", ".gz", ".zst"))
+    return path.stat().st_size * (3 if compressed else 1)

@@ -36,6 +36,7 @@ from hsextract.output import (
     sample_ids_checksum,
 )
 from hsextract.prepare.accept import accept_plan
+from hsextract.prepare.chat import ChatOptions
 from hsextract.prepare.plan import Plan, make_plan
 from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, resolve_sources
@@ -82,14 +83,18 @@ def prepare_run(
     may delete a finished output (None: it may not)."""
     run_dir = RunDir(cfg.run_dir)
     check_places(cfg)
-    check_checkpoint(cfg.model, weights=not cfg.random_weights)  # files only: a tokenizer, every weight file
+    check_checkpoint(
+        cfg.model_path, weights=not cfg.random_weights
+    )  # files only: a tokenizer, every weight file
     run_dir.root.mkdir(parents=True, exist_ok=True)
     if on_checked is not None:
         on_checked()
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
-    tokenizer = RecordedTokenizer(cfg.model, records)  # loaded only if something is tokenized
+    tokenizer = RecordedTokenizer(
+        cfg.model_path, records, cfg.trust_remote_code
+    )  # loaded only if something is tokenized
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
@@ -117,7 +122,7 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The places, then the model config, the layer ids, the output and the staging space: fails fast, writes
     nothing."""
     check_places(cfg)
-    check_checkpoint(cfg.model, weights=not cfg.random_weights)
+    check_checkpoint(cfg.model_path, weights=not cfg.random_weights)
     return check_model_and_output(cfg)
 
 
@@ -139,11 +144,11 @@ def check_places(cfg: RunConfig) -> None:
 def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     """The model config and layer ids, the output (a probe object) and the staging space."""
     if cfg.kernel_mode == "fused" and cfg.device == "cuda":
-        config, text, num_layers = load_model_config(cfg.model)
+        config, text, num_layers = load_model_config(cfg.model_path, cfg.trust_remote_code)
         check_kernel_shape(text)  # said now, not by every worker after preparing
     else:  # a model read before gives its recorded config: no transformers import
         records = records_dir(RunDir(cfg.run_dir).cache_dir)
-        config, text, num_layers = recorded_model_config(cfg.model, records)
+        config, text, num_layers = recorded_model_config(cfg.model_path, records, cfg.trust_remote_code)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     check_target_topk(cfg.target_topk, text)
@@ -275,6 +280,7 @@ def tokenize(
         cache_dir=run_dir.cache_dir,
         progress=show_progress,
         dedupe=cfg.dedupe,
+        chat=ChatOptions.of(cfg.chat_template_text, cfg.template_kwargs),
     )
     echo(f"data: {report.summary()}")
     if len(report.sources) > 1:
@@ -294,14 +300,17 @@ def tokenize(
     return samples, report, renamed
 
 
-def model_identity(model: str, config) -> dict:
-    config_file = Path(model) / "config.json"
+def model_identity(cfg: RunConfig, config) -> dict:
+    """The model as named, and what pins its content: the snapshot's commit, the config's and weights' hashes."""
+    model_dir = Path(cfg.model_path)
+    config_file = model_dir / "config.json"
     digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.exists() else ""
     return {
-        "model": model,
-        "model_revision": getattr(config, "_commit_hash", None) or "",
+        "model": cfg.model,
+        "model_revision": cfg.model_commit or getattr(config, "_commit_hash", None) or "",
         "model_config_hash": digest,
-        "model_weights_hash": weights_fingerprint(Path(model)),
+        "model_weights_hash": weights_fingerprint(model_dir),
+        **({"trust_remote_code": True} if cfg.trust_remote_code else {}),
     }
 
 
@@ -310,7 +319,10 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
     return {
         **mix.fingerprint(),
         **tokenizer_fingerprint(tokenizer),
-        **model_identity(cfg.model, model.config),
+        **ChatOptions.of(
+            cfg.chat_template_text, cfg.template_kwargs
+        ).fingerprint(),  # a given template's wins
+        **model_identity(cfg, model.config),
         "layer_ids": list(model.layer_ids),
         "dtype": cfg.dtype,
         "max_length": cfg.max_length,

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import multiprocessing
-import os
 import pickle
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -30,10 +29,10 @@ from tqdm import tqdm
 
 from hsextract.config import TOO_LONG_POLICIES
 from hsextract.errors import HsextractError, load_or_explain
-from hsextract.prepare.chat import AUTO, RowEncoder
+from hsextract.prepare.chat import AUTO, DEFAULT_CHAT, ChatOptions, RowEncoder
 from hsextract.prepare.report import DataReport, ReportBuilder
 from hsextract.prepare.rows import JsonLine
-from hsextract.prepare.sources import Mix, finish_row, resolve_sources
+from hsextract.prepare.sources import Mix, auto_num_proc, finish_row, resolve_sources
 from hsextract.prepare.tiktoken_bpe import spec_of
 from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 
@@ -82,12 +81,22 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
-def cache_file(cache_dir: Path, mix: Mix, tokenizer, *, max_length: int, too_long: str, dedupe=False) -> Path:
+def cache_file(
+    cache_dir: Path,
+    mix: Mix,
+    tokenizer,
+    *,
+    max_length: int,
+    too_long: str,
+    dedupe=False,
+    chat: ChatOptions = DEFAULT_CHAT,
+) -> Path:
     """Where ``load_samples`` keeps (or finds) the tokenized samples for these inputs."""
     parts = {
         "format_version": FORMAT_VERSION,
         **mix.fingerprint(),
         **tokenizer_fingerprint(tokenizer),
+        **chat.fingerprint(),
         "max_length": max_length,
         "too_long": too_long,
         **({"dedupe": True} if dedupe else {}),
@@ -102,18 +111,20 @@ _worker_encoder: RowEncoder | None = None
 _worker_columns: tuple = ()
 
 
-def _init_worker(tokenizer, max_length: int, too_long: str, columns: tuple = (), tiktoken=AUTO) -> None:
+def _init_worker(
+    tokenizer, max_length: int, too_long: str, columns: tuple = (), tiktoken=AUTO, chat=DEFAULT_CHAT
+) -> None:
     """``tokenizer`` (and ``tiktoken``, its checked spec) come pickled into a pool's processes (``bytes``): pickled
     once for all of them. ``columns``: each source's column mapping, for the ``JsonLine`` rows parsed here."""
     global _worker_encoder, _worker_columns
     if isinstance(tokenizer, bytes):
         tokenizer, tiktoken = pickle.loads(tokenizer)
-    _worker_encoder = RowEncoder(tokenizer, max_length, too_long, tiktoken=tiktoken)
+    _worker_encoder = RowEncoder(tokenizer, max_length, too_long, tiktoken=tiktoken, chat=chat)
     _worker_columns = columns
 
 
 def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.ndarray, np.ndarray]:
-    """Per row ``(source, position, row_id, status, reason, tokens, digest)``, then the kept rows' ids and masks
+    """Per row ``(source, position, row_id, status, reason, tokens, digest, unrendered)``, then the kept rows' ids and masks
     concatenated: two arrays per chunk travel back, not two per row."""
     assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
     rows, ids, masks = [], [], []
@@ -122,11 +133,13 @@ def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.nd
             row = finish_row(row, _worker_columns[source])
         _, row_id, status, reason, row_ids, row_mask = _worker_encoder.encode(position, row)
         if row_ids is None:
-            rows.append((source, position, row_id, status, reason, 0, b""))
+            rows.append((source, position, row_id, status, reason, 0, b"", ()))
             continue
         row_ids = np.ascontiguousarray(row_ids, dtype=np.int32)
         digest = hashlib.blake2b(row_ids.tobytes(), digest_size=16).digest()
-        rows.append((source, position, row_id, status, reason, len(row_ids), digest))
+        rows.append(
+            (source, position, row_id, status, reason, len(row_ids), digest, _worker_encoder.unrendered)
+        )
         ids.append(row_ids)
         masks.append(np.asarray(row_mask, dtype=np.uint8))
     if not ids:
@@ -155,6 +168,7 @@ def _encode_all(
     progress: bool,
     columns: tuple = (),
     tiktoken=AUTO,
+    chat: ChatOptions = DEFAULT_CHAT,
 ) -> Iterator[tuple[list[tuple], np.ndarray, np.ndarray]]:
     """Chunk results in source order, from this process or ``num_proc`` spawned ones (the same code either way),
     with at most ``CHUNKS_IN_FLIGHT`` chunks per process read ahead. ``columns``: per source, for ``JsonLine``s.
@@ -162,7 +176,7 @@ def _encode_all(
     bar = tqdm(total=total, unit="rows", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     with bar:
         if num_proc == 1:
-            _init_worker(tokenizer, max_length, too_long, columns, tiktoken)
+            _init_worker(tokenizer, max_length, too_long, columns, tiktoken, chat)
             for chunk in _chunks(rows, CHUNK_ROWS):
                 result = _encode_chunk(chunk)
                 bar.update(len(result[0]))
@@ -175,7 +189,7 @@ def _encode_all(
         spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
         pickled = pickle.dumps((tokenizer, spec), protocol=pickle.HIGHEST_PROTOCOL)
         with context.Pool(
-            num_proc, initializer=_init_worker, initargs=(pickled, max_length, too_long, columns)
+            num_proc, initializer=_init_worker, initargs=(pickled, max_length, too_long, columns, AUTO, chat)
         ) as pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
@@ -201,6 +215,7 @@ def _tokenize(
     path: Path,
     rows_of: Iterator[tuple[int, int, Any]] | None = None,
     tiktoken=AUTO,
+    chat: ChatOptions = DEFAULT_CHAT,
 ) -> tuple[TokenizedSamples, DataReport]:
     """Tokenize every row (or those of ``rows_of``) into the token file at ``path``, streaming; returns its
     samples (mapped) and report."""
@@ -220,9 +235,10 @@ def _tokenize(
             progress,
             tuple(s.spec.columns for s in mix.sources),
             tiktoken,
+            chat,
         ):
             kept_ids, lengths, cut, at = [], [], [], 0
-            for source, position, row_id, status, reason, tokens, digest in rows:
+            for source, position, row_id, status, reason, tokens, digest, unrendered in rows:
                 sample_id = mix.sample_id(source, row_id)
                 at += tokens
                 if tokens and dedupe:
@@ -232,7 +248,7 @@ def _tokenize(
                         builder.add(source, position, sample_id, status, reason, 0)
                         continue
                     seen.add(digest)
-                builder.add(source, position, sample_id, status, reason, tokens)
+                builder.add(source, position, sample_id, status, reason, tokens, unrendered)
                 if tokens:
                     kept_ids.append(sample_id)
                     lengths.append(tokens)
@@ -258,55 +274,6 @@ def _known_total(mix: Mix) -> int | None:
     return total
 
 
-AUTO_PARALLEL_MIN_BYTES = 16_000_000
-
-"""Data below this size is tokenized in the calling process. A pool starts ~6.5 s later (each spawned process
-unpickles the tokenizer, importing transformers) and one process tokenizes ~1.3 MB of JSONL chat rows a second:
-on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 cores they never did, up to 36 MB
-(docs/PERFORMANCE.md, scripts/bench_tokenize.py)."""
-
-
-AUTO_MAX_PROC = 16
-
-"""The most processes chosen unasked: each costs seconds to start and holds its own tokenizer; the parent, which
-reads the rows and gathers the results, would feed more (~80, docs/PERFORMANCE.md), unmeasured past 16."""
-
-
-def auto_num_proc(data: str | Path | Mix, cores: int | None = None) -> int:
-    """Tokenizing processes for ``data`` on this machine: 1 for small data or few cores, else up to 16."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        size = _data_bytes(data)
-    except OSError:
-        return 1
-    if cores < 4 or size < AUTO_PARALLEL_MIN_BYTES:
-        return 1
-    return min(cores, AUTO_MAX_PROC)
-
-
-def _data_bytes(data: str | Path | Mix) -> int:
-    """Bytes of text to tokenize, roughly: Parquet and compressed JSONL count 3x (text compresses about that much),
-    a limited or sampled source only its share."""
-    if isinstance(data, Mix):
-        total = 0
-        for s in data.sources:
-            if s.dataset is not None:
-                size = int(s.dataset.data.nbytes)
-            else:
-                size = sum(_data_bytes(f) for f in s.files)
-            share = s.spec.fraction or 1.0
-            if s.dataset is not None and (s.spec.limit or s.spec.sample):
-                share = min(1.0, (s.spec.limit or s.spec.sample) / max(1, len(s.dataset)))
-            total += int(size * share)
-        return total
-    path = Path(data)
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    compressed = path.name.lower().endswith((".parquet", ".gz", ".zst"))
-    return path.stat().st_size * (3 if compressed else 1)
-
-
 def load_samples(
     data,
     tokenizer,
@@ -319,6 +286,7 @@ def load_samples(
     dedupe: bool = False,
     seed: int = 0,
     s3_endpoint_url: str | None = None,
+    chat: ChatOptions = DEFAULT_CHAT,
 ) -> tuple[TokenizedSamples, DataReport]:
     """Read, tokenize and mask every row of ``data``; bad rows are skipped and counted in the report.
 
@@ -327,7 +295,7 @@ def load_samples(
     over ``max_length`` tokens: ``"truncate"`` keeps its first ``max_length`` tokens, ``"skip"`` drops it. With
     ``cache_dir``, an earlier result for the same sources, tokenizer, template and length policy is loaded instead
     of tokenizing again. ``num_proc=None`` chooses the process count from the cores and the data's size
-    (``auto_num_proc``).
+    (``auto_num_proc``). ``chat``: the chat template and its arguments, as the server renders.
     """
     if too_long not in TOO_LONG_POLICIES:
         raise HsextractError(f"too_long must be one of {', '.join(TOO_LONG_POLICIES)}, got {too_long!r}")
@@ -350,10 +318,10 @@ def load_samples(
         with tempfile.TemporaryDirectory(prefix="hsextract-tokens-") as tmp:
             path = Path(tmp) / "tokens.safetensors"
             tokenizer, tiktoken = _loaded(tokenizer)
-            samples, report = _tokenize(mix, tokenizer, *args, path, tiktoken=tiktoken)
+            samples, report = _tokenize(mix, tokenizer, *args, path, tiktoken=tiktoken, chat=chat)
         return replace(samples, file=None), report
     cache_path = cache_file(
-        cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe
+        cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe, chat=chat
     )
     if cache_path.exists():
         try:
@@ -365,7 +333,7 @@ def load_samples(
             log.info("loaded %d tokenized samples from cache %s", len(samples), cache_path)
             return samples, report
     tokenizer, tiktoken = _loaded(tokenizer)
-    return _tokenize(mix, tokenizer, *args, cache_path, tiktoken=tiktoken)
+    return _tokenize(mix, tokenizer, *args, cache_path, tiktoken=tiktoken, chat=chat)
 
 
 def _loaded(tokenizer) -> tuple:
@@ -408,15 +376,24 @@ def load_sample(
     cache_dir: Path | None = None,
     dedupe: bool = False,
     rows: int | None = None,
+    chat: ChatOptions = DEFAULT_CHAT,
 ) -> SampledData:
     """The whole data from the token cache when it is there, else about ``rows`` (``SAMPLE_ROWS``) rows tokenized: from each source
     its first rows, in proportion to its row count (one pass over the lines, no parsing), so that an estimate
     scaled by ``scale`` stands for the mix."""
     if cache_dir is not None:
-        path = cache_file(cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe)
+        path = cache_file(
+            cache_dir, mix, tokenizer, max_length=max_length, too_long=too_long, dedupe=dedupe, chat=chat
+        )
         if path.exists():
             samples, report = load_samples(
-                mix, tokenizer, max_length=max_length, too_long=too_long, cache_dir=cache_dir, dedupe=dedupe
+                mix,
+                tokenizer,
+                max_length=max_length,
+                too_long=too_long,
+                cache_dir=cache_dir,
+                dedupe=dedupe,
+                chat=chat,
             )
             return SampledData(samples, report, report.rows, report.rows, "token cache")
     rows = SAMPLE_ROWS if rows is None else rows
@@ -445,6 +422,7 @@ def load_sample(
             path,
             rows_of=first_rows(),
             tiktoken=None,
+            chat=chat,
         )
     basis = "all rows" if report.rows >= total else "sample"
     return SampledData(replace(samples, file=None), report, report.rows, total, basis)
@@ -458,11 +436,15 @@ def _selected_rows(source, seed: int) -> int:
     return available if source.spec.limit is None else min(source.spec.limit, available)
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str, trust_remote_code: bool = False):
     """The model's tokenizer, with a pad token (any id works: padding is on the right and masked out)."""
     from transformers import AutoTokenizer
 
-    tok = load_or_explain(model, "load its tokenizer", lambda: AutoTokenizer.from_pretrained(model))
+    tok = load_or_explain(
+        model,
+        "load its tokenizer",
+        lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code),
+    )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
     return tok

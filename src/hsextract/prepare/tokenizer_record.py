@@ -75,8 +75,9 @@ class RecordedTokenizer:
     in ``record_dir`` when the tokenizer's files match one, else from the tokenizer, loaded then (and recorded);
     ``load()`` gives the tokenizer itself, for tokenizing."""
 
-    def __init__(self, model: str, record_dir: Path | None):
+    def __init__(self, model: str, record_dir: Path | None, trust_remote_code: bool = False):
         self.model = model
+        self.trust_remote_code = trust_remote_code
         key = files_key(model) if record_dir is not None else None
         self.path = None if key is None else Path(record_dir) / f"tokenizer-{key}.json"
         self.snapshot_path = None if key is None else Path(record_dir) / f"tokenizer-{key}.snapshot.json"
@@ -90,7 +91,7 @@ class RecordedTokenizer:
         if self._tokenizer is None:
             self._tokenizer = self._from_snapshot()
         if self._tokenizer is None:
-            tokenizer = load_tokenizer(self.model)
+            tokenizer = load_tokenizer(self.model, self.trust_remote_code)
             self._record = {
                 "fingerprint": tokenizer_fingerprint(tokenizer),
                 "pad_token_id": tokenizer.pad_token_id,

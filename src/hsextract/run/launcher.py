@@ -56,7 +56,7 @@ def open_run_kernel_cache(cfg: RunConfig) -> KernelCache:
 def warmup_spec(cfg: RunConfig, plan: Plan) -> WarmupSpec:
     """What the kernel warm-up compiles for: the run's model and kernels, the plan's batch shapes, its first GPU."""
     return WarmupSpec(
-        model=str(cfg.model),
+        model=str(cfg.model_path),
         kernel_mode=cfg.kernel_mode,
         dtype=cfg.dtype,
         attn_implementation=cfg.attn_implementation,

@@ -75,7 +75,7 @@ class Prestarted:
             go = self.run_dir.prestart_file(shard)
             go.parent.mkdir(parents=True, exist_ok=True)
             go.unlink(missing_ok=True)
-            extra = {GO_FILE_ENV: str(go), MODEL_ENV: str(self.cfg.model)}
+            extra = {GO_FILE_ENV: str(go), MODEL_ENV: str(self.cfg.model_path)}
             if self.cfg.device == "cuda":
                 extra[PIN_ENV] = json.dumps(pin_spec(self.cfg))
             self.procs[shard] = start_worker(self.cfg, shard, kernel_dir, extra, entry=ENTRY)

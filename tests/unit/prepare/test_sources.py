@@ -398,9 +398,10 @@ def test_openai_content_parts_and_tool_turns_render_like_plain_strings(tmp_path,
     assert "content part of type 'image_url'" in report.examples[0]["reason"]
     (a_ids, a_mask), (b_ids, b_mask) = samples.sample(0), samples.sample(1)
     assert a_ids.tolist() == b_ids.tolist() and a_mask.tolist() == b_mask.tolist()
-    expected = tokenizer.apply_chat_template(
-        [{**m, "content": m["content"] or ""} for m in plain], tokenize=False
-    )
+    # The arguments string is parsed into its object before rendering, as vLLM does.
+    served = [{**m, "content": m["content"] or ""} for m in plain]
+    served[1]["tool_calls"] = [{**call, "function": {**call["function"], "arguments": {"city": "paris"}}}]
+    expected = tokenizer.apply_chat_template(served, tokenize=False)
     assert tokenizer.decode(a_ids.tolist()) == expected
 
 

@@ -1,0 +1,127 @@
+"""What ``--model`` names: a local checkpoint directory, or a Hub id ``org/name`` resolved to one snapshot.
+
+A Hub id is resolved as transformers resolves it, once, in the launching process: the Hugging Face cache first
+(``HF_HOME``, ``HF_HUB_CACHE``), with no network; offline (``HF_HUB_OFFLINE=1``) that is all; online a missing
+snapshot is downloaded with a progress bar before any preparation. Every process of the job then reads that one
+snapshot directory, and its commit is part of the plan, so a resume on another snapshot is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsextract.errors import HsextractError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+IGNORED_FILES = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot"]
+
+"""Files a download skips: other frameworks' copies of the weights, which hsextract never reads."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: str
+    """The local directory every process reads the config, tokenizer and weights from."""
+    commit: str | None
+    """The Hub commit of that snapshot; None for a local directory."""
+
+
+def hub_offline(env=None) -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub reads it (1, ON, YES, TRUE)."""
+    return (os.environ if env is None else env).get("HF_HUB_OFFLINE", "").strip().upper() in {
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    }
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` that is not a local path."""
+    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def resolve_model(name: str, revision: str | None = None) -> ResolvedModel:
+    """The directory ``name`` stands for; one clear line when it is neither a directory nor a Hub id found."""
+    path = Path(name).expanduser()
+    if path.exists() or not HUB_ID.match(name):
+        if not path.exists():
+            raise HsextractError(
+                f"--model {name}: no such directory, and not a Hub id of the form org/name either"
+            )
+        if not path.is_dir():
+            raise HsextractError(f"--model {name}: a file, not a checkpoint directory")
+        if not (path / "config.json").exists():
+            raise HsextractError(
+                f"--model {name}: directory has no config.json (is it a transformers checkpoint?)"
+            )
+        if revision:
+            raise HsextractError(
+                f"--revision {revision}: --model {name} is a local directory; a revision pins a Hub id"
+            )
+        return ResolvedModel(str(path), None)
+    snapshot = _snapshot(name, revision)
+    commit = Path(snapshot).name
+    return ResolvedModel(snapshot, commit if COMMIT.match(commit) else None)
+
+
+def _snapshot(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at = f" at revision {revision}" if revision else ""
+    cache = _cache_dir()
+    try:  # the cache first: no network, whatever the mode
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        raise HsextractError(f"--model {repo_id}: its Hugging Face cache entry is unreadable ({e})") from e
+    if hub_offline():
+        raise HsextractError(
+            f"--model {repo_id}: no such directory, and the Hub id is not in the Hugging Face cache{at} "
+            f"({cache}) while offline (HF_HUB_OFFLINE=1): download it where there is network "
+            f"(`hf download {repo_id}`) or give a local checkpoint directory"
+        )
+    try:
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache, ignore_patterns=IGNORED_FILES)
+    except GatedRepoError as e:
+        raise HsextractError(
+            f"--model {repo_id}: the Hub repository is gated; accept its terms and log in (`hf auth login`)"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise HsextractError(
+            f"--model {repo_id}: no such directory, and no such Hub repository (or it is private: log in "
+            "with `hf auth login`)"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise HsextractError(f"--revision {revision}: no such revision of {repo_id} on the Hub") from e
+    except Exception as e:  # no network, a proxy, a full disk: one line, with what to do
+        raise HsextractError(
+            f"--model {repo_id}: no such directory, not in the Hugging Face cache{at} ({cache}), and the Hub "
+            f"could not be reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "download it where there is network, or set HF_HUB_OFFLINE=1 to use only the cache"
+        ) from e
+
+
+def _cache_dir() -> str:
+    """Read from the environment now (huggingface_hub reads it once, at its import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(home, "hub")

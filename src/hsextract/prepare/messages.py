@@ -1,0 +1,188 @@
+"""Rows -> messages as a server takes them: OpenAI chat (content parts, tool calls, reasoning) and ShareGPT.
+
+Servers normalize before rendering, and so does this: tool-call ``arguments`` given as a JSON string become the
+object (vLLM parses them; Qwen3.6's template iterates over them and fails on a string, Qwen3's writes the string
+verbatim), ``reasoning`` (vLLM's newer name) is read as ``reasoning_content``, and keys that Arrow filled with None
+are dropped. A row that cannot be read raises ``_RowSkipped`` with its kind and reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+@dataclass(frozen=True)
+class UnreadableRow:
+    """A JSONL line that is not valid JSON; ``read_rows`` yields it in the line's place so that it is counted."""
+
+    reason: str
+
+
+class _RowSkipped(Exception):
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+    def __reduce__(self):  # tokenizer pools send it back to the parent
+        return type(self), (self.kind, self.reason)
+
+
+def _malformed(reason: str) -> _RowSkipped:
+    return _RowSkipped("malformed", reason)
+
+
+def _drop_nones(value: Any) -> Any:
+    """Remove None-valued keys: Arrow (parquet, datasets) fills keys a row lacks with None when rows differ."""
+    if isinstance(value, dict):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nones(v) for v in value]
+    return value
+
+
+def _text_parts(content: Any, i: int, role: str) -> Any:
+    """OpenAI's list of content parts -> one string; anything else is returned as it is."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif (
+            isinstance(part, dict)
+            and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _malformed(
+                f"message {i} ({role}) has a content part of type {kind!r}; only text parts are read"
+            )
+    return "".join(texts)
+
+
+def _chat_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise _malformed(f"'messages' is a {type(value).__name__}, not a list")
+    messages = []
+    for i, message in enumerate(_drop_nones(value)):
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            message = {**message, "content": _text_parts(message["content"], i, message.get("role"))}
+        if not isinstance(message, dict) or "role" not in message:
+            raise _malformed(f"message {i} is not an object with a 'role'")
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            raise _malformed(
+                f"message {i} has unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
+        if "content" not in message and role == "assistant" and message.get("tool_calls"):
+            message = {**message, "content": ""}  # OpenAI style: content null next to tool calls
+        if not isinstance(message.get("content"), str):
+            raise _malformed(f"message {i} ({role}) has no string 'content'")
+        if "reasoning_content" not in message and "reasoning" in message:  # vLLM's newer name
+            message = {**message, "reasoning_content": message["reasoning"]}
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise _malformed(f"message {i} ({role}) has a 'reasoning_content' that is not a string")
+        if message.get("tool_calls") is not None:
+            message = {**message, "tool_calls": _tool_calls(message["tool_calls"], i)}
+        messages.append(message)
+    return messages
+
+
+def _tool_calls(calls: Any, i: int) -> list:
+    """OpenAI's tool calls with ``arguments`` as a JSON string -> the object, as vLLM parses them before rendering
+    (tool-use templates iterate over the arguments; Qwen3's would write the string verbatim)."""
+    if not isinstance(calls, list):
+        raise _malformed(f"message {i} (assistant) has 'tool_calls' that is not a list")
+    parsed = []
+    for k, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise _malformed(f"message {i} (assistant): tool call {k} is not an object")
+        inner = call.get("function") if isinstance(call.get("function"), dict) else None
+        holder = inner if inner is not None else call
+        arguments = holder.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise _malformed(
+                    f"message {i} (assistant): tool call {k} has 'arguments' that are not JSON ({e})"
+                ) from None
+            holder = {**holder, "arguments": arguments}
+            call = {**call, "function": holder} if inner is not None else holder
+        parsed.append(call)
+    return parsed
+
+
+def _sharegpt_messages(value: Any, system: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise _malformed(f"'conversations' is a {type(value).__name__}, not a list")
+    messages = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise _malformed(f"conversation turn {i} is not an object with 'from' and a string 'value'")
+        role = SHAREGPT_ROLES.get(turn.get("from"))
+        if role is None:
+            raise _malformed(
+                f"conversation turn {i} has unknown 'from' {turn.get('from')!r}; "
+                f"expected one of {', '.join(SHAREGPT_ROLES)}"
+            )
+        messages.append({"role": role, "content": turn["value"]})
+    # A row-level system prompt (LLaMA-Factory's layout) applies unless the conversation opens with its own.
+    if isinstance(system, str) and system and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _tools(value: Any) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # some exports store the tool list as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _malformed(f"'tools' is a string but not JSON ({e})") from e
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise _malformed("'tools' must be a list of objects")
+    return _drop_nones(value) or None
+
+
+def _unrendered(messages: list[dict], tools: list | None, full: str) -> tuple[str, ...]:
+    """What the conversation carries that its rendering left out: reasoning (a template that ignores it, or Qwen's
+    dropping it before the last user query) and tools (a template without a tools section)."""
+    out = []
+    if any(
+        (m.get("reasoning_content") or "").strip() and m["reasoning_content"].strip() not in full
+        for m in messages
+        if m["role"] == "assistant"
+    ):
+        out.append("reasoning")
+    if tools and any(_tool_name(t) and _tool_name(t) not in full for t in tools):
+        out.append("tools")
+    return tuple(out)
+
+
+def _tool_name(tool: dict) -> str:
+    inner = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    name = inner.get("name")
+    return name if isinstance(name, str) else ""
