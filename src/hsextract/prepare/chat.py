@@ -38,6 +38,7 @@ from hsextract.prepare.messages import (  # noqa: F401 -- the row readers, re-ex
     _sharegpt_messages,
     _tools,
     _unrendered,
+    no_row_field,
 )
 from hsextract.prepare.tiktoken_bpe import TiktokenEncoder, TokenizerDisagrees, spec_of
 
@@ -297,7 +298,7 @@ class RowEncoder:
         elif row.get("text") is not None:
             return self._encode_text(row["text"], row.get("loss_mask"))
         else:
-            raise _malformed("row has none of the fields 'messages', 'conversations', 'input_ids', 'text'")
+            raise no_row_field(row)
         return self._encode_chat(messages, _tools(row.get("tools")))
 
     def _encode_text(self, text: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, str]:

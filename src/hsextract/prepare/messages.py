@@ -49,6 +49,25 @@ def _malformed(reason: str) -> _RowSkipped:
     return _RowSkipped("malformed", reason)
 
 
+ROW_FIELDS = ("messages", "conversations", "input_ids", "text")
+
+"""The fields a row is read from, in the order tried."""
+
+FIELDS_SHOWN = 6
+
+
+def no_row_field(row: dict) -> _RowSkipped:
+    """A row with none of ``ROW_FIELDS``, naming the fields it has (those Arrow filled with None left out), so that
+    a wrong column is seen at once: ``... (its fields: 'dialog', 'id')``."""
+    keys = sorted(repr(str(k)) for k, v in row.items() if v is not None)
+    shown = ", ".join(keys[:FIELDS_SHOWN]) + (
+        f" and {len(keys) - FIELDS_SHOWN} more" if len(keys) > FIELDS_SHOWN else ""
+    )
+    return _malformed(
+        "row has none of the fields " + ", ".join(map(repr, ROW_FIELDS)) + f" (its fields: {shown or 'none'})"
+    )
+
+
 def _drop_nones(value: Any) -> Any:
     """Remove None-valued keys: Arrow (parquet, datasets) fills keys a row lacks with None when rows differ."""
     if isinstance(value, dict):

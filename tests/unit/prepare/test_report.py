@@ -90,10 +90,20 @@ def test_a_source_of_rows_too_long_to_keep_is_told_to_raise_max_length_or_trunca
 def test_a_source_whose_rows_miss_every_field_names_the_reason_once_and_the_columns_option(
     tiny_model, tmp_path
 ):
-    data = _write(tmp_path / "wrong.jsonl", [{"dialog": [{"role": "user", "content": "hi"}]}] * 7)
+    row = {"id": "a", "dialog": [{"role": "user", "content": "hi"}], "messages": None}  # None: Arrow's filler
+    data = _write(tmp_path / "wrong.jsonl", [row] * 7)
     result = _run(tiny_model, data, tmp_path)
     assert result.exit_code == 2, result.output
     err = result.stderr
-    assert "rows 0, 1, 2, 3, 4 (malformed): row has none of the fields" in err, err
+    fields = "'messages', 'conversations', 'input_ids', 'text'"
+    assert (
+        f"rows 0, 1, 2, 3, 4 (malformed): row has none of the fields {fields} (its fields: 'dialog', 'id')"
+        in err
+    )
     assert err.count("has none of the fields") == 1
     assert "columns=" in err and "Fix the rows" not in err
+    wide = {f"col{i}": i for i in range(9, 0, -1)}
+    result = _run(tiny_model, _write(tmp_path / "wide.jsonl", [wide]), tmp_path)
+    assert "(its fields: 'col1', 'col2', 'col3', 'col4', 'col5', 'col6' and 3 more)" in result.stderr, (
+        result.output
+    )
