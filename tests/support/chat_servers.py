@@ -61,16 +61,16 @@ class ServedModel:
 
 
 def start_transformers_serve(
-    model_dir: Path, root: Path, repo_id: str = "hsextract/tiny-qwen3_5"
+    model_dir: Path, root: Path, repo_id: str = "hsextract/tiny-qwen3_5", extra: list[str] | tuple = ()
 ) -> ServedModel:
-    """``transformers serve`` pinned to ``repo_id`` (``model_dir`` in a cache of its own), offline, on the CPU;
-    returns once ``/health`` answers."""
+    """``transformers serve`` pinned to ``repo_id`` (``model_dir`` in a cache of its own), offline, on the CPU,
+    with ``extra`` options; returns once it listens."""
     cache = hub_cache_with(model_dir, root / "hf-cache", repo_id)
     port, log = free_port(), root / "serve.log"
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     serve = Path(sys.executable).with_name("transformers")
     command = [str(serve), "serve", repo_id, "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--device", "cpu", "--dtype", "float32"]
+    command += ["--device", "cpu", "--dtype", "float32", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     served = ServedModel(proc, port, repo_id, log)
@@ -245,12 +245,13 @@ class InstantServer(_LoopThread):
         return web.json_response(body)
 
 
-if __name__ == "__main__":  # the benchmark's endpoint, in a process of its own
+if __name__ == "__main__":  # the benchmark's endpoint, in a process of its own; its counts when terminated
+    import signal
+
     server = InstantServer(port=int(sys.argv[1]), delay_s=float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
     print(f"listening on {server.url}", flush=True)
-    try:
-        while True:
-            time.sleep(1)
-            print(f"requests {server.requests} most_in_flight {server.most_in_flight}", flush=True)
-    except KeyboardInterrupt:
-        server.stop()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    done.wait()
+    print(f"requests {server.requests} most_in_flight {server.most_in_flight}", flush=True)
+    server.stop()

@@ -129,9 +129,14 @@ class Chunks:
 
 
 def regenerate(
-    cfg: RegenerateConfig, *, restart: bool = False, show_progress: bool = True, echo: Callable = print
+    cfg: RegenerateConfig,
+    *,
+    restart: bool = False,
+    show_progress: bool = True,
+    echo: Callable = print,
+    totals: Totals | None = None,
 ) -> int:
-    """Run the job; 0 when every row is in the output, 1 when some failed or the run was stopped."""
+    """Run the job; 0 when every row is in the output, 1 when some failed. ``totals`` (given) is filled."""
     key = cfg.api_key()
     mix = resolve_sources(
         cfg.data, seed=cfg.data_seed, cache_dir=_cache_dir(), s3_endpoint_url=cfg.s3_endpoint_url
@@ -148,7 +153,7 @@ def regenerate(
     if not selection.todo and not selection.done:
         raise HsextractError(f"no row of the data has prompts to answer: {selection.summary()}")
     _allow_sockets(cfg.concurrency)
-    totals = Totals()
+    totals = totals if totals is not None else Totals()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     job = _Job(cfg, mix, ledger, selection, totals, headers, done.next_index, show_progress, echo)
     asyncio.run(job.run(write_record=None if record is not None else (settings, sources)))
