@@ -69,7 +69,7 @@ class RegenerateConfig:
     """``top_k`` sent to the servers (vLLM and SGLang take it; OpenAI's API does not)."""
 
     seed: int | None = _opt(None)
-    """The sampling ``seed`` sent with every request (not the draw of ``fraction`` rows: that is ``data_seed``)."""
+    """The sampling ``seed`` sent with every request (the draw of ``fraction`` rows is ``--data-seed``)."""
 
     chat_template_kwargs: str | None = _opt(None)
     """Template arguments as a JSON object, sent as the requests' ``chat_template_kwargs`` (vLLM, SGLang), e.g.

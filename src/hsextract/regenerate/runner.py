@@ -55,6 +55,8 @@ class Totals:
     seconds: float = 0.0
     went_down: list[str] = field(default_factory=list)
     stopped: str = ""
+    """Why the run stopped before its last row (a ``Stop``, or a signal)."""
+    signal: int = 0
 
     def lines(self, selection: Selection, cfg: RegenerateConfig) -> list[str]:
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -159,6 +161,9 @@ def regenerate(
     asyncio.run(job.run(write_record=None if record is not None else (settings, sources)))
     for line in totals.lines(selection, cfg):
         echo(line)
+    if totals.signal:
+        echo(totals.stopped)
+        return 128 + totals.signal  # as a shell reports a process the signal ended
     if totals.stopped:
         raise Stop(totals.stopped)
     return 1 if totals.failed else 0
@@ -220,6 +225,7 @@ class _Job:
             for _ in range(min(cfg.concurrency, len(self.selection.todo)))
         ]
         finished = asyncio.gather(*workers)
+        finished.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here, or asyncio warns
         stopped = asyncio.create_task(stop.wait())
         try:
             while not finished.done():
@@ -264,15 +270,16 @@ class _Job:
     def _on_signals(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
 
-        def handle(name: str) -> None:
+        def handle(sig: signal.Signals) -> None:
             self.stop_reason = (
-                f"stopped by {name}: the finished rows are written; rerun the same command to resume"
+                f"stopped by {sig.name}: the finished rows are written; rerun the same command to resume"
             )
+            self.totals.signal = int(sig)
             stop.set()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, handle, sig.name)
+                loop.add_signal_handler(sig, handle, sig)
             except (
                 NotImplementedError,
                 RuntimeError,

@@ -243,3 +243,21 @@ def test_a_key_refused_mid_run_stops_every_request_at_once(server, data, tmp_pat
         and "sk-very-secret" not in result.output
     )
     assert server.requests <= 4  # the requests already in flight, and no row after them
+
+
+@pytest.mark.usefixtures("aws_test_env")
+def test_an_s3_output_is_written_resumed_and_read_as_its_chunks(server, data, tmp_path, s3, s3_bucket):
+    from hsextract.prepare.sources import resolve_sources
+
+    out = f"s3://{s3_bucket}/regen"
+    args = _args(
+        server, data, out, "--chunk-rows", "10", "--s3-endpoint-url", s3.url, "--compression", "gzip"
+    )
+    assert _regenerate(*args).exit_code == 0
+    keys = s3.object_keys(s3_bucket)
+    assert "regen/regenerate.json" in keys and "regen/chunk-000002.jsonl.gz" in keys
+    again = _regenerate(*args)
+    assert again.exit_code == 0 and "23 already in the output" in again.output and server.requests == 23
+    mix = resolve_sources(out, cache_dir=tmp_path / "cache", s3_endpoint_url=s3.url)
+    assert sorted(r["id"] for _, _, r in mix.rows()) == sorted(f"c{i}" for i in range(23))  # records not read
+    assert mix.describe()[0]["identity"]["regenerated"]["settings"]["served_model"] == "org/model"
