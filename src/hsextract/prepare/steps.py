@@ -101,6 +101,7 @@ def prepare_run(
         samples, report, renamed = tokenize(
             cfg, tokenizer, run_dir, mix=mix, echo=echo, show_progress=show_progress
         )
+        samples.check_ids_below(getattr(model.text_config, "vocab_size", None))
         plan = make_plan(
             samples.lengths.tolist(),
             max_tokens_per_batch=cfg.max_tokens_per_batch,

@@ -5,11 +5,17 @@ One safetensors file (``input_ids`` int32, ``loss_mask`` uint8, ``offsets``; the
 its header). The writer appends each chunk's arrays as they come, so the process preparing a run never holds the
 tokens; the header's room is reserved up front and the data moved once only when it outgrows it. Renamed into place
 only after fsync: a token file under its final name is complete.
+
+The file proves itself: its header's metadata holds the xxh3-128 of every byte of its data (``data_xxh3``, hashed
+as the writer writes them) and ``checksum``, a sha256 of the metadata and the tensors' places, so an id edited in
+the token cache or in the run dir's hard link to it is found whenever the file is mapped, for one pass over its
+bytes (0.026 s for 30 M tokens from the page cache, ~0.3 s for 300 M); preparation re-tokenizes a file that fails.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 from array import array
@@ -17,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from hsextract.errors import HsextractError
+from hsextract.validation import SEAL_KEY, content_checksum
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +76,28 @@ class TokenizedSamples:
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.input_ids[start:end], self.loss_mask[start:end]
+
+    def check_ids_below(
+        self,
+        vocab_size: int | None,
+        advice: str = "its row's input_ids are another model's, or the tokenizer in the model directory is not "
+        "this model's",
+    ) -> None:
+        """Every id names a row of the model's embedding: one that does not would fail the forward far later
+        (an ``IndexError`` in a worker, or a device assert)."""
+        if vocab_size is None or not len(self.input_ids):
+            return
+        top, low = int(self.input_ids.max()), int(self.input_ids.min())
+        if top < vocab_size and low >= 0:
+            return
+        bad = top if top >= vocab_size else low
+        at = int(np.argmax(self.input_ids == bad))
+        sample = self.sample_ids[int(np.searchsorted(self.offsets, at, side="right")) - 1]
+        where = f" of {self.file}" if self.file is not None else ""
+        raise HsextractError(
+            f"sample {sample!r}{where} holds token id {bad}, outside the model's vocabulary of {vocab_size} ids "
+            f"(its config.json's vocab_size): {advice}"
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write one safetensors file (tmp + rename: a file under its final name is complete); a hard link when
@@ -134,7 +164,9 @@ def _map_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
             header = json.loads(f.read(size))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HsextractError(f"{path} is not a safetensors file ({e})") from None
-    metadata = header.pop("__metadata__", None) or {}
+    if (problem := _proof_problem(path, header, 8 + size)) is not None:
+        raise HsextractError(f"token file {path} {problem}")
+    metadata = {k: v for k, v in header.pop("__metadata__").items() if k not in (SEAL_KEY, DATA_CHECKSUM)}
     tensors = {}
     for name, info in header.items():
         dtype = np.dtype(_DTYPES[info["dtype"]])
@@ -145,6 +177,44 @@ def _map_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
         else:
             tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + size + start, shape=(count,))
     return tensors, metadata
+
+
+DATA_CHECKSUM = "data_xxh3"
+
+"""The metadata key holding the xxh3-128 of the file's data (every byte after the header)."""
+
+HASH_CHUNK = 1 << 24
+
+
+def _header_checksum(header: dict, fields: dict) -> str:
+    """The checksum of a token file's header: its metadata ``fields`` and every tensor's place (safetensors keeps
+    only tensors beside ``__metadata__``, so the seal lives in the metadata)."""
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    return content_checksum({"metadata": fields, "tensors": tensors})
+
+
+def _proof_problem(path: Path, header, data_start: int) -> str | None:
+    """Why the token file at ``path`` does not prove itself (its sealed header, then its data's checksum), or None."""
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or DATA_CHECKSUM not in metadata:
+        return "carries no checksum of its content (written by an older hsextract, or not by hsextract)"
+    fields = {k: v for k, v in metadata.items() if k != SEAL_KEY}
+    if metadata.get(SEAL_KEY) != _header_checksum(header, fields):
+        return "is damaged: its header does not match its checksum (edited or damaged)"
+    size = path.stat().st_size - data_start
+    ends = [info.get("data_offsets", [0, 0])[1] for name, info in header.items() if name != "__metadata__"]
+    if ends and max(ends) != size:
+        return f"is damaged: its data holds {size} bytes, its header says {max(ends)}"
+    digest = xxhash.xxh3_128()
+    if size:  # through a mapping: the pages the arrays map next, no copy
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as whole:
+            view = memoryview(whole)
+            for start in range(data_start, data_start + size, HASH_CHUNK):
+                digest.update(view[start : min(start + HASH_CHUNK, data_start + size)])
+            view.release()
+    if digest.hexdigest() != metadata[DATA_CHECKSUM]:
+        return "is damaged: its data does not match its checksum (an id or a mask edited, or bytes lost)"
+    return None
 
 
 HEADER_RESERVE = 1 << 18
@@ -173,6 +243,7 @@ class TokenFileWriter:
         self.sample_ids: list[str] = []
         self.lengths = array("q")
         self.tokens = 0
+        self.ids_digest = xxhash.xxh3_128()
 
     def add_block(self, sample_ids: list[str], lengths, ids: np.ndarray, mask: np.ndarray) -> None:
         """Samples whose ids and masks are concatenated in ``ids`` and ``mask``."""
@@ -183,6 +254,7 @@ class TokenFileWriter:
                 f"{len(ids)} ids, {len(mask)} mask values, {int(np.sum(lengths))} in the lengths"
             )
         self.ids_file.write(memoryview(ids).cast("B"))
+        self.ids_digest.update(memoryview(ids).cast("B"))
         self.mask_file.write(memoryview(mask).cast("B"))
         self.sample_ids.extend(str(s) for s in sample_ids)
         self.lengths.extend(int(n) for n in lengths)
@@ -191,8 +263,11 @@ class TokenFileWriter:
     def finish(self, metadata: dict[str, str]) -> TokenizedSamples:
         """Complete the file, rename it into place and return its samples, mapped."""
         self.mask_file.close()
+        digest = self.ids_digest  # the data's checksum, in the file's order: ids, mask, sample ids, offsets
         with open(self.mask_tmp, "rb") as mask:
-            shutil.copyfileobj(mask, self.ids_file, 1 << 22)
+            while chunk := mask.read(1 << 22):
+                self.ids_file.write(chunk)
+                digest.update(chunk)
         self.mask_tmp.unlink()
         ids_json = json.dumps(self.sample_ids).encode()
         at = 5 * self.tokens
@@ -203,13 +278,16 @@ class TokenFileWriter:
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(self.lengths, dtype=np.int64), out=offsets[1:])
         self.ids_file.write(offsets.tobytes())
+        digest.update(ids_json)
+        digest.update(offsets.tobytes())
         sizes = [
             ("input_ids", "I32", 4 * self.tokens),
             ("loss_mask", "U8", self.tokens),
             ("sample_ids_json", "U8", len(ids_json)),
             ("offsets", "I64", 8 * len(offsets)),
         ]
-        header: dict = {"__metadata__": {"format": "hsextract.tokenized_samples", **metadata}}
+        fields = {"format": "hsextract.tokenized_samples", **metadata, DATA_CHECKSUM: digest.hexdigest()}
+        header: dict = {}
         start = 0
         for name, dtype, nbytes in sizes:
             item = {"I32": 4, "U8": 1, "I64": 8}[dtype]
@@ -219,6 +297,7 @@ class TokenFileWriter:
                 "data_offsets": [start, start + nbytes],
             }
             start += nbytes
+        header["__metadata__"] = {**fields, SEAL_KEY: _header_checksum(header, fields)}
         text = json.dumps(header).encode()
         if len(text) <= HEADER_RESERVE:
             self.ids_file.seek(0)

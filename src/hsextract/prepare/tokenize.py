@@ -327,6 +327,8 @@ def load_samples(
         try:
             samples, metadata = TokenizedSamples._load(cache_path)
             report = DataReport.from_json(json.loads(metadata["data_report"]))
+        except HsextractError as e:  # a cache file that does not prove itself is made again from its rows
+            log.warning("%s: tokenizing its rows again", e)
         except Exception as e:  # a damaged cache file costs a re-tokenization, never the run
             log.warning("ignoring unreadable token cache %s (%s); tokenizing again", cache_path, e)
         else:

@@ -113,7 +113,11 @@ class ShardRun:
         # stay for the rerun.
         self.uploader.start()
         progress.uploader_pid = self.uploader.pid
-        samples = TokenizedSamples.load(self.run_dir.tokens_file) if todo else None
+        samples = TokenizedSamples.load(self.run_dir.tokens_file) if todo else None  # proves itself
+        if samples is not None:
+            samples.check_ids_below(
+                self.info.vocab_size, "the token file changed after preparation; rerun the same command"
+            )
         writer = StagingWriter(
             self.staging,
             int(self.cfg.staging_max_gb * 1e9),
