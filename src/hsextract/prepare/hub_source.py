@@ -29,6 +29,24 @@ def is_hub_folder(path: Path) -> bool:
     return (path / "data").is_dir()
 
 
+HUB_PROBE_TIMEOUT_S = 5.0
+
+"""How long a first request to the Hub may take before it counts as unreachable. ``datasets`` itself retries for
+~25 s before it blames the dataset id."""
+
+
+def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str:
+    """Why ``endpoint`` gave no HTTP answer (no DNS, no route, refused, silent), or "" when it answered at all.
+    With httpx, as huggingface_hub requests it (the environment's proxies included)."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=timeout)  # any answer, an error status included, is an answer
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no answer'}"
+    return ""
+
+
 def load_saved(path: Path, split: str | None, label: str):
     """The split to read of a ``save_to_disk`` directory."""
     import datasets
@@ -51,13 +69,19 @@ def load_hub(
         kwargs["revision"] = revision
     if cache is not None:
         kwargs["cache_dir"] = str(cache)
+    local = Path(repo).exists()
+    offline = bool(getattr(datasets.config, "HF_HUB_OFFLINE", False)) or bool(
+        getattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    )
+    if not local and not offline and (why := hub_unreachable(datasets.config.HF_ENDPOINT)):
+        raise HsextractError(
+            f"data source {label}: the Hugging Face Hub ({datasets.config.HF_ENDPOINT}) cannot be reached from "
+            f"here ({why}); with no network set HF_HUB_OFFLINE=1 to read the dataset from the local cache "
+            f"({datasets.config.HF_DATASETS_CACHE}), or give a local copy of it"
+        )
     try:
         loaded = datasets.load_dataset(repo, config, **kwargs)
     except Exception as e:
-        local = Path(repo).exists()
-        offline = bool(getattr(datasets.config, "HF_HUB_OFFLINE", False)) or bool(
-            getattr(datasets.config, "HF_DATASETS_OFFLINE", False)
-        )
         if local:
             how = "check its README's configs and its data files, and the config= and split= options"
         elif offline:

@@ -272,6 +272,44 @@ def test_unknown_hub_id_offline_says_so_and_how_to_fill_the_cache(monkeypatch):
     assert "offline" in message and "datasets.load_dataset('no-such-org/no-such-dataset')" in message
 
 
+def test_hub_id_without_network_or_offline_flag_says_the_hub_is_unreachable_at_once(
+    monkeypatch, tiny_model, tmp_path
+):
+    """`hsextract run --data hf:...` where the Hub cannot be reached and HF_HUB_OFFLINE is not set: one line in
+    seconds naming the endpoint and HF_HUB_OFFLINE=1 (datasets alone retried ~25 s, then blamed the id)."""
+    import socket
+    import time
+
+    import datasets
+    from click.testing import CliRunner
+    from support.cli import cli_run_args
+
+    from hsextract.cli import main
+
+    with socket.socket() as closed:  # a loopback port nothing listens on: refused at once, as with no route
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    for flag in (
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+    ):  # as without HF_HUB_OFFLINE (support/cli.py sets it)
+        monkeypatch.setattr(datasets.config, flag, False)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+    args = cli_run_args(tmp_path, tiny_model, "hf:no-such-org/no-such-dataset?split=train", no_progress=True)
+    start = time.monotonic()
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 2 and time.monotonic() - start < 10, result.output
+    err = result.stderr
+    assert (
+        f"data source hf:no-such-org/no-such-dataset: the Hugging Face Hub ({endpoint}) cannot be reached"
+        in err
+    )
+    assert (
+        "Connection refused" in err and "set HF_HUB_OFFLINE=1 to read the dataset from the local cache" in err
+    )
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
 @pytest.mark.usefixtures("aws_test_env")
 def test_s3_prefix_is_fetched_once_into_the_cache_with_its_etags(tmp_path, s3: S3Endpoint, s3_bucket: str):
     client = s3.client()
