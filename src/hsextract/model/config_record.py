@@ -2,23 +2,30 @@
 so that a later launch reads no config through transformers: its import (which imports torch) was most of a resume's
 CPU (6.6 -> 2.5 CPU-s for a finished tiny job).
 
-A record is found by the bytes of ``config.json``, the transformers version that read it and ``RECORD_VERSION``;
-a model given as a Hub id has none. It holds the values of the attributes preparation reads (``FIELDS``), as the
-loaded config gave them, defaults included: the run files and the plan are the same with a record or without.
+A record is found by the path and bytes of ``config.json``, the transformers version that read it and
+``RECORD_VERSION``; a model given as a Hub id has none. It holds the values of the attributes preparation reads
+(``FIELDS``), as the loaded config gave them, defaults included: the run files and the plan are the same with a
+record or without. It proves itself before it is used: sealed (``validation.seal``), naming the config file's path
+and sha256, which must be this model's, and agreeing with every field the config file itself states (the layer
+count, shapes and vocabulary come from the model's own file; a record only supplies transformers' defaults). One
+that fails is ignored and written again from the config: one model's record never serves another's files, and an
+edited one never changes the layers, shapes, vocabulary or top-k check of a run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
 from hsextract.model.load import load_model_config
 from hsextract.storage.fileio import write_json
+from hsextract.validation import seal, seal_problem
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 FIELDS = {
     "num_hidden_layers": int,
@@ -40,20 +47,40 @@ class ConfigView(SimpleNamespace):
         return self
 
 
-def _key(model: str) -> str | None:
+def _config_file(model: str) -> tuple[Path, bytes] | None:
+    """The model's ``config.json`` (its resolved path) and bytes, or None for a Hub id or a directory without one."""
     config = Path(model) / "config.json"
     if not config.is_file():
         return None
-    h = hashlib.sha256(f"{RECORD_VERSION}\0transformers={metadata.version('transformers')}\0".encode())
-    h.update(config.read_bytes())
+    try:
+        return config.resolve(), config.read_bytes()
+    except OSError:
+        return None
+
+
+def _key(model: str) -> str | None:
+    found = _config_file(model)
+    return None if found is None else _key_of(*found)
+
+
+def _key_of(path: Path, data: bytes) -> str:
+    h = hashlib.sha256(
+        f"{RECORD_VERSION}\0transformers={metadata.version('transformers')}\0{path}\0".encode()
+    )
+    h.update(data)
     return h.hexdigest()[:24]
 
 
 def _valid(record) -> bool:
-    """A record holds ``FIELDS`` exactly, of their types (no bool for a number), and layer types for every layer."""
+    """A record holds ``FIELDS`` exactly, of their types (no bool for a number, no NaN or infinity), counts and sizes
+    positive, and layer types for every layer."""
     if not isinstance(record, dict) or set(record) != set(FIELDS):
         return False
     if not all(isinstance(record[k], t) and not isinstance(record[k], bool) for k, t in FIELDS.items()):
+        return False
+    if any(isinstance(v, float) and not math.isfinite(v) for v in record.values()):
+        return False
+    if record["hidden_size"] < 1 or (record["vocab_size"] is not None and record["vocab_size"] < 1):
         return False
     layer_types = record["layer_types"]
     return record["num_hidden_layers"] >= 1 and (
@@ -62,22 +89,48 @@ def _valid(record) -> bool:
     )
 
 
-def _read(path: Path) -> dict | None:
-    """The record's fields if the file is one (a damaged or edited file is ignored: the config is read again)."""
+def _stated(data: bytes) -> dict:
+    """The ``FIELDS`` the config file states itself (in its ``text_config`` when it has one)."""
+    try:
+        raw = json.loads(data)
+    except ValueError:
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    return {name: text[name] for name in FIELDS if name in text}
+
+
+def _read(path: Path, config: tuple[Path, bytes]) -> dict | None:
+    """The record's fields if the file is a sealed record of this very config file, agreeing with what the file
+    states (a damaged, edited or another model's record is ignored: the config is read again)."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if _valid(record) else None
+    if seal_problem(record) is not None:
+        return None
+    config_path, data = config
+    if record.get("config_file") != str(config_path) or record.get("config_sha256") != _sha256(data):
+        return None
+    fields = record.get("fields")
+    if not _valid(fields) or any(fields[k] != v for k, v in _stated(data).items()):
+        return None
+    return fields
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def recorded_model_config(model: str, record_dir: Path | None, trust_remote_code: bool = False):
     """``(config, text_config, num_layers)`` as ``load_model_config`` gives them, from the record in ``record_dir``
     when ``config.json`` matches one, else read through transformers (and recorded). A recorded config has only
     ``FIELDS`` (and no ``_commit_hash``: a local directory's config has none)."""
-    key = _key(model) if record_dir is not None else None
+    config_file = _config_file(model) if record_dir is not None else None
+    key = _key_of(*config_file) if config_file is not None else None
     path = None if key is None else Path(record_dir) / f"model-config-{key}.json"
-    record = _read(path) if path is not None and path.is_file() else None
+    record = _read(path, config_file) if path is not None and path.is_file() else None
     if record is not None:
         view = ConfigView(**record)
         return view, view, view.num_hidden_layers
@@ -85,9 +138,13 @@ def recorded_model_config(model: str, record_dir: Path | None, trust_remote_code
     if path is not None:
         values = {name: getattr(text, name, None) for name in FIELDS}
         values["layer_types"] = list(values["layer_types"]) if values["layer_types"] is not None else None
-        if _recordable(values):
+        config_path, data = config_file
+        if _recordable(values) and all(values[k] == v for k, v in _stated(data).items()):
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, values)
+            write_json(
+                path,
+                seal({"config_file": str(config_path), "config_sha256": _sha256(data), "fields": values}),
+            )
     return config, text, num_layers
 
 
