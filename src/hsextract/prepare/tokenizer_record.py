@@ -8,6 +8,13 @@ weights, the versions of transformers and tokenizers that read them, and ``RECOR
 so a record is never used for a tokenizer it was not made from; a model given as a Hub id has no record. The
 values are those of ``tokenizer_fingerprint`` on the loaded tokenizer: the cache key and the plan are the same with
 a record or without.
+
+Each record proves itself before it is used: sealed (``validation.seal``), it names the full sha256 of the files it
+was made from (``files_key``'s digest), which must be this directory's now, and a pad id that is an int inside the
+tokenizer's vocabulary. The snapshot and the tiktoken spec beside it are sealed too, name the same files' digest,
+and must have the sha256 the record gives. A record or file that fails (edited, damaged, another model's copied
+under this key, ``pad_token_id`` null, negative or past the vocabulary) is ignored: the tokenizer is loaded
+through transformers and recorded again.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer, valid_snapsh
 from hsextract.prepare.tiktoken_bpe import disabled, spec_from_json, spec_of, spec_to_json
 from hsextract.prepare.tokenize import load_tokenizer, tokenizer_fingerprint
 from hsextract.storage.fileio import atomic_write, user_cache_dir, write_json
+from hsextract.validation import seal, seal_problem
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 def records_dir(run_cache: Path) -> Path:
@@ -38,6 +46,12 @@ def records_dir(run_cache: Path) -> Path:
 
 def files_key(model: str) -> str | None:
     """A hash of what the tokenizer of ``model`` is made from; None when ``model`` is not a local directory."""
+    digest = files_digest(model)
+    return None if digest is None else digest[:24]
+
+
+def files_digest(model: str) -> str | None:
+    """The full sha256 of what the tokenizer of ``model`` is made from (``files_key`` is its first 24 digits)."""
     path = Path(model)
     if not path.is_dir():
         return None
@@ -47,27 +61,40 @@ def files_key(model: str) -> str | None:
     for file in sorted(p for p in path.iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"\0{file.name}\0{file.stat().st_size}\0".encode())
         h.update(file.read_bytes())
-    return h.hexdigest()[:24]
+    return h.hexdigest()
 
 
-def _read(path: Path | None) -> dict | None:
-    """The record at ``path`` if it is one (a damaged or edited file is ignored: the tokenizer is loaded)."""
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read(path: Path | None, files: str | None) -> dict | None:
+    """The record at ``path`` if it proves itself as a record of the tokenizer files whose digest is ``files``
+    (a damaged, edited or another model's record is ignored: the tokenizer is loaded)."""
     if path is None or not path.is_file():
         return None
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    fingerprint = record.get("fingerprint") if isinstance(record, dict) else None
-    valid = (
+    return record if seal_problem(record) is None and _valid(record, files) else None
+
+
+def _valid(record: dict, files: str | None) -> bool:
+    """A record of the files whose digest is ``files``, each field of its type, the pad id in the vocabulary."""
+    if record.get("files_sha256") != files:
+        return False
+    fingerprint, pad, size = record.get("fingerprint"), record.get("pad_token_id"), record.get("vocab_size")
+    return (
         isinstance(fingerprint, dict)
         and set(fingerprint) == {"tokenizer_hash", "chat_template_hash"}
         and all(isinstance(v, str) for v in fingerprint.values())
-        and (record.get("pad_token_id") is None or isinstance(record.get("pad_token_id"), int))
+        and _is_id(size)
+        and _is_id(pad)
+        and 0 <= pad < size
         and (record.get("snapshot_sha256") is None or isinstance(record.get("snapshot_sha256"), str))
         and (record.get("tiktoken_sha256") is None or isinstance(record.get("tiktoken_sha256"), str))
     )
-    return record if valid else None
 
 
 class RecordedTokenizer:
@@ -78,11 +105,12 @@ class RecordedTokenizer:
     def __init__(self, model: str, record_dir: Path | None, trust_remote_code: bool = False):
         self.model = model
         self.trust_remote_code = trust_remote_code
-        key = files_key(model) if record_dir is not None else None
+        self.files = files_digest(model) if record_dir is not None else None
+        key = None if self.files is None else self.files[:24]
         self.path = None if key is None else Path(record_dir) / f"tokenizer-{key}.json"
         self.snapshot_path = None if key is None else Path(record_dir) / f"tokenizer-{key}.snapshot.json"
         self.tiktoken_path = None if key is None else Path(record_dir) / f"tokenizer-{key}.tiktoken.json"
-        self._record = _read(self.path)
+        self._record = _read(self.path, self.files)
         self._tokenizer = None
 
     def load(self):
@@ -93,15 +121,17 @@ class RecordedTokenizer:
         if self._tokenizer is None:
             tokenizer = load_tokenizer(self.model, self.trust_remote_code)
             self._record = {
+                "files_sha256": self.files,
                 "fingerprint": tokenizer_fingerprint(tokenizer),
                 "pad_token_id": tokenizer.pad_token_id,
+                "vocab_size": len(tokenizer),
             }
             snapshot = take_snapshot(tokenizer)
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 if snapshot is not None:
                     self._keep(self.snapshot_path, "snapshot_sha256", snapshot)
-                write_json(self.path, self._record)
+                self._write()
             self._tokenizer = tokenizer if snapshot is None else SnapshotTokenizer(snapshot)
         return self._tokenizer
 
@@ -126,13 +156,18 @@ class RecordedTokenizer:
         spec = spec_of(self.load())
         if self.path is not None:
             self._keep(self.tiktoken_path, "tiktoken_sha256", spec_to_json(spec))
-            write_json(self.path, self._record)
+            self._write()
         return spec
+
+    def _write(self) -> None:
+        """The record, sealed, only when it would be read back (a pad id outside the vocabulary never is)."""
+        if _valid(self._record, self.files):
+            write_json(self.path, seal(self._record))
 
     def _keep(self, path: Path, digest_key: str, value) -> None:
         """``value`` as JSON at ``path``, its sha256 in the record under ``digest_key`` (the record is the caller's to
         write)."""
-        text = json.dumps(value)
+        text = json.dumps(seal({"files_sha256": self.files, "value": value}))
         atomic_write(path, text, durable=False)
         self._record[digest_key] = hashlib.sha256(text.encode()).hexdigest()
 
@@ -144,7 +179,10 @@ class RecordedTokenizer:
         text = path.read_bytes()
         if hashlib.sha256(text).hexdigest() != digest:
             raise ValueError(f"{path} is not the file recorded")
-        return json.loads(text)
+        kept = json.loads(text)
+        if seal_problem(kept) is not None or kept.get("files_sha256") != self.files:
+            raise ValueError(f"{path} is not a file of this tokenizer's files")
+        return kept["value"]
 
     @property
     def loaded(self) -> bool:

@@ -146,8 +146,11 @@ def test_the_spec_is_kept_beside_the_tokenizers_record_and_a_damaged_one_is_chec
 ):
     """The second launch takes the checked spec from the record's folder instead of encoding the vocabulary again;
     a damaged file, or ``HSEXTRACT_TIKTOKEN=0``, never gives a spec that was not checked."""
+    import hashlib
+
     from hsextract.prepare import tokenizer_record
     from hsextract.prepare.tiktoken_bpe import spec_from_json, spec_to_json
+    from hsextract.validation import seal
 
     assert spec_from_json(json.loads(json.dumps(spec_to_json(spec)))) == spec
     assert spec_from_json(spec_to_json(None)) is None
@@ -166,13 +169,21 @@ def test_the_spec_is_kept_beside_the_tokenizers_record_and_a_damaged_one_is_chec
     assert tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec() == spec
 
     doc = json.loads(kept.read_text())
-    doc["spec"]["ids"][300], doc["spec"]["ids"][301] = doc["spec"]["ids"][301], doc["spec"]["ids"][300]
+    ids = doc["value"]["spec"]["ids"]
+    ids[300], ids[301] = ids[301], ids[300]
+    record = json.loads(first.path.read_text())
     for damaged in (
         kept.read_text()[:-40],
         json.dumps(doc),
-    ):  # cut short; two entries' ids swapped, still a spec
+        json.dumps(seal(doc)),
+    ):  # cut short; two entries' ids swapped, still a spec; and sealed again
         kept.write_text(damaged)
         with pytest.raises(AssertionError, match="checked again"):
             tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec()
+    # ... edited together with its sha256 in the record: the record no longer proves itself
+    edited = {**record, "tiktoken_sha256": hashlib.sha256(kept.read_bytes()).hexdigest()}
+    first.path.write_text(json.dumps(edited))
+    with pytest.raises(AssertionError, match="checked again"):
+        tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec()
     monkeypatch.setenv(ENV, "0")
     assert tokenizer_record.RecordedTokenizer(str(model), tmp_path / "records").tiktoken_spec() is None

@@ -4,6 +4,7 @@ is ``tokenizer_fingerprint`` of the tokenizer as ``load_tokenizer`` makes it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import pytest
 from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer
 from hsextract.prepare.tokenize import load_tokenizer, tokenizer_fingerprint
 from hsextract.prepare.tokenizer_record import RecordedTokenizer, files_key
+from hsextract.validation import seal
 
 
 @pytest.fixture
@@ -82,8 +84,74 @@ def test_a_second_load_rebuilds_the_snapshot_and_a_changed_snapshot_file_is_not_
     assert tokenizer_fingerprint(again) == reference(model)[0]
 
     snapshot = json.loads(first.snapshot_path.read_text())
-    snapshot["chat_template"] += " "
+    snapshot["value"]["chat_template"] += " "
     first.snapshot_path.write_text(json.dumps(snapshot))
     third = RecordedTokenizer(str(model), tmp_path / "cache")
     assert tokenizer_fingerprint(third.load()) == reference(model)[0]  # loaded again, snapshot taken anew
-    assert json.loads(first.snapshot_path.read_text())["chat_template"] == first.load().chat_template
+    assert json.loads(first.snapshot_path.read_text())["value"]["chat_template"] == first.load().chat_template
+
+
+PROBE = "Hello wörld, 数字 <|im_end|> 12345 tokens\n\n  end"
+
+
+def ids_of(tokenizer) -> list[int]:
+    return tokenizer.backend_tokenizer.encode(PROBE, add_special_tokens=False).ids
+
+
+def swapped_snapshot(kept: dict) -> dict:
+    """The kept snapshot with the ids of two of the probe's tokens swapped: a well-formed tokenizer giving other
+    ids."""
+    backend = json.loads(kept["value"]["backend"])
+    vocab = backend["model"]["vocab"]
+    first, second = ids_of(SnapshotTokenizer(kept["value"]))[1:3]
+    a, b = (next(t for t, i in vocab.items() if i == want) for want in (first, second))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    return {**kept, "value": {**kept["value"], "backend": json.dumps(backend)}}
+
+
+def test_a_snapshot_edited_with_its_sha256_never_changes_the_ids(model, tmp_path):
+    want = ids_of(load_tokenizer(str(model)))
+    first = RecordedTokenizer(str(model), tmp_path / "cache")
+    assert ids_of(first.load()) == want
+    kept, record = json.loads(first.snapshot_path.read_text()), json.loads(first.path.read_text())
+    assert ids_of(SnapshotTokenizer(swapped_snapshot(kept)["value"])) != want  # the edit changes the ids
+    for snapshot, reseal_record in ((seal(swapped_snapshot(kept)), False), (swapped_snapshot(kept), True)):
+        text = json.dumps(snapshot)
+        first.snapshot_path.write_text(text)
+        edited = {**record, "snapshot_sha256": hashlib.sha256(text.encode()).hexdigest()}
+        first.path.write_text(json.dumps(seal(edited) if reseal_record else edited))
+        again = RecordedTokenizer(str(model), tmp_path / "cache")
+        assert ids_of(again.load()) == want and again.recorded_fingerprint() == reference(model)[0]
+        assert not isinstance(again.load(), SnapshotTokenizer) or json.loads(
+            first.snapshot_path.read_text()
+        ) == json.loads(json.dumps(kept))  # loaded through transformers, the snapshot taken anew
+
+
+def test_another_models_records_copied_under_this_models_key_are_not_used(model, tmp_path):
+    other = shutil.copytree(model, tmp_path / "other")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'other' }}"}))
+    theirs = RecordedTokenizer(str(other), tmp_path / "cache")
+    theirs.load()
+    mine = RecordedTokenizer(str(model), tmp_path / "cache")
+    assert mine.path != theirs.path
+    for name in ("path", "snapshot_path"):
+        getattr(mine, name).write_bytes(getattr(theirs, name).read_bytes())
+    again = RecordedTokenizer(str(model), tmp_path / "cache")
+    assert again.recorded_fingerprint() == reference(model)[0] and again.loaded
+    assert again.load().chat_template == load_tokenizer(str(model)).chat_template
+
+
+@pytest.mark.parametrize(
+    "pad",
+    [5, -7, 10**12, None, "5", True],
+    ids=["other-id", "negative", "past-vocab", "null", "string", "bool"],
+)
+def test_a_pad_id_edited_in_the_record_is_never_used(model, tmp_path, pad):
+    first = RecordedTokenizer(str(model), tmp_path / "cache")
+    first.recorded_fingerprint()
+    record = {**json.loads(first.path.read_text()), "pad_token_id": pad}
+    first.path.write_text(json.dumps(record if pad == 5 else seal(record)))  # 5 fits: only the seal tells
+    again = RecordedTokenizer(str(model), tmp_path / "cache")
+    assert again.pad_token_id == reference(model)[1] and again.loaded
+    assert json.loads(first.path.read_text())["pad_token_id"] == reference(model)[1]  # recorded again
