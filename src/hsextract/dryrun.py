@@ -41,6 +41,7 @@ from hsextract.output import (
     estimate_file_bytes,
     topk_bytes_per_token,
 )
+from hsextract.prepare.chat import ChatOptions, marked_text
 from hsextract.prepare.plan import BatchSpec, make_plan
 from hsextract.prepare.steps import resolve_data, run_layout
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
@@ -91,13 +92,14 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
 
 def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> DryRunResult:
     """Run the proof, the health check and the estimate. ``lm``: a model already loaded (tests)."""
-    check_checkpoint(cfg.model, weights=lm is None and not cfg.random_weights)
-    _config, text, num_layers = load_model_config(cfg.model)
+    check_checkpoint(cfg.model_path, weights=lm is None and not cfg.random_weights)
+    _config, text, num_layers = load_model_config(cfg.model_path, cfg.trust_remote_code)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     check_target_topk(cfg.target_topk, text)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model_path, cfg.trust_remote_code)
     run_dir = RunDir(cfg.run_dir)
+    chat = ChatOptions.of(cfg.chat_template_text, cfg.template_kwargs)
     sampled = load_sample(
         resolve_data(cfg, run_dir),
         tokenizer,
@@ -105,6 +107,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         too_long=cfg.too_long,
         cache_dir=run_dir.cache_dir,
         dedupe=cfg.dedupe,
+        chat=chat,
     )
     samples = sampled.samples
     device = torch_device(cfg)
@@ -135,9 +138,21 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
                 f"{topk_report['tolerance']:.0e}), {topk_report['ids_outside']} stored id(s) outside HF's top "
                 f"{layout.target_topk}"
             )
+    for what, n in sorted(sampled.report.unrendered.items()):
+        warnings.append(
+            f"{n} of {sampled.report.kept} sampled rows carry {what} that the chat template does not render: "
+            "their tokens leave it out (--chat-template, --chat-template-kwargs give the server's rendering)"
+        )
     ok = all(e["ok"] for e in layers_report) and not warnings
     report = {
         "model": cfg.model,
+        "model_dir": cfg.model_path,
+        "model_commit": cfg.model_commit,
+        "chat": {
+            "template": cfg.chat_template or "the tokenizer's own",
+            "kwargs": chat.kwargs,
+            "first_sample": marked_text(tokenizer, *samples.sample(0)) if len(samples) else "",
+        },
         "num_layers": num_layers,
         "layers": layers_report,
         "final_state": None if norm is None else {"layer": num_layers - 1, **norm.describe()},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hsextract.prepare.report import DataReport
 from hsextract.run.progress import format_bytes, format_duration
 
@@ -35,6 +37,15 @@ def format_report(report: dict) -> str:
             f"{e['mean']:>8.3f}{e['std']:>8.3f}{e['absmax']:>8.2f}{e['nan']:>5}{e['zero_tokens']:>5}{fp8_cols}  "
             f"{'yes' if e['ok'] else 'NO'}"
         )
+    chat = report.get("chat")
+    if chat:
+        commit = f" (snapshot {report['model_commit'][:12]})" if report.get("model_commit") else ""
+        lines.append(
+            f"model files: {report.get('model_dir', report['model'])}{commit}; chat template: {chat['template']}"
+            + (f", arguments {json.dumps(chat['kwargs'])}" if chat["kwargs"] else "")
+        )
+        lines.append("first sample as the target sees it, «loss-masked tokens» (what the drafter learns):")
+        lines.append(chat["first_sample"])
     p = report["proof"]
     lines.append(
         f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}"

@@ -48,6 +48,10 @@ def test_correct_setup_passes_with_layer_map(setup):
         assert e["rel_err_vs_neighbour_layers"] > 0.1
     text = format_report(result.report)
     assert "dry run passed" in text and "ETA" in text
+    # The first sample as the target sees it, its loss-masked tokens marked: exactly the assistant turns.
+    first = result.report["chat"]["first_sample"]
+    assert "chat template: the tokenizer's own" in text and first in text
+    assert first and "«" in first, first
 
 
 def test_capture_shifted_by_one_layer_fails_loudly(setup, monkeypatch):

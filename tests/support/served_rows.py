@@ -1,0 +1,141 @@
+"""Conversations as datasets and serving APIs give them, and the reference a server would render from them: the
+messages vLLM hands its chat template (string tool-call arguments parsed, ``reasoning`` as ``reasoning_content``),
+``apply_chat_template``'s ids, and a loss mask made by a regular expression over the rendered text (each assistant
+turn from after ``<|im_start|>assistant\\n`` through its ``<|im_end|>``), written independently of hsextract."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+CHAT_TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
+"""The public Qwen3 and Qwen3.6 chat templates, as their tokenizers ship them."""
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def call(arguments, name="get_weather", id="c1") -> dict:
+    return {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def conversations() -> list[dict]:
+    """Rows as datasets and serving APIs give them: reasoning in several turns (``reasoning_content``, vLLM's
+    ``reasoning``, inline ``<think>``), tool calls with string and object arguments, tool responses, systems."""
+    return [
+        {
+            "id": "reasoning-in-every-turn",
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "reasoning_content": "Two and two.", "content": "4"},
+                {"role": "user", "content": "And 3+3?"},
+                {"role": "assistant", "reasoning_content": "Three and three.", "content": "6"},
+                {"role": "user", "content": "Thanks! And times two?"},
+                {
+                    "role": "assistant",
+                    "reasoning_content": "Six twice.",
+                    "content": "12, and 8 for the first.",
+                },
+            ],
+        },
+        {
+            "id": "tools-string-arguments",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Weather in Paris and Rome?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "I should call the tool twice.",
+                    "tool_calls": [
+                        call('{"city": "Paris"}'),
+                        call('{"city": "Rome", "days": 2}', id="c2"),
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+                {
+                    "role": "assistant",
+                    "reasoning_content": "Both answered.",
+                    "content": "Paris sun, Rome rain.",
+                },
+                {"role": "user", "content": "And Oslo?"},
+                {
+                    "role": "assistant",
+                    "content": "Let me check.",
+                    "tool_calls": [call({"city": "Oslo"}, id="c3")],
+                },
+                {"role": "tool", "tool_call_id": "c3", "content": "snow"},
+                {"role": "assistant", "content": "Oslo: snow."},
+            ],
+        },
+        {
+            "id": "vllm-reasoning-field",
+            "messages": [
+                {"role": "system", "content": "Be kind."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "reasoning": "A greeting.", "content": "Hello!"},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "reasoning": "A farewell.", "content": "Goodbye!"},
+            ],
+        },
+        {
+            "id": "inline-think",
+            "messages": [
+                {"role": "user", "content": "Name a prime."},
+                {"role": "assistant", "content": "<think>\nSmall ones.\n</think>\n\n7"},
+                {"role": "user", "content": "Another?"},
+                {"role": "assistant", "content": "<think>\nNot 7.\n</think>\n\n11"},
+            ],
+        },
+    ]
+
+
+def served(row: dict) -> list[dict]:
+    """The messages as vLLM hands them to the template: string arguments parsed, ``reasoning`` as
+    ``reasoning_content``, None keys dropped. Written here independently of the code under test."""
+    out = []
+    for m in copy.deepcopy(row["messages"]):
+        m = {k: v for k, v in m.items() if v is not None}
+        if "reasoning" in m:
+            m["reasoning_content"] = m.pop("reasoning")
+        if m["role"] == "assistant" and "content" not in m:
+            m["content"] = ""
+        for call in m.get("tool_calls", []):
+            if isinstance(call["function"]["arguments"], str):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        out.append(m)
+    return out
+
+
+def reference(
+    tokenizer, row: dict, kwargs: dict, chat_template: str | None = None
+) -> tuple[list[int], list[int]]:
+    """``(ids, mask)`` as a server renders ``row`` (with ``chat_template`` instead of the tokenizer's, if given)."""
+    if chat_template is not None:
+        kwargs = {**kwargs, "chat_template": chat_template}
+    ids = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=True, **kwargs)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    text = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=False, **kwargs)
+    spans = [m.span(1) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)]
+    assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == ids
+    mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
+    return ids, mask
