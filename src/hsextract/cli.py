@@ -337,8 +337,8 @@ def verify(output, s3_endpoint_url, workers, as_json):
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
     else:
-        for e in report.bad:
-            click.echo(f"BAD {e}")
+        for line in report.lines():
+            click.echo(line)
         from hsextract.run.progress import format_bytes
 
         verdict = "all good" if report.ok else f"{len(report.bad)} bad"

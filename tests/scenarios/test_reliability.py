@@ -299,6 +299,8 @@ def test_a_float16_run_whose_states_overflow_stops_naming_batch_and_layer(tmp_pa
     assert "token(s) with NaN or Inf values" in text and "in float16" in text and "--no-check-states" in text
     out = tmp_path / "out"
     assert not (out / MANIFEST).exists() and not list(out.glob("shard-*/*.safetensors"))
+    staging = run_staging_dir(str(tmp_path / "staging"), tmp_path / "run")  # a failed run leaves no empty one
+    assert not staging.exists(), list(staging.rglob("*"))
     # A user who knows better can store them.
     ok = run_cli(*args, "--no-check-states")
     assert "done:" in ok.stdout, ok.stdout

@@ -25,7 +25,7 @@ from hsextract.output.jobfiles import load_job_files
 from hsextract.output.keys import parse_batch_key
 from hsextract.output.manifest import build_manifest, delete_manifest, has_manifest, write_manifest
 from hsextract.output.records import check_batches, done_in_output, done_key, stored_record, write_done
-from hsextract.storage.base import StoredObject
+from hsextract.storage.base import StoredObject, removed_temps_note
 
 
 def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -> dict:
@@ -129,6 +129,8 @@ def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
         shards = sorted({b.shard for b in plan.batches if b.key in todo})
         echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
         return 0, todo
+    if note := removed_temps_note(sink.remove_stale_temps()):  # a killed uploader's, its writer gone
+        echo(note)
     # The full check: on a store that keeps no CRC32 (a local output) each file is read once to compute it.
     problems, records = check_batches(sink, keys, plan.plan_hash, full=True)
     if problems and not _rewrite_sound_records(sink, problems, plan.plan_hash, echo):

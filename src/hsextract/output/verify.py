@@ -29,7 +29,7 @@ from hsextract.output.manifest import MANIFEST, header_expectations, read_manife
 from hsextract.output.records import JOB_FILES
 from hsextract.output.sample_index import check_sample_index
 from hsextract.storage import open_sink
-from hsextract.storage.base import Sink
+from hsextract.storage.base import Sink, removed_temps_note
 
 CHUNK = 8 << 20
 
@@ -47,6 +47,13 @@ class VerifyReport:
     bad: list[CorruptOutputError] = field(default_factory=list)
     others: list[str] = field(default_factory=list)
     """The files checked beside the batch files (counted in ``files``): ``the sample index``, ``the final norm``."""
+    removed_temps: list[str] = field(default_factory=list)
+    """Temporary files of writes that ended (a killed uploader's) found in the output and removed."""
+
+    def lines(self) -> list[str]:
+        """What the console shows before the verdict: each bad file, and the temporary files removed."""
+        note = removed_temps_note(self.removed_temps)
+        return [f"BAD {e}" for e in self.bad] + ([note] if note else [])
 
     def describe(self) -> str:
         """``3 batch files, the sample index and the final norm``."""
@@ -67,6 +74,7 @@ class VerifyReport:
             "bad": [
                 {"key": e.key, "url": f"{e.url.rstrip('/')}/{e.key}", "problem": e.problem} for e in self.bad
             ],
+            "removed_temps": self.removed_temps,
         }
 
 
@@ -181,6 +189,8 @@ def verify_output(
     check_against_plan(sink, manifest)
     batches = manifest["batches"]
     report = VerifyReport(sink.url, len(batches), sum(b["size"] for b in batches))
+    # A finished output: a temporary file in it is one that a killed write left (its writer gone, stale_tmp).
+    report.removed_temps = sink.remove_stale_temps()
     from tqdm import tqdm
 
     with tqdm(

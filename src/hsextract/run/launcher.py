@@ -136,22 +136,27 @@ def launch(
     bad = [s for s in shards if s not in local]
     if bad:
         raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
-    for attempt in range(2):
-        code = _run_shards(cfg, plan, shards, show_progress=show_progress, echo=echo, prestarted=prestarted)
-        prestarted = None  # _run_shards took or let go every early worker
-        if code:
-            return code
-        code, missing = finalize(cfg, plan, echo=echo)
-        if code == 0 and not missing:
-            return 0
-        missing = {b.key for b in plan.batches if b.key in missing and b.shard in shards}
-        if not missing:
-            return code  # only other nodes' (or shards not run here) batches are still to do
-        shards = sorted({b.shard for b in plan.batches if b.key in missing})
-        if attempt == 0:
-            echo(f"recomputing {len(missing)} batch(es) of shard(s) {shards}")
-    echo("the output still lacks batches after recomputing them; see the messages above")
-    return 1
+    try:
+        for attempt in range(2):
+            code = _run_shards(
+                cfg, plan, shards, show_progress=show_progress, echo=echo, prestarted=prestarted
+            )
+            prestarted = None  # _run_shards took or let go every early worker
+            if code:
+                return code
+            code, missing = finalize(cfg, plan, echo=echo)
+            if code == 0 and not missing:
+                return 0
+            missing = {b.key for b in plan.batches if b.key in missing and b.shard in shards}
+            if not missing:
+                return code  # only other nodes' (or shards not run here) batches are still to do
+            shards = sorted({b.shard for b in plan.batches if b.key in missing})
+            if attempt == 0:
+                echo(f"recomputing {len(missing)} batch(es) of shard(s) {shards}")
+        echo("the output still lacks batches after recomputing them; see the messages above")
+        return 1
+    finally:  # failed or stopped too: what a resume needs is in files, and a directory holding one stays
+        remove_empty_staging(cfg, plan.shards)
 
 
 def _run_shards(
@@ -310,13 +315,13 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
         )
     if code == 0 and not missing and has_manifest(sink):
         atomic_write(run_dir.complete_file, plan.plan_hash)
-        remove_empty_staging(cfg, plan.shards)
     return code, missing
 
 
 def remove_empty_staging(cfg: RunConfig, shards: int) -> None:
-    """Remove the run's staging directories once they are empty (a finished run leaves nothing in /dev/shm); the
-    default staging root too, if no other run uses it. A directory that still holds anything is left alone."""
+    """Remove the run's staging directories that are empty (a finished, failed or stopped run leaves no empty
+    directory in /dev/shm); the default staging root too, if no other run uses it. A directory that still holds
+    anything (staged files a resume uploads) is left alone."""
     staging = cfg.staging_dir
     dirs = [staging / shard_name(s) for s in range(shards)] + [staging]
     if cfg.staging is None:

@@ -181,6 +181,23 @@ class Sink(abc.ABC):
         words for the user; None when it exists. Readers ask it before saying a run has not finished."""
         return None
 
+    def remove_stale_temps(self, prefix: str = "") -> list[str]:
+        """Remove the temporary files under ``prefix`` that writes which ended (a killed process) left, and return
+        their keys. Safe while other processes write: a file is removed only once its writer has gone
+        (``fileio.stale_tmp``). An object store leaves none (an object appears whole or not at all)."""
+        return []
+
+
+def removed_temps_note(keys: list[str]) -> str:
+    """The line that says which temporary files ``remove_stale_temps`` removed, or "" for none."""
+    if not keys:
+        return ""
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return (
+        f"removed {len(keys)} temporary file{'s' if len(keys) != 1 else ''} that interrupted writes left in the "
+        f"output ({', '.join(keys[:3])}{more}); they were never part of it"
+    )
+
     @abc.abstractmethod
     def discard_partials(self, prefix: str) -> int:
         """Remove uploads under ``prefix`` that a killed uploader left unfinished; returns how many.

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -16,9 +19,38 @@ TMP_MARK = ".tmp-"
 """In the name of every temporary file hsextract writes; such files are never read and are safe to delete."""
 
 
+HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+"""This host in temporary names: a shared output's temporary files say which host's process writes them."""
+
+
+STALE_TMP_S = 3600.0
+
+"""Age after which a temporary file of another host's process counts as left by a write that ended (no write of
+hsextract leaves a file it is writing untouched that long)."""
+
+
 def tmp_path(path: Path) -> Path:
-    """A temporary name beside ``path``, unique per process and thread."""
-    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_native_id()}")
+    """A temporary name beside ``path``, unique per host, process and thread: ``NAME.tmp-HOST-PID-TID``."""
+    return path.with_name(f"{path.name}{TMP_MARK}{HOST}-{os.getpid()}-{threading.get_native_id()}")
+
+
+def stale_tmp(path: Path, now: float | None = None) -> bool:
+    """A temporary file whose writer has gone: a process of this host that no longer runs, or (another host's, or
+    a name without its host) one untouched for ``STALE_TMP_S``. Such a file never becomes a complete one."""
+    host, _, rest = path.name.partition(TMP_MARK)[2].rpartition("-")[0].rpartition("-")
+    if host == HOST and rest.isdigit():
+        try:
+            os.kill(int(rest), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, another user's
+            return False
+        return False
+    try:
+        return (time.time() if now is None else now) - path.stat().st_mtime > STALE_TMP_S
+    except FileNotFoundError:
+        return False
 
 
 def fsync_dir(path: Path) -> None:

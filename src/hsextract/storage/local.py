@@ -19,7 +19,7 @@ from hsextract.storage.base import (
     read_range_via_into,
     read_with_crc32,
 )
-from hsextract.storage.fileio import TMP_MARK, atomic_write, fsync_dir, tmp_path
+from hsextract.storage.fileio import TMP_MARK, atomic_write, fsync_dir, stale_tmp, tmp_path
 
 _CACHED_PART = 256 << 10
 
@@ -144,6 +144,21 @@ class LocalSink(Sink):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def remove_stale_temps(self, prefix: str = "") -> list[str]:
+        start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        removed = []
+        for dirpath, _dirnames, filenames in os.walk(start):
+            for name in filenames:
+                path = Path(dirpath) / name
+                key = path.relative_to(self.root).as_posix()
+                if TMP_MARK in name and key.startswith(prefix) and stale_tmp(path):
+                    try:
+                        path.unlink()
+                    except OSError:  # gone already, or not ours to delete (a read-only output)
+                        continue
+                    removed.append(key)
+        return sorted(removed)
 
     def discard_partials(self, prefix: str) -> int:
         start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root

@@ -146,3 +146,36 @@ def test_a_hand_edited_manifest_is_caught_by_verify_and_the_reader(output, edit,
         out = open_output(output)
         for sample in out:
             assert 2 not in sample["layers"] or 3 in sample["layers"]
+
+
+def test_temporary_files_of_killed_writes_are_removed_by_verify_and_finalize_and_a_live_ones_kept(output):
+    """A SIGINT left `...json.tmp-...` in done/, which survived the resume and verify: a temporary file whose
+    writer has gone (a dead process of this host, or another host's untouched for an hour) is removed and said; one
+    a live process writes stays."""
+    import os
+    import subprocess
+
+    from hsextract.storage.fileio import HOST, STALE_TMP_S
+
+    record = sorted((output / "hsextract" / "done").rglob("*.json"))[0]
+    child = subprocess.Popen(["true"])
+    child.wait()
+    dead = record.with_name(f"{record.name}.tmp-{HOST}-{child.pid}-{child.pid}")
+    live = record.with_name(f"{record.name}.tmp-{HOST}-{os.getpid()}-1")
+    old = record.with_name(f"{record.name}.tmp-4242-4243")  # an older hsextract's name, no host: by its age
+    young = record.with_name(f"{record.name}.tmp-otherhost-7-8")
+    for path in (dead, live, old, young):
+        path.write_bytes(b'{"half": ')
+    os.utime(old, (0, 0))
+    r = run_cli("verify", output)
+    rel = sorted(p.relative_to(output).as_posix() for p in (dead, old))
+    assert (
+        f"removed 2 temporary files that interrupted writes left in the output ({', '.join(rel)})" in r.stdout
+    )
+    assert not dead.exists() and not old.exists() and live.exists() and young.exists()
+    assert "all good" in r.stdout
+    os.utime(young, (0, os.path.getmtime(young) - STALE_TMP_S - 60))
+    r = run_cli("finalize", output)
+    assert "removed 1 temporary file that interrupted writes left in the output" in r.stdout, r.stdout
+    assert not young.exists() and live.exists()
+    assert "removed" not in run_cli("verify", output).stdout
