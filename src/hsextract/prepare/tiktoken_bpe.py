@@ -312,10 +312,11 @@ class TiktokenEncoder:
     def _encode(self, text: str, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
         try:  # the ids as an array, not a list of ints
             ids = self.encoding.encode_to_numpy(text, allowed_special="all", disallowed_special=())
-        except UnicodeEncodeError:  # a lone surrogate: ``encode`` has tiktoken's own way with it
-            ids = np.asarray(
-                self.encoding.encode(text, allowed_special="all", disallowed_special=()), np.uint32
-            )
+        except ValueError:
+            # A lone surrogate (UnicodeEncodeError: tiktoken's ``encode`` would store U+FFFD, the tokenizer refuses
+            # the text), or the regex engine's backtracking limit (a run of ~1M spaces): the tokenizer's own
+            # backend answers, or refuses, as it does without tiktoken.
+            return self.reference(text, offsets)
         if self.unreachable[ids].any():
             return self.reference(text, offsets)
         if not offsets:

@@ -67,6 +67,42 @@ def test_rows_encode_the_same_through_tiktoken_and_the_tokenizers_own_backend(to
     assert fast.fast.texts > 16, "most texts went through tiktoken"
 
 
+def adversarial_rows() -> list[dict]:
+    """Rows the regex engine or the UTF-8 encoder meet only rarely: whitespace runs past tiktoken's backtracking
+    limit (~1M characters), lone surrogates (which the tokenizer refuses) in text and in turns."""
+
+    def chat(user, reply):
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+
+    rows = [
+        {"text": "a" + " " * 1_000_000 + "b"},
+        {"text": "x\ud800y"},
+        {"text": "\udc00"},
+        {"text": "e\u0301 then \ud83d\ude00 as two code points"},
+        {"text": " \n" * 150_000 + "\u3000" * 1000},
+        chat("hi", "a lone \udfff surrogate"),
+        chat("q\ud800", "fine"),
+        chat("\x00\ufeff\uffff", "\u2028\u2029\x0b\x0c"),
+    ]
+    return [{"id": f"adversarial-{i}", **row} for i, row in enumerate(rows)]
+
+
+def test_adversarial_rows_are_kept_refused_or_cut_as_the_tokenizer_does(tokenizer, spec):
+    own = RowEncoder(tokenizer, 32768, "truncate", tiktoken=None)
+    fast = RowEncoder(tokenizer, 32768, "truncate", tiktoken=spec)
+    fast.fast.check_every = 0  # compared here, row by row
+    statuses = []
+    for i, row in enumerate(adversarial_rows()):
+        a, b = own.encode(i, row), fast.encode(i, row)
+        assert a[:4] == b[:4], (row["id"], a[:4], b[:4])
+        if a[4] is not None:
+            assert np.array_equal(a[4], b[4]) and np.array_equal(a[5], b[5]), row["id"]
+        statuses.append(a[2])
+    assert statuses[0] == "kept"  # not dropped as malformed (was: tiktoken's regex error)
+    assert statuses[1:4] == ["malformed"] * 3 and statuses[5:7] == ["malformed"] * 2  # was: stored as U+FFFD
+    assert fast.fast.texts >= 4, "tiktoken met the rows first"
+
+
 def test_ids_and_offsets_equal_the_backends_on_odd_text(tokenizer, spec):
     own = OwnBackend(tokenizer)
     fast = TiktokenEncoder(spec, own)
