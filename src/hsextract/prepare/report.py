@@ -58,7 +58,21 @@ class DataReport:
 
     @classmethod
     def from_json(cls, data: dict, where: str = "the data report") -> DataReport:
-        return parse(cls, data, lambda problems: HsextractError(f"{where} is damaged ({problems})"))
+        """Every field strictly typed, and counts a preparation makes (none negative, no more kept than read)."""
+        report = parse(cls, data, lambda problems: HsextractError(f"{where} is damaged ({problems})"))
+        if problem := report.problem():
+            raise HsextractError(f"{where} is damaged ({problem})")
+        return report
+
+    def problem(self) -> str | None:
+        """What no preparation writes, though every field has its type: a negative count, more rows kept than
+        read, more truncated than kept."""
+        for name in (*COUNTS, "tokens"):
+            if getattr(self, name) < 0:
+                return f"{name}: {getattr(self, name)} is negative"
+        if self.kept > self.rows or self.truncated > self.kept:
+            return f"kept {self.kept} of {self.rows} rows, {self.truncated} truncated: not counts of one data"
+        return None
 
     def summary(self) -> str:
         """One line for the console, e.g. ``300 rows: 297 kept (3 truncated to 2048 tokens), 2 empty, ...``."""

@@ -51,6 +51,12 @@ LIVE_STATES = tuple(
 """A worker process is at work."""
 FINAL_STATES = (ShardState.DONE, ShardState.FAILED, ShardState.STOPPED)
 """The worker has ended and said how."""
+WORKER_STATES = frozenset(str(s) for s in (*LIVE_STATES, *FINAL_STATES))
+"""The states a worker writes in its progress file."""
+
+MAX_FIGURE = 1e12
+
+"""Above any rate, duration or size a worker writes (tokens/s, seconds, staged bytes): a larger one is damage."""
 
 
 class DamagedProgress(ValueError):
@@ -173,7 +179,35 @@ class ShardProgress:
         progress = parse(cls, raw, lambda problems: DamagedProgress(f"{path}: {problems}"))
         if progress.shard != shard:
             raise DamagedProgress(f"{path}: shard is {progress.shard!r}, expected {shard}")
+        if problem := progress._problem():
+            raise DamagedProgress(f"{path}: {problem}")
         return progress
+
+    def _problem(self) -> str | None:
+        """What no worker writes, though each field has its type: an unknown state, a negative count, a rate no GPU
+        reaches, a clock that runs back. Shown as damage, never as a figure."""
+        if self.state not in WORKER_STATES:
+            return f"state {self.state!r} is not one a worker writes"
+        for name in ("batches", "samples", "tokens"):
+            for count in (f"{name}_done", f"{name}_total"):
+                if not 0 <= getattr(self, count) <= MAX_FIGURE:
+                    return f"{count} {getattr(self, count)} is not a count a worker writes"
+        for name in ("tokens_per_s", "samples_per_s", "eta_s", "staged_bytes", "stall_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_FIGURE:
+                return f"{name} {value} is not a figure a worker writes (0 to {MAX_FIGURE:.0e})"
+        if not 0 < self.started_at <= self.updated_at:
+            return f"updated_at {self.updated_at} is before started_at {self.started_at}"
+        for point in self.history:
+            if not (
+                isinstance(point, list)
+                and len(point) == 3
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)
+                and 0 <= point[1] <= MAX_FIGURE
+                and 0 < point[0] <= self.updated_at + 1.0
+            ):
+                return f"history point {str(point)[:60]} is not [time, tokens, bytes] up to updated_at"
+        return None
 
     @property
     def last_progress_at(self) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import CONVENTION, shard_name
+from hsextract.output import CONVENTION, RunInfo, shard_name
 from hsextract.prepare.plan import Plan
 from hsextract.prepare.report import COUNTS
 from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState
@@ -137,8 +137,17 @@ def _read_json(path: Path) -> dict:
 def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
     """Model, layers and what each id means, sizes, and the data report's counts."""
     plan = _load_plan(run_dir)
-    meta = _read_json(run_dir.info_file)
+    damaged = []  # a run-dir record that does not hold what preparation writes is named, never shown as figures
+    try:
+        meta = RunInfo.load(run_dir).to_json()
+    except HsextractError as e:
+        meta = {}
+        if run_dir.info_file.exists():
+            damaged.append(str(e).split(": nothing was changed")[0])
     report = _read_json(run_dir.data_report_file)
+    if problem := _report_problem(report):
+        damaged.append(f"{run_dir.data_report_file} is damaged ({problem})")
+        report = {}
     layer_ids = meta.get("layer_ids") or plan.fingerprint.get("layer_ids") or []
     types = meta.get("layer_types") or [""] * len(layer_ids)
     return {
@@ -175,7 +184,25 @@ def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
             for s in report.get("sources", [])
         ],
         "staging_max_bytes": int(cfg.staging_max_gb * 1e9) if cfg else None,
+        "damaged": damaged,
     }
+
+
+def _report_problem(report: dict) -> str | None:
+    """What no preparation writes in the data report's counts (overall and per source), though they may be few."""
+    for where, counts in (
+        ("", report),
+        *((f"sources.{i}.", s) for i, s in enumerate(report.get("sources", []))),
+    ):
+        if not isinstance(counts, dict):
+            return f"{where or 'the report'} is not an object"
+        for key in (*COUNTS, "tokens", "max_length"):
+            value = counts.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"{where}{key}: {value!r:.40} is not a count"
+        if counts.get("kept", 0) > counts.get("rows", counts.get("kept", 0)):
+            return f"{where}kept {counts['kept']} of {counts['rows']} rows"
+    return None
 
 
 # -- GPUs -----------------------------------------------------------------------------------------------------------

@@ -282,6 +282,7 @@ def _plan_section(plan: dict) -> str:
         f'</table><p class="muted">{plan["num_layers"]} decoder layers, hidden size {plan["hidden_size"]}; '
         f"ids count decoder-layer outputs from 0, before the final norm.</p></div>"
         f'<dl id="data-report"><dt><b>data</b></dt><dd></dd>{data}</dl></div>'
+        + "".join(f'<p class="err">damaged: {_esc(problem)}</p>' for problem in plan.get("damaged") or [])
         + _sources_table(plan.get("data_sources", []))
     )
 

@@ -17,7 +17,7 @@ from hsextract.errors import HsextractError
 from hsextract.output import JOB_FILES, done_in_output, has_manifest, load_plan, read_job
 from hsextract.prepare.plan import Plan
 from hsextract.run.procs import pid_alive
-from hsextract.run.progress import FINAL_STATES, DamagedProgress, ShardProgress, ShardState
+from hsextract.run.progress import FINAL_STATES, MAX_FIGURE, DamagedProgress, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import find_stall, stall_note
 from hsextract.storage import open_sink
@@ -134,6 +134,8 @@ def _session(p: ShardProgress | None) -> dict:
     tokens_at_start = points[0][1] if points else 0
     elapsed = max(p.updated_at - p.started_at, 0.0)
     rate = (p.tokens_done - tokens_at_start) / elapsed if elapsed > 0 else None
+    if rate is not None and not 0 <= rate <= MAX_FIGURE:  # batches lost since the session began, or a session
+        rate = None  # of a millisecond: no average to show
     return {"elapsed_s": round(elapsed, 1), "average_tokens_per_s": rate}
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from hsextract.prepare.report import DataReport
+from hsextract.prepare.report import COUNTS, DataReport
 from hsextract.run.progress import ShardState, format_duration
 
 
@@ -26,9 +24,10 @@ def run_table(doc: dict) -> str:
             if r["progress_age_s"] is None or r["state"] == ShardState.DONE
             else format_duration(r["progress_age_s"])
         )
+        rate = "damaged" if r["damaged"] else f"{rate:,.0f}"  # the line below says what
         lines.append(
             f"{r['shard']:>5}  {r['state']:<22}{r['batches_done']:>6}/{r['batches_total']:<6}  "
-            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {rate:>9,.0f}  {eta:>12}  "
+            f"{r['tokens_done']:>10}/{r['tokens_total']:<10}  {rate:>9}  {eta:>12}  "
             f"{age + (' ago' if age else ''):>13}"
         )
         if r["state"] == ShardState.STALLED:
@@ -54,14 +53,15 @@ def run_table(doc: dict) -> str:
 
 def data_lines(plan: dict) -> list[str]:
     """The data report: what became of the rows, overall and per source (as the run printed it)."""
+    damaged = [f"damaged: {problem}" for problem in plan.get("damaged") or []]
     report = plan.get("data_report")
     if not report:
-        return []
-    fields = {f.name: 0 for f in dataclasses.fields(DataReport) if f.name not in ("examples", "sources")}
+        return damaged
+    fields = {name: 0 for name in (*COUNTS, "tokens", "max_length")}
     counts = {**fields, **{k: v for k, v in report.items() if k in fields}}
     sources = [{**fields, **s} for s in plan.get("data_sources") or []]
     data = DataReport(**counts, sources=sources)
-    return [f"data: {data.summary()}", *(f"  {line}" for line in data.source_lines())]
+    return [f"data: {data.summary()}", *(f"  {line}" for line in data.source_lines()), *damaged]
 
 
 def output_table(doc: dict) -> str:

@@ -28,6 +28,13 @@ def run_dir(tmp_path):
         ('{"shard": 1, "state": "runn', "not JSON"),
         ("[1, 2]", "holds a list, not a progress record"),
         ('{"shard": 1, "tokens_dne": 3}', "tokens_dne: unknown key"),
+        # Right-typed figures no worker writes (was: `-28 tok/s`, a 30-digit rate, a traceback on the state).
+        ('{"shard": 1, "state": "running", "tokens_per_s": -28.0}', "tokens_per_s -28.0 is not a figure"),
+        ('{"shard": 1, "state": "running", "tokens_per_s": 1e29}', "tokens_per_s 1e+29 is not a figure"),
+        ('{"shard": 1, "state": "sleeping"}', "state 'sleeping' is not one a worker writes"),
+        ('{"shard": 1, "tokens_done": -5}', "tokens_done -5 is not a count"),
+        ('{"shard": 1, "started_at": 100.0, "updated_at": 50.0}', "updated_at 50.0 is before started_at"),
+        ('{"shard": 1, "history": [[1.0, -3, 0]]}', "history point [1.0, -3, 0] is not"),
     ],
 )
 def test_a_damaged_progress_file_is_named_on_its_row_and_the_page_still_renders(run_dir, text, why):
@@ -118,3 +125,21 @@ def test_a_mix_shows_per_source_counts_in_the_document_and_on_the_page(run_dir):
     table = page[page.index('<table id="data-sources">') :]
     assert '<td class="l">tools</td><td class="l mono">hf:org/tools</td><td>2</td><td>1</td>' in table
     assert table.index("chat") < table.index("tools") and "<th>duplicate</th>" in table
+
+
+def test_status_names_damaged_run_dir_figures_instead_of_printing_them(run_dir):
+    from click.testing import CliRunner
+
+    from hsextract.cli import main
+
+    ShardProgress(shard=0, state="running", pid=1, tokens_per_s=1e29).save(run_dir)
+    RunDir(run_dir).data_report_file.write_text(json.dumps({"rows": 5, "kept": -5, "tokens": 340}))
+    RunDir(run_dir).info_file.write_text(json.dumps({"layer_ids": ["0", "3"], "num_layers": 8}))
+    result = CliRunner().invoke(main, ["status", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "-5 kept" not in result.output and "0" * 20 not in result.output
+    lines = result.output.splitlines()
+    assert lines[1].split()[:2] == ["0", "damaged"] and lines[1].split()[4] == "damaged"  # the rate column
+    assert "tokens_per_s 1e+29 is not a figure a worker writes" in lines[2]
+    assert f"damaged: {RunDir(run_dir).data_report_file} is damaged (kept: -5 is not a count)" in lines
+    assert any(line.startswith(f"damaged: {RunDir(run_dir).info_file} is damaged (") for line in lines)
