@@ -388,7 +388,8 @@ class RowEncoder:
     def _encode_chat(self, messages: list[dict], tools: list | None) -> tuple[np.ndarray, np.ndarray, str]:
         if not messages:
             raise _RowSkipped("empty", "the conversation has no messages")
-        if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
+        said = ("content", "tool_calls", "reasoning_content")
+        if not any(m["role"] == "assistant" and any(m.get(k) for k in said) for m in messages):
             raise _RowSkipped("empty", "no assistant message with content")
         if not self.has_template:
             raise _malformed("the tokenizer has no chat template to render conversations with")

@@ -113,8 +113,10 @@ def _chat_messages(value: Any) -> list[dict]:
             raise _malformed(
                 f"message {i} has unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}"
             )
-        if "content" not in message and role == "assistant" and message.get("tool_calls"):
-            message = {**message, "content": ""}  # OpenAI style: content null next to tool calls
+        # OpenAI style: content null next to tool calls, or after reasoning cut short by max_tokens.
+        said = message.get("tool_calls") or message.get("reasoning_content") or message.get("reasoning")
+        if "content" not in message and role == "assistant" and said:
+            message = {**message, "content": ""}
         if not isinstance(message.get("content"), str):
             raise _malformed(f"message {i} ({role}) has no string 'content'")
         if "reasoning_content" not in message and "reasoning" in message:  # vLLM's newer name

@@ -134,3 +134,21 @@ def test_the_dry_runs_marked_sample_brackets_exactly_the_assistant_turns(qwen):
     assert all(before.rsplit("»", 1)[-1].endswith("<|im_start|>assistant\n") for before in parts[:-1])
     assert all(turn.split("»")[0].endswith("<|im_end|>") for turn in parts[1:])
     assert marked.replace("«", "").replace("»", "") == tok.decode(ids)
+
+
+def test_a_reply_cut_short_inside_its_reasoning_is_kept_as_the_server_returned_it(tmp_path, qwen):
+    """``max_tokens`` reached inside ``<think>``: servers return ``content: null`` and the reasoning alone."""
+    _, tok = qwen
+    row = {
+        "id": "cut",
+        "messages": [
+            {"role": "user", "content": "Prove it."},
+            {"role": "assistant", "content": None, "reasoning": "Let me think about this for a"},
+        ],
+    }
+    path = write_jsonl([row], tmp_path / "rows.jsonl")
+
+    samples, report = load_samples(str(path), tok, max_length=4096)
+
+    assert report.kept == 1, report.examples
+    assert samples.sample(0)[0].tolist() == reference(tok, row, {})[0]
