@@ -456,7 +456,7 @@ def layers(model, layers, revision, as_json):
 def demo(root, shards, conversations):
     """The embedded default: build a tiny random qwen3_5 model and sample conversations, run on CPU, read back."""
     stop_on_signals()
-    from hsextract.demo import build_demo, demo_config
+    from hsextract.demo import build_demo, demo_config, job_lines
     from hsextract.output import open_output
     from hsextract.prepare.steps import prepare_run
     from hsextract.run.launcher import launch
@@ -465,6 +465,7 @@ def demo(root, shards, conversations):
     click.echo(f"building the tiny model and {conversations} conversations under {root}")
     model_dir, data = build_demo(root, conversations)
     cfg = demo_config(root, model_dir, data, shards)
+    click.echo(job_lines(cfg))
     plan = prepare_run(cfg, echo=click.echo)
     code = launch(cfg, plan, echo=click.echo)
     if code:

@@ -9,8 +9,10 @@ attention, as in the real target. Tests and the README's first command build eve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import shlex
 from pathlib import Path
 
 from hsextract.config import RunConfig
@@ -212,7 +214,7 @@ def demo_config(root: Path, model_dir: Path, data: Path, shards: int) -> RunConf
     and training schema the docs show works on it), small batches, everything under ``root``."""
     return RunConfig(
         model=str(model_dir),
-        data=str(data),
+        data=(str(data),),  # as `--data` gives it
         output=str(root / "output"),
         run_dir=str(root / "run"),
         layers="dflash",
@@ -224,4 +226,35 @@ def demo_config(root: Path, model_dir: Path, data: Path, shards: int) -> RunConf
         max_tokens_per_batch=4096,
         max_rows=64,
         staging=str(root / "staging"),
+    )
+
+
+def run_command(cfg: RunConfig) -> str:
+    """The ``hsextract run`` command that runs ``cfg``: each option whose value is not its default, as the config
+    holds it (paths as given: a plan records them, so another spelling of a path would be another plan). The demo
+    prints it, so that what it sets (dtype, final state, lengths, staging) is seen."""
+    words = ["hsextract", "run"]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("cli") not in ("job", "run") or value == f.default or value is None:
+            continue
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+            continue
+        for item in (
+            value if isinstance(value, tuple) else (value,)
+        ):  # a tuple: the option given once per item
+            words += [flag, str(item)]
+    return shlex.join(words)
+
+
+def job_lines(cfg: RunConfig) -> str:
+    """What the demo says before it runs: the command, and the shorter one that repeats it."""
+    config = Path(cfg.run_dir) / "config.json"
+    if config.is_relative_to(Path.cwd()):
+        config = config.relative_to(Path.cwd())
+    return (
+        f"running: {run_command(cfg)}\n"
+        f"(`hsextract run --config {config}` repeats it: the run dir keeps its options in config.json)"
     )

@@ -2,14 +2,16 @@
 
 Each block runs alone in a fresh interpreter, in a directory holding a demo output built once (fewer
 conversations than the demo's default, the same job). A bash block runs only when the doc marks it
-``<!-- doc-test: run -->`` (a step a python block needs, as the index-only export); a block the doc marks
-``<!-- doc-test: skip: why -->`` is skipped, saying why.
+``<!-- doc-test: run -->`` (a step a python block needs, as the index-only export). A block marked
+``<!-- doc-test: skip: why -->`` would be skipped, but none may be: a reader never sees the comment. The demo's own
+output is checked too: the command it says it runs, and `--config demo/run/config.json`, repeat its job.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +48,13 @@ def demo_dir(tmp_path_factory) -> Path:
     """A directory whose ./demo is what `hsextract demo` writes (60 conversations: the docs' ids are in it), and in
     which the marked bash blocks have run, in doc order."""
     here = tmp_path_factory.mktemp("docs")
-    run_cli("demo", "--conversations", 60, cwd=here, timeout=900)
+    demo = run_cli("demo", "--conversations", 60, cwd=here, timeout=900).stdout
+    # The demo says the command it runs, and the shorter one that repeats it: both find its job complete.
+    command = re.search(r"^running: (hsextract run .*)$", demo, re.M)
+    assert command and "--config demo/run/config.json` repeats it" in demo, demo
+    for again in (shlex.split(command[1])[1:], ["run", "--config", "demo/run/config.json"]):
+        out = run_cli(*again, cwd=here).stdout
+        assert "shards already complete: [0, 1]" in out and "done: 60 samples" in out, out
     for param in BLOCKS:
         lang, code = param.values
         if lang == "bash":
@@ -62,8 +70,21 @@ def _run(lang: str, code: str, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
-def test_the_docs_have_python_blocks_to_run():
-    assert sum(1 for p in BLOCKS if p.values[0] == "python") >= 8
+def test_the_docs_say_to_use_the_venv_before_the_bare_commands_they_show():
+    """The README's first command runs `.venv/bin/hsextract`; what follows says `hsextract`, and a bare `pytest` picks
+    whatever install is first on PATH: the README says to activate the venv before the first bare command, and no
+    doc runs a bare `pytest`."""
+    readme = (ROOT / "README.md").read_text()
+    bare = re.search(r"^hsextract ", readme, re.M)
+    assert bare and "source .venv/bin/activate" in readme[: bare.start()]
+    for doc in DOCS:
+        assert not re.findall(r"(?:^|`)pytest -", doc.read_text(), re.M), doc.name
+
+
+def test_the_docs_have_python_blocks_to_run_and_skip_none_where_a_reader_cannot_see_why():
+    assert sum(1 for p in BLOCKS if p.values[0] == "python") >= 10
+    # A skip mark is an HTML comment: the rendered page hides it. A block that cannot run here says so in its text.
+    assert [p.id for p in BLOCKS if p.marks] == []
 
 
 @pytest.mark.parametrize(("lang", "code"), BLOCKS)
