@@ -176,11 +176,11 @@ def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
         ],
         "data_report": {
             key: report[key]
-            for key in (*COUNTS, "duplicate_ids_renamed", "tokens", "max_length")
+            for key in (*COUNTS, "duplicate_ids_renamed", "tokens", "max_length", "unrendered")
             if key in report
         },
         "data_sources": [
-            {key: s[key] for key in ("name", "source", *COUNTS, "tokens") if key in s}
+            {key: s[key] for key in ("name", "source", *COUNTS, "tokens", "unrendered") if key in s}
             for s in report.get("sources", [])
         ],
         "staging_max_bytes": int(cfg.staging_max_gb * 1e9) if cfg else None,
@@ -202,6 +202,11 @@ def _report_problem(report: dict) -> str | None:
                 return f"{where}{key}: {value!r:.40} is not a count"
         if counts.get("kept", 0) > counts.get("rows", counts.get("kept", 0)):
             return f"{where}kept {counts['kept']} of {counts['rows']} rows"
+        unrendered = counts.get("unrendered", {})
+        if not isinstance(unrendered, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in unrendered.values()
+        ):
+            return f"{where}unrendered: {unrendered!r:.40} is not a count per field"
     return None
 
 

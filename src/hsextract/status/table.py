@@ -60,7 +60,8 @@ def data_lines(plan: dict) -> list[str]:
     fields = {name: 0 for name in (*COUNTS, "tokens", "max_length")}
     counts = {**fields, **{k: v for k, v in report.items() if k in fields}}
     sources = [{**fields, **s} for s in plan.get("data_sources") or []]
-    data = DataReport(**counts, sources=sources)
+    unrendered = report.get("unrendered") if isinstance(report.get("unrendered"), dict) else {}
+    data = DataReport(**counts, sources=sources, unrendered=unrendered)
     return [f"data: {data.summary()}", *(f"  {line}" for line in data.source_lines()), *damaged]
 
 

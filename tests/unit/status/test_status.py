@@ -143,3 +143,23 @@ def test_status_names_damaged_run_dir_figures_instead_of_printing_them(run_dir):
     assert "tokens_per_s 1e+29 is not a figure a worker writes" in lines[2]
     assert f"damaged: {RunDir(run_dir).data_report_file} is damaged (kept: -5 is not a count)" in lines
     assert any(line.startswith(f"damaged: {RunDir(run_dir).info_file} is damaged (") for line in lines)
+
+
+def test_status_shows_what_the_chat_template_left_out_and_names_a_damaged_count(run_dir):
+    from click.testing import CliRunner
+
+    from hsextract.cli import main
+    from hsextract.status.table import data_lines
+
+    source = {"name": "chat", "source": "c.jsonl", "rows": 5, "kept": 5, "unrendered": {"reasoning": 3}}
+    report = {"rows": 5, "kept": 5, "tokens": 340, "unrendered": {"reasoning": 3}, "sources": [source]}
+    RunDir(run_dir).data_report_file.write_text(json.dumps(report))
+
+    doc = status_document(run_dir)
+    assert "reasoning not rendered in 3 rows" in data_lines(doc["plan"])[0]
+    assert "reasoning not rendered in 3 rows" in CliRunner().invoke(main, ["status", str(run_dir)]).output
+
+    RunDir(run_dir).data_report_file.write_text(json.dumps({**report, "unrendered": {"reasoning": -3}}))
+    lines = data_lines(status_document(run_dir)["plan"])
+    assert any("unrendered: {'reasoning': -3} is not a count per field" in line for line in lines)
+    assert not any("-3 rows" in line for line in lines)
