@@ -14,7 +14,9 @@ against), then each variant's forward of layers 0..deepest (early exit, no captu
 and computed tokens/s, model TFLOP/s (2 x parameters per computed token), the fraction of the capped GEMM rate,
 SM clock and power (NVML); then the first variant's CUDA time by kernel family and the ceilings it implies.
 Variants: ``stock`` (transformers), ``fused`` (hsextract.model.qwen3_5 as a run uses it), ``fused-mlp-separate``
-(gate and up as two GEMMs), ``fused-repeat-qk`` (q and k repeated to the value heads before FLA's chunked rule).
+(gate and up as two GEMMs), ``fused-repeat-qk`` (q and k repeated to the value heads before FLA's chunked rule),
+``fused-fp8`` (``--compute fp8``: the linears quantized by the served FP8 recipe, block-scaled GEMMs, the activations
+quantized by their producing kernels; it drops the bf16 weights, so it runs last).
 
 ``loop``: on the same batches, (a) the forward alone (the floor), (b) hsextract's ``Extractor`` end to end (hooks,
 on-device gather, pinned copies on a side stream, the writer thread's files to /dev/shm, each removed as the
@@ -171,7 +173,7 @@ def bench_naive(lm, layer_ids, batches, samples, device, pad, staging: Path) -> 
 
 
 # -- variants: the forward against the capped GEMM rate ----------------------------------------------------------
-VARIANTS = ("stock", "fused", "fused-mlp-separate", "fused-repeat-qk")
+VARIANTS = ("stock", "fused", "fused-mlp-separate", "fused-repeat-qk", "fused-fp8")
 
 
 def capped_gemm(seconds: float, warm_s: float = 3.0, m: int = 32768, k: int = 5120, n: int = 17408) -> dict:
@@ -220,6 +222,15 @@ class Variant:
 
             lib.chunk_gated_delta_rule = repeated
             self._undo.append(lambda: setattr(lib, "chunk_gated_delta_rule", grouped))
+        elif self.name == "fused-fp8":  # --compute fp8 on the bf16 weights, for good (the bf16 copies go)
+            from hsextract.model import fp8
+
+            kernels.restore(self.lm)
+            for layer in decoder_layers(self.lm):
+                layer.mlp.__dict__.pop("_hsx_gate_up", None)  # the joined bf16 gate/up, else kept alive
+            fp8.to_fp8(self.lm)
+            torch.cuda.empty_cache()
+            kernels.apply(self.lm, "fused")
         return self
 
     def __exit__(self, *exc):
@@ -298,7 +309,7 @@ def run_variants(args) -> None:
                     f"{r.get('power_w_mean', float('nan')):.0f} W (warm-up pass {warm:.1f} s)",
                     flush=True,
                 )
-                if name == variants[0] and not args.no_profile:
+                if name == (args.profile or variants[0]) and not args.no_profile:
                     report["profile"] = profile(one_pass, padded * flop_per_token, gemm["tflops"], name)
         except Exception:  # one variant failing keeps the others' figures
             import traceback
@@ -407,6 +418,7 @@ KERNEL_FAMILIES = [  # (family, regex on the CUDA kernel name), first match wins
     ("our q/k norm+rope, gate", r"qk_norm_rope|sigmoid_gate"),
     ("matrix products", r"gemm|cutlass|xmma|nvjet|cublas|s16816|wgmma"),
     ("FLA chunk kernels", r"chunk|delta|kkt|solve_tril|recompute_w_u|fwd_h|fwd_o|l2norm|beta_sigmoid"),
+    ("fp8 quantizing kernels", r"quant"),
     ("norms", r"rms|norm"),
     ("silu * mul", r"swiglu|silu"),
     ("copies, casts, cat", r"copy|cpy|memset|cat|index|repeat|gather|scatter|fill"),
@@ -899,6 +911,7 @@ def main() -> None:
     v.add_argument("--repeat", type=int, default=1, help="timed passes per variant (the best is kept)")
     v.add_argument("--gemm-s", type=float, default=8.0)
     v.add_argument("--no-profile", action="store_true")
+    v.add_argument("--profile", help="the variant to profile (default: the first)")
     lp.add_argument("--slots", type=int, default=3)
     lp.add_argument("--staging", default="/dev/shm/hsextract-bench")
     lp.add_argument(

@@ -17,6 +17,8 @@
 #   fp8        fp8 storage: the worker loop bf16 against fp8, the error per layer      bench_forward.py loop,        9
 #                                                                                      fp8_error.py
 #   shards     N shards on the GPUs there are (GPUS=0,0,0,0 shares one), kill + resume bench_startup.py --steps shards 8
+#   fp8compute --compute fp8: the GPU tests of its kernels, GEMM and fused forward       tests/gpu/test_fp8_gpu.py,    9
+#              against the recipe, then the forward bf16 fused against fp8 fused       bench_forward.py variants
 #
 # Each suite runs under a time limit (seconds, SUITE_S) and writes its raw output under $OUT. flash-linear-attention
 # and liger-kernel come from wheels in .whl/ when the machine lacks them (docs/DEVELOPMENT.md says how to fetch them).
@@ -108,6 +110,14 @@ case "$suite" in
     timeout "${SUITE_S:-480}" python3 scripts/bench_startup.py --model /tmp/ckpt --work /tmp/ms --steps shards \
       --shards "${SHARDS:-4}" --gpus "${GPUS:-0,0,0,0}" --tokens "${MS_TOKENS:-400000}" --layers 1,4,6 \
       --max-tokens-per-batch 32768 --staging-max-gb 4 --json-out "$OUT/multishard.json" 2>&1 | tee "$OUT/multishard.log"
+    ;;
+  fp8compute)
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-forward}
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py 2>&1 | grep -v Warning \
+      | tee "$OUT/fp8_gpu_tests.log" | tail -60
+    timeout "${SUITE_S:-400}" python3 scripts/bench_forward.py variants --tokens "${FORWARD_TOKENS:-120000}" --repeat 2 \
+      --variants fused,fused-fp8 --profile fused-fp8 --json-out "$OUT/fp8_forward.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/fp8_forward.log"
     ;;
   *)
     echo "unknown suite: $suite (see the table at the top of $0)" >&2

@@ -1,9 +1,12 @@
 """Save a random-weight checkpoint of a config's architecture (no download), for GPU runs of `hsextract run`.
 
     python scripts/make_checkpoint.py configs/qwen3.6-27b /data/qwen3.6-27b-random [--layers 8] [--tokenizer DIR]
+        [--fp8 /data/qwen3.6-27b-random-fp8]
 
 The weights are random (bf16, built on the GPU when there is one); the tokenizer is the demo BPE unless given.
 Token ids of the data must be below the tokenizer's size, which is far below the real vocab: fine for timing.
+``--fp8 DIR`` also saves the same weights in the served FP8 layout (Qwen3.x-FP8's: e4m3 weights and a bf16
+``weight_scale_inv`` per 128x128 tile, ``quantization_config`` fp8; hsextract.model.fp8_load.write_fp8_checkpoint).
 """
 
 import argparse
@@ -25,6 +28,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
     ap.add_argument("--tokenizer")
+    ap.add_argument("--fp8", help="also write the served FP8 layout of the same weights here")
     args = ap.parse_args()
     out = Path(args.out)
     t0 = time.time()
@@ -42,6 +46,13 @@ def main():
         AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(out)
     else:
         build_tokenizer(out)
+    if args.fp8:
+        from transformers import AutoTokenizer
+
+        from hsextract.model.fp8_load import write_fp8_checkpoint
+
+        write_fp8_checkpoint(lm, args.fp8)
+        AutoTokenizer.from_pretrained(str(out)).save_pretrained(args.fp8)
     print(
         json.dumps(
             {

@@ -157,6 +157,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         "layers": layers_report,
         "final_state": None if norm is None else {"layer": num_layers - 1, **norm.describe()},
         "storage_dtype": layout.storage_dtype or cfg.dtype,
+        "compute": getattr(lm, "hsx_compute", "bf16"),
         "target_topk": topk_report,
         "proof": {
             "samples": proof.num_samples,

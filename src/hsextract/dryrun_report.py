@@ -51,6 +51,15 @@ def format_report(report: dict) -> str:
         f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}"
         + (f"; fp8 storage within {p['fp8_tolerance']:.0e} of the unquantized capture" if fp8 else "")
     )
+    compute = report.get("compute", "bf16")
+    lines.append(
+        f"compute: {compute}"
+        + {
+            "fp8": " (the served FP8 recipe: e4m3 weights in 128x128 blocks, activations per token per 128 columns, "
+            "block-scaled GEMMs)",
+            "fp8-emulated": " (the served FP8 recipe, emulated in float32: no block-scaled fp8 GEMMs here)",
+        }.get(compute, f" (no fp8: the linears run in {p['dtype']})")
+    )
     f = report.get("final_state")
     if f:
         lines.append(

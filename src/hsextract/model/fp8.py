@@ -19,6 +19,7 @@ weights dequantized), so that the CPU tests run the same numbers.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
+GEMM_ALIGN = 4 * BLOCK
 
 
 # -- the recipe, in plain torch -------------------------------------------------------------------------------------
@@ -93,9 +95,9 @@ def fake_quantize_activation(x: torch.Tensor) -> torch.Tensor:
 # -- the linear ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fp8Activation:
-    """An activation a producing kernel already quantized: ``q`` [M, K] e4m3, ``scale`` [M, K/B] float32 laid out
-    as ``torch._scaled_mm`` takes it (outer-dim-major: a [K/B, M] tensor transposed), ``shape`` the activation's
-    shape before flattening (its last entry K), ``dtype`` the dtype the GEMM writes."""
+    """An activation a producing kernel already quantized: ``q`` [Mp, K] e4m3, ``scale`` [Mp, K/B] float32 laid out
+    as ``torch._scaled_mm`` takes it (outer-dim-major: a [K/B, Mp] tensor transposed), Mp >= M rows (the extra ones
+    zero: fp8_kernels.ROW_ALIGN), ``shape`` the activation's shape (M rows of K), ``dtype`` the GEMM's output's."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -132,24 +134,29 @@ class Fp8Linear(nn.Module):
 
     @property
     def gemm_ready(self) -> bool:
-        """Whether this linear runs ``torch._scaled_mm`` (else the emulated recipe)."""
+        """Whether this linear runs ``torch._scaled_mm`` (else the emulated recipe): cuBLASLt refused a 384 x 256
+        weight (3 x 2 tiles) on an H200; Qwen's dimensions are all multiples of ``GEMM_ALIGN``."""
         return (
             scaled_mm_available(self.weight.device)
-            and self.in_features % BLOCK == 0
-            and self.out_features % BLOCK == 0
+            and self.in_features % GEMM_ALIGN == 0
+            and self.out_features % GEMM_ALIGN == 0
         )
 
     def forward(self, x):
-        if isinstance(x, Fp8Activation):
+        if isinstance(x, Fp8Activation) and not self.gemm_ready:
+            rows = math.prod(x.shape[:-1])
+            xf = dequantize_activation(x.q[:rows], x.scale[:rows])
+            w = dequantize_weight(self.weight, self.weight_scale_inv)
+            out = (xf @ w.t()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        elif isinstance(x, Fp8Activation):
             out = block_scaled_mm(x.q, x.scale, self.weight, self.weight_scale_inv, x.dtype)
-            out = out.view(*x.shape[:-1], self.out_features)
+            out = out[: math.prod(x.shape[:-1])].view(*x.shape[:-1], self.out_features)
         elif self.gemm_ready:
             from hsextract.model.fp8_kernels import quantize_rows
 
-            flat = x.reshape(-1, x.shape[-1])
-            q, s = quantize_rows(flat)
+            q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
             out = block_scaled_mm(q, s, self.weight, self.weight_scale_inv, x.dtype)
-            out = out.view(*x.shape[:-1], self.out_features)
+            out = out[: math.prod(x.shape[:-1])].view(*x.shape[:-1], self.out_features)
         else:
             w = dequantize_weight(self.weight, self.weight_scale_inv)
             out = (fake_quantize_activation(x) @ w.t()).to(x.dtype)

@@ -2,8 +2,9 @@
 per token per 128 columns (``amax / 448``) straight from its float32 result, so no pass over a bf16 activation is
 left between the kernel that produces it and the block-scaled GEMM that reads it (fp8.py has the recipe).
 
-Each returns ``(q [M, K] e4m3, scale [M, K/128])``, the scale a [K/128, M] tensor transposed: the outer-dim-major
-layout ``torch._scaled_mm`` takes for 1x128 blocks. The kernels:
+Each returns ``(q [Mp, K] e4m3, scale [Mp, K/128])``, the scale a [K/128, Mp] tensor transposed: the outer-dim-major
+layout ``torch._scaled_mm`` takes for 1x128 blocks; Mp is the M rows rounded up to ``ROW_ALIGN``, the extra rows
+zero. The kernels:
 
 - ``quantize_rows``: any [M, K] activation (the input of a linear whose producer is not fused);
 - ``rms_norm_quant``: Qwen3.5's RMSNorm ``x / rms(x) * (1 + w)``, optionally after ``s = residual + x`` (the sum,
@@ -40,11 +41,23 @@ def _kernels():
     return _K
 
 
+ROW_ALIGN = 16
+
+"""Rows of the quantized buffers are a multiple of this: cuBLASLt's block-scaled GEMM refuses some row counts
+(``CUBLAS_STATUS_NOT_SUPPORTED`` at 777 rows on an H200), so the buffers are padded with zero rows (scale 0) and
+the GEMM's extra output rows dropped (``fp8.block_scaled_mm``)."""
+
+
 def _outputs(M: int, K: int, device):
+    """The e4m3 values [Mp, K] and scales [K/128, Mp] (Mp: M rounded up to ``ROW_ALIGN``), padding rows zero."""
     import torch
 
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=device)
-    s = torch.empty((K // GROUP, M), dtype=torch.float32, device=device)
+    mp = -(-M // ROW_ALIGN) * ROW_ALIGN
+    q = torch.empty((mp, K), dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty((K // GROUP, mp), dtype=torch.float32, device=device)
+    if mp > M:
+        q[M:].zero_()
+        s[:, M:].zero_()
     return q, s
 
 
@@ -62,7 +75,9 @@ def quantize_rows(x):
         x = x.contiguous()
     q, s = _outputs(M, K, x.device)
     ng = min(8, k.triton.next_power_of_2(K // GROUP))
-    k.quantize_rows[(M, k.triton.cdiv(K // GROUP, ng))](x, q, s, M, K, x.stride(0), NG=ng, num_warps=4)
+    k.quantize_rows[(M, k.triton.cdiv(K // GROUP, ng))](
+        x, q, s, s.shape[1], K, x.stride(0), NG=ng, num_warps=4
+    )
     return q, s.t()
 
 
@@ -86,7 +101,7 @@ def rms_norm_quant(x, weight, eps: float, residual=None, normed: bool = False):
         s,
         total,
         out,
-        M,
+        s.shape[1],
         K,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
@@ -113,7 +128,7 @@ def silu_mul_quant(gu):
     q, s = _outputs(M, inner, gu.device)
     ng = min(8, k.triton.next_power_of_2(inner // GROUP))
     k.silu_mul_quant[(M, k.triton.cdiv(inner // GROUP, ng))](
-        gu, q, s, M, inner, gu.stride(0), NG=ng, num_warps=4
+        gu, q, s, s.shape[1], inner, gu.stride(0), NG=ng, num_warps=4
     )
     return q, s.t()
 
@@ -129,13 +144,15 @@ def _head_quant(a, g, weight, eps: float, gated_norm: bool):
         g = g.contiguous()
     M = B * T
     q, s = _outputs(M, H * D, a.device)
-    k.head_quant[(M * H,)](
+    vb = max(1, 2048 // D)  # ~2048 elements a program: wide loads, a large grid
+    k.head_quant[(k.triton.cdiv(M * H, vb),)](
         a,
         g,
         weight if weight is not None else a,
         q,
         s,
-        M,
+        s.shape[1],
+        M * H,
         T,
         H,
         *a.stride()[:3],
@@ -143,7 +160,8 @@ def _head_quant(a, g, weight, eps: float, gated_norm: bool):
         eps,
         D=D,
         GATED_NORM=gated_norm,
-        num_warps=4 if D <= 256 else 8,
+        VB=vb,
+        num_warps=4,
     )
     return q, s.t()
 

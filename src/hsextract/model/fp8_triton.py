@@ -68,28 +68,34 @@ def silu_mul_quant(GU, Q, S, M, N, sgu, NG: tl.constexpr):
 
 @triton.jit
 def head_quant(
-    A, G, W, Q, S, M, T, H, sab, sat, sah, sgb, sgt, sgh, eps,
-    D: tl.constexpr, GATED_NORM: tl.constexpr,
+    A, G, W, Q, S, M, n_vec, T, H, sab, sat, sah, sgb, sgt, sgh, eps,
+    D: tl.constexpr, GATED_NORM: tl.constexpr, VB: tl.constexpr,
 ):  # fmt: skip
-    # One program: one head vector (b, t, h) of D (a multiple of 128) of [B, T, H, D] inputs; the output row is
-    # b * T + t. GATED_NORM: w * a / rms(a) * silu(g), the norm rounded to the activation dtype before the
-    # weight as stock (the Gated-DeltaNet's output norm); else a * sigmoid(g) (the attention's output gate).
-    v = tl.program_id(0).to(tl.int64)
+    # One program: VB head vectors v = (b * T + t) * H + h of D (a multiple of 128) of [B, T, H, D] inputs, written
+    # to row b * T + t, columns h * D... GATED_NORM: w * a / rms(a) * silu(g), the norm rounded to the activation
+    # dtype before the weight as stock (the Gated-DeltaNet's output norm); else a * sigmoid(g) (the attention's gate).
+    v = tl.program_id(0).to(tl.int64) * VB + tl.arange(0, VB)
+    mv = v < n_vec
     row = v // H
     h = v % H
     b = row // T
     t = row % T
     d = tl.arange(0, D)
-    a = tl.load(A + b * sab + t * sat + h * sah + d).to(tl.float32)
-    g = tl.load(G + b * sgb + t * sgt + h * sgh + d).to(tl.float32)
+    a = tl.load(A + (b * sab + t * sat + h * sah)[:, None] + d[None, :], mask=mv[:, None], other=0.0)
+    g = tl.load(G + (b * sgb + t * sgt + h * sgh)[:, None] + d[None, :], mask=mv[:, None], other=0.0)
+    af = a.to(tl.float32)
+    gf = g.to(tl.float32)
     if GATED_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=0) / D + eps)
-        n = (a * rstd).to(A.dtype.element_ty).to(tl.float32)
-        y = tl.load(W + d).to(tl.float32) * n * (g * tl.sigmoid(g))
+        rstd = 1.0 / tl.sqrt(tl.sum(af * af, axis=1) / D + eps)
+        n = (af * rstd[:, None]).to(a.dtype).to(tl.float32)
+        y = tl.load(W + d).to(tl.float32)[None, :] * n * (gf * tl.sigmoid(gf))
     else:
-        y = a * tl.sigmoid(g)
+        y = af * tl.sigmoid(gf)
     NG: tl.constexpr = D // 128
     gi = tl.arange(0, NG)
-    q = quantize_groups(tl.reshape(y, (NG, 128)), S, row, M, h * NG + gi, gi < NG)
-    c2 = h * D + gi[:, None] * 128 + tl.arange(0, 128)[None, :]
-    tl.store(Q + row * H * D + c2, q.to(Q.dtype.element_ty))
+    groups = tl.reshape((h * NG)[:, None] + gi[None, :], (VB * NG,))
+    rows = tl.reshape(row[:, None] + 0 * gi[None, :], (VB * NG,))
+    valid = tl.reshape(mv[:, None] & (gi[None, :] < NG), (VB * NG,))
+    q = quantize_groups(tl.reshape(y, (VB * NG, 128)), S, rows, M, groups, valid)
+    c = (row * H * D + h * D)[:, None] + d[None, :]
+    tl.store(Q + c, tl.reshape(q, (VB, D)).to(Q.dtype.element_ty), mask=mv[:, None])

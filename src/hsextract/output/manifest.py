@@ -70,6 +70,8 @@ def build_manifest(
         "vocab_size": info.vocab_size,
         "hidden_size": info.hidden_size,
         "dtype": dtype,
+        # The linears' numerics: "fp8" (the served FP8 recipe) or "bf16" (none: they ran in ``dtype``).
+        "compute": plan.fingerprint.get("compute", "bf16"),
         "plan_hash": plan.plan_hash,
         "fingerprint": plan.fingerprint,
         "num_samples": plan.num_samples,
@@ -163,7 +165,14 @@ def read_manifest(sink) -> dict:
     return manifest
 
 
-COUNTS = {"hidden_size": 1, "num_layers": 1, "vocab_size": 1, "target_topk": 1, "num_samples": 0, "num_tokens": 0}
+COUNTS = {
+    "hidden_size": 1,
+    "num_layers": 1,
+    "vocab_size": 1,
+    "target_topk": 1,
+    "num_samples": 0,
+    "num_tokens": 0,
+}
 
 """The manifest's figures and their least value: ints (no bool, float or string), where present (None allowed for
 ``vocab_size`` and ``target_topk``)."""

@@ -23,6 +23,7 @@ from hsextract.errors import HsextractError
 from hsextract.layers import layer_types, presets_layer_ids, resolve_layer_ids
 from hsextract.model.checkpoint import check_checkpoint, weights_fingerprint
 from hsextract.model.config_record import recorded_model_config
+from hsextract.model.fp8_load import run_compute
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
@@ -92,9 +93,7 @@ def prepare_run(
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
-    tokenizer = RecordedTokenizer(
-        cfg.model_path, records, cfg.trust_remote_code
-    )  # loaded only if something is tokenized
+    tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code)  # loaded if needed
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
@@ -322,7 +321,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         **tokenizer_fingerprint(tokenizer),
         **ChatOptions.of(
             cfg.chat_template_text, cfg.template_kwargs
-        ).fingerprint(),  # a given template's wins
+        ).fingerprint(),  # a given template's hash wins
         **model_identity(cfg, model.config),
         "layer_ids": list(model.layer_ids),
         "dtype": cfg.dtype,
@@ -334,6 +333,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         # Only when set, so that the plans of runs without them hash as they did before these options existed.
         **({"final_state": True} if model.layout.final_state else {}),
         **({"storage_dtype": cfg.storage_dtype} if cfg.storage_dtype else {}),
+        **({"compute": "fp8"} if run_compute(cfg) == "fp8" else {}),
         **({"target_topk": cfg.target_topk} if cfg.target_topk else {}),
         **({"dedupe": True} if cfg.dedupe else {}),
         # A lone dflash or eagle3 hashes as before presets were recorded; every other preset set is part of the job.
@@ -380,6 +380,7 @@ def write_run_files(
             chat_template_hash=fp["chat_template_hash"],
             plan_hash=plan.plan_hash,
             kernels=cfg.kernel_mode,
+            compute=run_compute(cfg),
         ),
     )
     cfg.save(run_dir.config_file)
