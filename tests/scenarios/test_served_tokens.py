@@ -71,6 +71,14 @@ def test_a_hub_id_from_the_cache_renders_as_the_server_and_reads_back(tmp_path, 
     assert refused.returncode != 0
     assert "chat_template_kwargs.preserve_thinking: True -> False" in refused.stdout + refused.stderr
 
+    # The Hub id now names another snapshot (a new commit of the same files): the resume says so.
+    entry = cache / "models--acme--tiny-qwen"
+    shutil.copytree(entry / "snapshots" / COMMIT, entry / "snapshots" / ("f" * 40))
+    (entry / "refs" / "main").write_text("f" * 40)
+    refused = run_cli(*args, "--no-progress", env=env, check=False)
+    assert refused.returncode != 0
+    assert f"model_revision: '{COMMIT}' -> '{'f' * 40}'" in refused.stdout + refused.stderr
+
 
 def test_a_hub_id_neither_cached_nor_reachable_fails_in_seconds_with_one_line(tmp_path, tiny_model):
     cache = hub_cache(tmp_path / "hf", tiny_model)
