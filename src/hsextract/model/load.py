@@ -190,7 +190,24 @@ def load_model_for(cfg, device) -> object:
     )
     if device.type == "cuda":
         ready_kernels()
+    else:
+        quiet_cuda_kernel_advice()
     return lm
+
+
+class _CudaKernelAdvice(logging.Filter):
+    """transformers' advice to install flash-linear-attention and causal-conv1d for the Gated-DeltaNet layers: their
+    kernels run on CUDA only, so on the CPU the reference path it falls back to is the only one there is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+def quiet_cuda_kernel_advice() -> None:
+    """Drop that advice in this process (a model on the CPU); on CUDA it is advice worth taking, and stays."""
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    if not any(isinstance(f, _CudaKernelAdvice) for f in logger.filters):
+        logger.addFilter(_CudaKernelAdvice())
 
 
 def torch_device(cfg):

@@ -136,6 +136,11 @@ class SpecForgeDFlash(Schema):
             "hidden_states": s["hidden_states"],
         }
 
+    def item(self, record, s):
+        """The record plus its ``sample_id``, so that a loop can log which samples a batch held (the collators keep
+        it as a list; SpecForge's normalizers read only their own keys). Not in the exported file."""
+        return {**record, "sample_id": s["sample_id"]}
+
 
 class SpecForgeDFlash2(SpecForgeDFlash):
     """SpecForge's DFlash-family ``data_I.ckpt`` (the same record and loader as DFlash) with DFlash 2's layers."""
@@ -228,6 +233,8 @@ class SpecForgeEagle3(Schema):
             "aux_hidden_state": s["hidden_states"].unsqueeze(0),
             "hidden_state": s["final_hidden_state"].unsqueeze(0),
         }
+
+    item = SpecForgeDFlash.item
 
 
 class Speculators(Schema):

@@ -59,3 +59,29 @@ def test_nemo_dspark_item_pads_to_the_cache_length_and_leaves_longer_samples_out
     assert torch.equal(item["target_last_hidden_states"][:3], s["final_hidden_state"])
     assert schema.skip_reason(torch.arange(6), torch.ones(6)) == "longer than the cache's seq_length 5"
     assert schema.skip_reason(torch.arange(5), torch.ones(5)) is None
+
+
+def test_specforge_items_name_their_sample_so_a_batch_can_be_logged_and_the_export_record_does_not(
+    written_output,
+):
+    """`StatesDataset(output, "specforge-dflash")` through a DataLoader with pad_collate: each batch says which
+    samples it holds (`batch["sample_id"]`, a list), each the sample whose tokens are in that row (against the
+    reader); the record `hsextract export` writes stays SpecForge's file, without it."""
+    from torch.utils.data import DataLoader
+
+    from hsextract.output import open_output
+    from hsextract.training import StatesDataset, pad_collate
+
+    out = open_output(written_output)
+    data = StatesDataset(written_output, "specforge-dflash", rank=0, world_size=1, seed=1, batch_size=4)
+    seen = []
+    for batch in DataLoader(data, batch_size=4, collate_fn=pad_collate):
+        assert isinstance(batch["sample_id"], list) and len(batch["sample_id"]) == len(batch["input_ids"])
+        for row, sid in enumerate(batch["sample_id"]):
+            ids = out[sid]["input_ids"]
+            assert torch.equal(batch["input_ids"][row, : len(ids)], ids.long()), sid
+        seen += batch["sample_id"]
+    assert sorted(seen) == sorted(data.sample_ids) and len(set(seen)) == len(seen)
+    s = out[seen[0]]
+    assert "sample_id" not in SCHEMAS["specforge-dflash"].record(s)
+    assert SCHEMAS["specforge-eagle3"].item({}, s) == {"sample_id": seen[0]}
