@@ -275,7 +275,7 @@ def shard_job(
 ):
     """One job to its end; with ``kill_shard``, that shard's worker is SIGKILLed once a third of its batches are
     durable and the same command run again (the resume)."""
-    from hsextract.prepare.plan import Plan
+    from hsextract.output import Plan
     from hsextract.run.progress import ShardProgress
 
     result: dict = {}
@@ -327,8 +327,7 @@ def shard_job(
 def shards_step(job_args, shards: int, gpus: str, rows: int, work: Path, env: dict) -> dict:
     """A 1-shard job for the single-shard rate, then a ``shards`` job with one worker killed and resumed; the
     scaling ratio and exactly-once through the reader. Both run to their end (no step timeout)."""
-    from hsextract.output import open_output
-    from hsextract.prepare.plan import Plan
+    from hsextract.output import Plan, open_output
 
     env = {**env, "TRITON_CACHE_DIR": str(work / "kernels")}  # both jobs share one kernel cache
     report: dict = {}

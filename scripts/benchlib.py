@@ -66,8 +66,7 @@ def realistic_output(out: Path, files: int, tokens: int, seed: int = 0) -> dict:
     supervised, random bf16 states of the default target's DFlash shape); what ``synthetic.make_output`` returns."""
     from support.synthetic import make_output
 
-    from hsextract.output import StateLayout
-    from hsextract.prepare.plan import BatchSpec, Plan
+    from hsextract.output import BatchSpec, Plan, StateLayout
 
     specs, lengths = [], []
     for b in range(files):

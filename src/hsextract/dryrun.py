@@ -36,13 +36,14 @@ from hsextract.model.target_topk import TopkAgreement, check_target_topk
 from hsextract.output import (
     TOPK_IDS,
     TOPK_LOGPROBS,
+    BatchSpec,
     StateLayout,
     dequantize_fp8,
     estimate_file_bytes,
     topk_bytes_per_token,
 )
 from hsextract.prepare.chat import ChatOptions, marked_text
-from hsextract.prepare.plan import BatchSpec, make_plan
+from hsextract.prepare.plan import make_plan
 from hsextract.prepare.steps import resolve_data, run_layout
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor

@@ -28,8 +28,7 @@ from support.procs import freeze
 from support.s3server import cli_env
 
 from hsextract.config import run_staging_dir
-from hsextract.output import JOB, open_output
-from hsextract.prepare.plan import Plan
+from hsextract.output import JOB, Plan, open_output
 from hsextract.run.progress import ShardProgress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

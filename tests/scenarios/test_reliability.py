@@ -32,9 +32,9 @@ from support.fs import mounted_tmpfs
 from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
+from hsextract.output import Plan
 from hsextract.output.manifest import MANIFEST
 from hsextract.output.records import done_key
-from hsextract.prepare.plan import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

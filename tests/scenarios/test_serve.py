@@ -33,7 +33,7 @@ from support.cli import (
     write_mixed_dataset,
 )
 
-from hsextract.prepare.plan import Plan
+from hsextract.output import Plan
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
 

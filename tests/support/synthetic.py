@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from hsextract.output import (
+    BatchSpec,
+    Plan,
     RunInfo,
     StateLayout,
     batch_metadata,
@@ -31,7 +33,6 @@ from hsextract.output import (
     write_batch_file,
     write_done,
 )
-from hsextract.prepare.plan import BatchSpec, Plan
 from hsextract.storage import open_sink
 from hsextract.training.index import write_sample_index
 

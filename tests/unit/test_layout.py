@@ -111,10 +111,6 @@ KNOWN_UPWARD = {
         "hsextract.prepare.source_spec",
     ): "RunConfig checks --data with the sources' own parser",
     (
-        "hsextract.output.jobfiles",
-        "hsextract.prepare.plan",
-    ): "the output holds its plan; Plan's record lives in prepare/",
-    (
         "hsextract.prepare.steps",
         "hsextract.run.rundir",
     ): "preparation writes the run dir; RunDir lives in run/",

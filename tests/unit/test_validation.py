@@ -9,8 +9,8 @@ import pytest
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import RunInfo
-from hsextract.prepare.plan import Plan, make_plan
+from hsextract.output import Plan, RunInfo
+from hsextract.prepare.plan import make_plan
 from hsextract.prepare.report import DataReport
 from hsextract.run.progress import DamagedProgress, ShardProgress
 from hsextract.run.rundir import RunDir

@@ -11,12 +11,14 @@ from hsextract import lazy_exports
 
 _EXPORTS = {
     "BatchFile": "batchfile",
+    "BatchSpec": "plan",
     "CONVENTION": "batch",
     "DONE_PREFIX": "records",
     "FinalNorm": "final_norm",
     "JOB": "records",
     "JOB_FILES": "records",
     "Output": "reader",
+    "Plan": "plan",
     "RULES": "final_norm",
     "RunInfo": "records",
     "SAMPLE_INDEX": "manifest",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from hsextract.errors import HsextractError
+from hsextract.output.plan import Plan
 from hsextract.output.records import JOB, JOB_FILES, RunInfo, read_job, sample_ids_checksum
-from hsextract.prepare.plan import Plan
 from hsextract.validation import unseal
 
 

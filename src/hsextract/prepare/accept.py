@@ -11,6 +11,7 @@ from pathlib import Path
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.output import (
+    Plan,
     claim_output,
     delete_manifest,
     describe_job,
@@ -20,7 +21,7 @@ from hsextract.output import (
     read_job,
     read_manifest,
 )
-from hsextract.prepare.plan import Plan, fingerprint_changes
+from hsextract.prepare.plan import fingerprint_changes
 from hsextract.prepare.sources import changed_files
 from hsextract.run.rundir import RunDir
 from hsextract.storage import open_sink

@@ -29,6 +29,7 @@ from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.output import (
+    Plan,
     RunInfo,
     StateLayout,
     estimate_file_bytes,
@@ -38,7 +39,7 @@ from hsextract.output import (
 )
 from hsextract.prepare.accept import accept_plan
 from hsextract.prepare.chat import ChatOptions
-from hsextract.prepare.plan import Plan, make_plan
+from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (

@@ -21,8 +21,7 @@ from pathlib import Path
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.model.warmup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
-from hsextract.output import done_in_output, finalize_output, has_manifest, shard_name
-from hsextract.prepare.plan import Plan
+from hsextract.output import Plan, done_in_output, finalize_output, has_manifest, shard_name
 from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir

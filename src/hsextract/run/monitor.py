@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from hsextract.prepare.plan import BatchSpec
+from hsextract.output import BatchSpec
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir, scan_staging
 from hsextract.run.stalls import Stall, same_stall, stall_note, worker_stall

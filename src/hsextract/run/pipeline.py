@@ -25,8 +25,7 @@ import torch
 
 from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
-from hsextract.output import TOPK_IDS, TOPK_LOGPROBS
-from hsextract.prepare.plan import BatchSpec
+from hsextract.output import TOPK_IDS, TOPK_LOGPROBS, BatchSpec
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.hostmem import drop_reserved, host_buffer, reserved
 from hsextract.run.procs import Stopped

@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.output import check_file, read_metadata, shard_name, verified_done
-from hsextract.prepare.plan import BatchSpec
+from hsextract.output import BatchSpec, check_file, read_metadata, shard_name, verified_done
 from hsextract.storage.local import LocalSink
 
 log = logging.getLogger(__name__)

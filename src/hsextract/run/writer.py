@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from hsextract.errors import HsextractError
-from hsextract.output import batch_metadata, write_batch_file
-from hsextract.prepare.plan import BatchSpec
+from hsextract.output import BatchSpec, batch_metadata, write_batch_file
 from hsextract.run.procs import Stopped
 from hsextract.run.rundir import scan_staging
 

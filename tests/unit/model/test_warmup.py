@@ -407,7 +407,7 @@ def test_warm_up_process_agrees_with_the_launcher_on_what_the_stamp_covers(
     finished_run, tmp_path, monkeypatch, capsys
 ):
     from hsextract.model.warmup import process
-    from hsextract.prepare.plan import Plan
+    from hsextract.output import Plan
 
     run_dir = finished_run[0] / "run"
     cfg = RunConfig.load(run_dir / "config.json")
@@ -433,7 +433,7 @@ def test_start_skips_a_covered_plan_and_otherwise_runs_the_warm_up_process(
     import dataclasses
 
     from hsextract.model.warmup import launch
-    from hsextract.prepare.plan import Plan
+    from hsextract.output import Plan
 
     monkeypatch.setattr(launch, "fla_available", lambda: True)  # as on a GPU machine with FLA installed
     src = finished_run[0] / "run"

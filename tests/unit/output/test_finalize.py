@@ -9,9 +9,9 @@ import zlib
 from safetensors import safe_open
 from support.damage import copy_output, flip_in_states
 
+from hsextract.output import Plan
 from hsextract.output.finalize import finalize_output
 from hsextract.output.records import done_key
-from hsextract.prepare.plan import Plan
 from hsextract.storage.local import LocalSink
 from hsextract.training.index import write_sample_index
 

@@ -7,8 +7,8 @@ import json
 
 from support.damage import copy_output, flip_in_states, truncate_half
 
+from hsextract.output import Plan
 from hsextract.output.records import check_batches, done_in_output, done_key
-from hsextract.prepare.plan import Plan
 from hsextract.storage.local import LocalSink
 from hsextract.validation import seal, unseal
 

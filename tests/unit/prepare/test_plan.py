@@ -1,9 +1,11 @@
-"""The plan (prepare/plan.py): both bounds, every sample once, stable hash, balanced shards, little padding."""
+"""The plan (prepare/plan.py make_plan, output/plan.py its record): both bounds, every sample once, stable hash, balanced
+shards, little padding."""
 
 import numpy as np
 import pytest
 
-from hsextract.prepare.plan import Plan, fingerprint_changes, make_plan
+from hsextract.output import Plan
+from hsextract.prepare.plan import fingerprint_changes, make_plan
 
 
 def realistic_lengths(n=20000, seed=0):
@@ -76,7 +78,7 @@ def test_plan_hash_is_the_documented_digest_and_computed_once(monkeypatch):
     import json
     from dataclasses import asdict
 
-    import hsextract.prepare.plan as plan_module
+    import hsextract.output.plan as plan_module
 
     plan = make_plan(
         realistic_lengths(3000), max_tokens_per_batch=16384, max_rows=64, shards=3, fingerprint={"a": 1}

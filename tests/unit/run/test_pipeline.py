@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from hsextract.output import BatchSpec
 from hsextract.output.fp8 import quantize_fp8
-from hsextract.prepare.plan import BatchSpec
 from hsextract.run.pipeline import BadStatesError, refuse_bad_states, state_health
 
 

@@ -9,7 +9,7 @@ import zlib
 
 from support.damage import flip_in_states, truncate_half
 
-from hsextract.prepare.plan import BatchSpec, Plan
+from hsextract.output import BatchSpec, Plan
 from hsextract.run.resume import recover_staging
 
 

@@ -29,8 +29,7 @@ class _Submitted(list):
 def test_staging_writer_writes_the_batch_file_and_hands_it_to_the_uploader(tmp_path):
     import threading
 
-    from hsextract.output import read_metadata
-    from hsextract.prepare.plan import BatchSpec
+    from hsextract.output import BatchSpec, read_metadata
     from hsextract.run.writer import StagingWriter
 
     uploads = _Submitted()
@@ -53,7 +52,7 @@ def test_staging_writer_waits_while_staging_is_over_budget_until_it_drains_or_is
 
     import pytest
 
-    from hsextract.prepare.plan import BatchSpec
+    from hsextract.output import BatchSpec
     from hsextract.run.procs import Stopped
     from hsextract.run.writer import StagingWriter
 
