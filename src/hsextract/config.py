@@ -89,6 +89,10 @@ class RunConfig:
     dedupe: bool = _opt(False)
     """Keep once the rows whose token ids are identical, across all sources; the rest are counted per source."""
 
+    max_samples: int | None = _opt(None)
+    """Read only the first N rows of the mix (after each source's own ``limit``/``fraction``), for a quick trial of
+    the whole job; part of the plan. Default: every row."""
+
     output: str = _opt(None, "run")
     """Local directory or ``s3://bucket/prefix`` that receives the batch files."""
 
@@ -254,6 +258,7 @@ class RunConfig:
             "num_proc",
             "pinned_buffers",
             "target_topk",
+            "max_samples",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HsextractError(

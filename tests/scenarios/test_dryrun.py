@@ -136,6 +136,10 @@ def test_cli_json_and_exit_code(setup):
     report = json.loads(r.stdout)
     assert report["ok"] is True
     assert [e["layer_id"] for e in report["layers"]] == [0, 3, 7]
+    rows = report["estimate"]["data"]["rows"]
+    trial = json.loads(run_cli(*r.args[3:], "--max-samples", 5).stdout)  # the same command, the first 5 rows
+    assert trial["ok"] and trial["estimate"]["data"]["rows"] == 5 < rows, trial["estimate"]
+    assert trial["estimate"]["samples"] == trial["estimate"]["data"]["kept"] <= 5
     # transformers' advice to install CUDA kernels (flash-linear-attention, causal-conv1d) does not apply on the CPU
     assert "falling back to its reference PyTorch implementation" not in r.stderr, r.stderr
     r = run_cli(

@@ -214,10 +214,11 @@ class ReportBuilder:
             unrendered=unrendered,
         )
 
-    def check_usable(self, labels: list[str]) -> None:
-        """A source none of whose rows is usable is an error naming it: extracting nothing is never meant."""
+    def check_usable(self, labels: list[str], *, cut: bool = False) -> None:
+        """A source none of whose rows is usable is an error naming it: extracting nothing is never meant. With
+        ``cut`` (``--max-samples``) a source of which no row was read is not: the limit was reached before it."""
         for label, counts in zip(labels, self.sources, strict=True):
-            if counts["kept"] or counts["skipped_duplicate"]:
+            if counts["kept"] or counts["skipped_duplicate"] or (cut and not counts["rows"]):
                 continue
             examples = [e for e in self.examples if e.get("source", counts["name"]) == counts["name"]]
             problems = grouped_problems(examples)

@@ -143,6 +143,8 @@ class Mix:
 
     sources: tuple[Source, ...]
     seed: int = 0
+    limit: int | None = None
+    """At most this many rows in all, the first of the mix (``--max-samples``); None: every selected row."""
 
     @property
     def prefixed(self) -> bool:
@@ -150,19 +152,35 @@ class Mix:
         return len(self.sources) > 1 or any(s.spec.name for s in self.sources)
 
     def rows(self, *, parse: bool = True) -> Iterator[tuple[int, int, Any]]:
-        """``(source index, position in that source, row)`` of every selected row (``Source.rows`` for ``parse``)."""
-        for i, source in enumerate(self.sources):
-            for position, row in source.rows(self.seed, parse=parse):
-                yield i, position, row
+        """``(source index, position in that source, row)`` of every selected row (``Source.rows`` for ``parse``),
+        the first ``limit`` of them."""
+        rows = (
+            (i, position, row)
+            for i, source in enumerate(self.sources)
+            for position, row in source.rows(self.seed, parse=parse)
+        )
+        yield from rows if self.limit is None else islice(rows, self.limit)
+
+    def within_limit(self, counts: list[int]) -> list[int]:
+        """Each source's selected row count, cut to what the first ``limit`` rows of the mix take of it."""
+        if self.limit is None:
+            return list(counts)
+        left, out = self.limit, []
+        for n in counts:
+            out.append(min(n, left))
+            left -= out[-1]
+        return out
 
     def sample_id(self, source_index: int, row_id: str) -> str:
         return f"{self.sources[source_index].name}/{row_id}" if self.prefixed else row_id
 
     def fingerprint(self) -> dict:
         """What of the data shapes the plan. One plain source keeps the single content hash of older plans."""
+        limited = {} if self.limit is None else {"max_samples": self.limit}
         if not self.prefixed and not self.sources[0].spec.options():
-            return {"data": self.sources[0].identity.get("hash") or self.sources[0].digest()}
+            return {"data": self.sources[0].identity.get("hash") or self.sources[0].digest(), **limited}
         return {
+            **limited,
             # Keyed by name (which the sample ids carry), whether given or derived.
             "sources": {s.name: {**_unnamed(s.spec.options()), "identity": s.digest()} for s in self.sources},
             **({"seed": self.seed} if any(s.spec.fraction or s.spec.sample for s in self.sources) else {}),

@@ -258,7 +258,7 @@ def _tokenize(
                     keep[start : start + n] = False
                 ids, mask = ids[keep], mask[keep]
             writer.add_block(kept_ids, lengths, ids, mask)
-        builder.check_usable([s.label for s in mix.sources])
+        builder.check_usable([s.label for s in mix.sources], cut=mix.limit is not None)
         report = builder.report()
         samples = writer.finish({"data_report": json.dumps(report.to_json())})
     return samples, report
@@ -271,7 +271,7 @@ def _known_total(mix: Mix) -> int | None:
         if s.dataset is None:
             return None
         total += len(s.dataset) if s.spec.limit is None else min(s.spec.limit, len(s.dataset))
-    return total
+    return total if mix.limit is None else min(total, mix.limit)
 
 
 def load_samples(
@@ -399,9 +399,9 @@ def load_sample(
             )
             return SampledData(samples, report, report.rows, report.rows, "token cache")
     rows = SAMPLE_ROWS if rows is None else rows
-    counts = [_selected_rows(s, mix.seed) for s in mix.sources]
+    counts = mix.within_limit([_selected_rows(s, mix.seed) for s in mix.sources])
     total = sum(counts)
-    take = [max(1, round(rows * n / max(1, total))) if n else 0 for n in counts]
+    take = [min(n, max(1, round(rows * n / max(1, total)))) for n in counts]  # n: cut by --max-samples too
 
     def first_rows() -> Iterator[tuple[int, int, Any]]:
         for i, (source, k) in enumerate(zip(mix.sources, take, strict=True)):
