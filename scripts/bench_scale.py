@@ -159,7 +159,7 @@ def write_rows(folder: Path, rows: int) -> list[str]:
 def child(args: argparse.Namespace) -> None:
     """One ``prepare_run`` in this process; prints its figures as JSON on the last line."""
     from hsextract.config import RunConfig
-    from hsextract.prepare.steps import prepare_run
+    from hsextract.run.preflight import prepare_run
 
     cfg = RunConfig(
         model=args.model,

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,10 +156,7 @@ def run(only_shards, restart, yes, no_progress, nodes, node_rank, **opts):
     from hsextract.run.cluster import node_place
 
     stop_on_signals()  # SIGTERM / SIGINT: workers stopped cleanly, and a word on how to resume
-    from hsextract.prepare.steps import prepare_run
-    from hsextract.run.launcher import launch
-    from hsextract.run.prestart import Prestarted
-    from hsextract.run.rundir import RunDir
+    from hsextract.run.job import run_job
 
     place = node_place(nodes, node_rank)
     cfg = _build_config(nodes=place.nodes, node_rank=place.rank, **opts)
@@ -170,28 +166,14 @@ def run(only_shards, restart, yes, no_progress, nodes, node_rank, **opts):
         click.echo(f"{place.describe()}: {mine} of {cfg.total_shards}")
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
-    t0 = time.time()
-    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart), Prestarted(cfg) as early:
-        # On CUDA the workers import and start CUDA while the data is prepared (run/prestart.py).
-        plan = prepare_run(
-            cfg,
-            restart=restart,
-            echo=click.echo,
-            show_progress=not no_progress,
-            on_checked=early.start,
-            confirm=_confirm(yes),
-        )
-        click.echo(
-            f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
-        )
-        code = launch(
-            cfg,
-            plan,
-            only_shards=_int_list(only_shards),
-            show_progress=not no_progress,
-            echo=click.echo,
-            prestarted=early,
-        )
+    code = run_job(
+        cfg,
+        restart=restart,
+        only_shards=_int_list(only_shards),
+        show_progress=not no_progress,
+        echo=click.echo,
+        confirm=_confirm(yes),
+    )
     sys.exit(code)
 
 
@@ -458,8 +440,8 @@ def demo(root, shards, conversations):
     stop_on_signals()
     from hsextract.demo import build_demo, demo_config, job_lines
     from hsextract.output import open_output
-    from hsextract.prepare.steps import prepare_run
     from hsextract.run.launcher import launch
+    from hsextract.run.preflight import prepare_run
 
     root = Path(root).resolve()
     click.echo(f"building the tiny model and {conversations} conversations under {root}")

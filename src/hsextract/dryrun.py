@@ -44,9 +44,9 @@ from hsextract.output import (
 )
 from hsextract.prepare.chat import ChatOptions, marked_text
 from hsextract.prepare.plan import make_plan
-from hsextract.prepare.steps import resolve_data, run_layout
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor
+from hsextract.run.preflight import resolve_data, run_layout
 from hsextract.run.rundir import RunDir
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.

@@ -25,9 +25,9 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
         write_done,
         write_final_norm,
     )
-    from hsextract.prepare.steps import prepare_run
     from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.pipeline import Extractor
+    from hsextract.run.preflight import prepare_run
     from hsextract.run.rundir import RunDir
     from hsextract.storage import open_sink
     from hsextract.training.index import write_sample_index

@@ -110,14 +110,6 @@ KNOWN_UPWARD = {
         "hsextract.config",
         "hsextract.prepare.source_spec",
     ): "RunConfig checks --data with the sources' own parser",
-    (
-        "hsextract.prepare.steps",
-        "hsextract.run.rundir",
-    ): "preparation writes the run dir; RunDir lives in run/",
-    (
-        "hsextract.prepare.accept",
-        "hsextract.run.rundir",
-    ): "accepting a plan reads the run dir's plan and clears its progress; RunDir lives in run/",
 }
 
 """Imports that run up a floor today, each with why; a new one fails the test below, a fixed one too (remove it)."""

@@ -1,4 +1,4 @@
-"""Run the shards of a prepared run (prepare/steps.py) to completion, then finish the output.
+"""Run the shards of a prepared run (preflight.py) to completion, then finish the output.
 
 One worker process per shard, ``CUDA_VISIBLE_DEVICES`` set before torch is imported there and a parent-death
 signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (model/warmup/) runs beside

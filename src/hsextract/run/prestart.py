@@ -65,7 +65,7 @@ class Prestarted:
 
     def start(self) -> None:
         """Start one process per local shard (CUDA only); called once the places are checked
-        (``prepare.steps.check_places``), before the model's config is read."""
+        (``run.preflight.check_places_and_files``), before the model's config is read."""
         from hsextract.run.launcher import open_run_kernel_cache, start_worker
 
         if not prestart_enabled(self.cfg):

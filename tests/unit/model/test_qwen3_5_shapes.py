@@ -66,7 +66,7 @@ def test_preparation_refuses_such_a_shape_on_cuda_before_any_work(tmp_path):
     from transformers import Qwen3_5TextConfig
 
     from hsextract.config import RunConfig
-    from hsextract.prepare.steps import check_model_and_output
+    from hsextract.run.preflight import check_model_and_output
 
     fields = {k: v for k, v in text_config("qwen3.6-27b", real_head_dims=True).items() if k != "model_type"}
     Qwen3_5TextConfig(**{**fields, "head_dim": 80}).save_pretrained(tmp_path / "m")

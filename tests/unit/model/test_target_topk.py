@@ -132,7 +132,7 @@ def test_verify_and_the_reader_catch_a_flipped_byte_in_the_topk(topk_output, tmp
 
 
 def test_a_rerun_with_another_k_is_refused_naming_it(topk_output):
-    from hsextract.prepare.steps import prepare_run
+    from hsextract.run.preflight import prepare_run
 
     root, data, out = topk_output
     before = (out / "manifest.json").read_bytes()
@@ -150,7 +150,7 @@ def test_a_rerun_with_another_k_is_refused_naming_it(topk_output):
 
 
 def test_a_bad_k_is_refused_before_the_model_loads(tiny_model, tmp_path):
-    from hsextract.prepare.steps import check_inputs
+    from hsextract.run.preflight import check_inputs
 
     fields = dict(
         model=str(tiny_model),

@@ -11,8 +11,8 @@ from support.cli import TINY_LIMITS, cli_run_args
 from hsextract.cli import main
 from hsextract.config import RunConfig
 from hsextract.demo import make_conversations
-from hsextract.prepare.steps import prepare_run
 from hsextract.prepare.tokenfile import TokenizedSamples
+from hsextract.run.preflight import prepare_run
 from hsextract.run.rundir import RunDir
 
 

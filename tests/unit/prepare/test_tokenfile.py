@@ -14,8 +14,8 @@ from support.cli import TINY_LIMITS, write_mixed_dataset
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.prepare.steps import prepare_run
 from hsextract.prepare.tokenfile import TokenizedSamples
+from hsextract.run.preflight import prepare_run
 from hsextract.run.rundir import RunDir
 
 

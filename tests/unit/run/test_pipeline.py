@@ -59,8 +59,8 @@ def test_the_early_workers_host_buffers_hold_the_pipelines_largest_batch(tiny_mo
     config alone) is exactly a pipeline slot for the largest batch the config allows, so the pipeline takes it."""
     from hsextract.config import RunConfig
     from hsextract.model.load import load_model
-    from hsextract.prepare.steps import check_inputs
     from hsextract.run.pipeline import Extractor
+    from hsextract.run.preflight import check_inputs
     from hsextract.run.prestart import pin_spec, slot_bytes
 
     cfg = RunConfig(

@@ -1,4 +1,4 @@
-"""``--restart`` (prepare/steps.py's ``reset_run``) on a real local output: what it clears, what it refuses, and a
+"""``--restart`` (run/accept.py's ``reset_run``) on a real local output: what it clears, what it refuses, and a
 job of several nodes whose first node has already restarted the output onto the new plan."""
 
 import pytest
@@ -6,8 +6,8 @@ import pytest
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.output import claim_output, job_record, read_job
-from hsextract.prepare.accept import reset_run
 from hsextract.prepare.plan import make_plan
+from hsextract.run.accept import reset_run
 from hsextract.run.rundir import RunDir
 from hsextract.storage.local import LocalSink
 

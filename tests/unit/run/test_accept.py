@@ -14,7 +14,7 @@ from support.output import write_output
 from hsextract.cli import main
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.prepare.steps import prepare_run
+from hsextract.run.preflight import prepare_run
 
 
 @pytest.fixture(autouse=True)
