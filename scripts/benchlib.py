@@ -2,7 +2,7 @@
 
 The length mix is chat-like (lognormal, median 221 tokens, mean ~330, p99 ~1,800), the same in every bench, so
 that batches, files and data compare across them. Outputs are written by ``tests/support/synthetic.py`` as a run
-writes them (batch files, completion records, ``finalize_output``), in the default target's shape.
+writes them (batch files, completion records, ``finish_output``), in the default target's shape.
 """
 
 from __future__ import annotations

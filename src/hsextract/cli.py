@@ -289,14 +289,13 @@ def _output_status(target: str, endpoint: str | None, as_json: bool) -> None:
 @_says_waits
 def finalize(output, s3_endpoint_url):
     """Write OUTPUT's manifest if every batch of the job is done; checks each batch in the output first."""
-    from hsextract.output import finalize_output
+    from hsextract.run.launcher import finish_output
     from hsextract.storage import open_sink
-    from hsextract.training.index import write_sample_index
 
     sink = open_sink(output, s3_endpoint_url, reading=True)
     if (absent := sink.missing_place()) is not None:
         raise HsextractError(absent)
-    code, missing = finalize_output(sink, write_index=write_sample_index, echo=click.echo)
+    code, missing = finish_output(sink, echo=click.echo)
     sys.exit(code or (1 if missing else 0))  # 0 only with the manifest written
 
 

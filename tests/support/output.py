@@ -18,7 +18,6 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     from hsextract.output import (
         RunInfo,
         batch_metadata,
-        finalize_output,
         read_file_head,
         stored_record,
         write_batch_file,
@@ -26,11 +25,11 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
         write_final_norm,
     )
     from hsextract.prepare.tokenfile import TokenizedSamples
+    from hsextract.run.launcher import finish_output
     from hsextract.run.pipeline import Extractor
     from hsextract.run.preflight import prepare_run
     from hsextract.run.rundir import RunDir
     from hsextract.storage import open_sink
-    from hsextract.training.index import write_sample_index
 
     fields = dict(
         model=str(model),
@@ -84,6 +83,6 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
 
     for shard in range(plan.shards):
         extractor.run(plan.for_shard(shard), samples, write_and_upload)
-    code, todo = finalize_output(sink, write_index=write_sample_index, echo=lambda *_: None)
+    code, todo = finish_output(sink, echo=lambda *_: None)
     assert code == 0 and not todo, (code, todo)
     return root / "out"

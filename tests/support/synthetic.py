@@ -1,5 +1,5 @@
 """A synthetic finished output of any size, written as a run writes one: job files and claim, batch files (real
-safetensors with checksums, tiny states), one completion record each, then ``finalize_output`` for the manifest.
+safetensors with checksums, tiny states), one completion record each, then ``finish_output`` for the manifest.
 
 For the metadata paths at scale (thousands of batch files, ~190 samples each, a few tokens a sample): opening the
 output, indexing it for training, status, finalize. The states are small so that 4,800 files take seconds to write;
@@ -23,7 +23,6 @@ from hsextract.output import (
     StateLayout,
     batch_metadata,
     claim_output,
-    finalize_output,
     job_record,
     publish_job_files,
     read_file_head,
@@ -33,8 +32,8 @@ from hsextract.output import (
     write_batch_file,
     write_done,
 )
+from hsextract.run.launcher import finish_output
 from hsextract.storage import open_sink
-from hsextract.training.index import write_sample_index
 
 LAYOUT = StateLayout(layer_ids=(0, 1), num_layers=2)
 HIDDEN = 4
@@ -142,6 +141,6 @@ def make_output(
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(write, plan.batches))
     if finalize:
-        code, todo = finalize_output(sink, write_index=write_sample_index, echo=lambda line: None)
+        code, todo = finish_output(sink, echo=lambda line: None)
         assert code == 0 and not todo, (code, sorted(todo)[:3])
     return {"plan": plan, "lengths": lengths, "sample_ids": ids, "masks": masks}

@@ -42,7 +42,6 @@ _EXPORTS = {
     "done_in_output": "records",
     "encode": "sample_index",
     "estimate_file_bytes": "batch",
-    "finalize_output": "finalize",
     "forget_job": "records",
     "has_manifest": "manifest",
     "header_expectations": "manifest",
@@ -62,6 +61,7 @@ _EXPORTS = {
     "read_manifest": "manifest",
     "read_metadata": "writer",
     "read_sample_index": "sample_index",
+    "ready_manifest": "finalize",
     "remove_copy": "sample_index",
     "run_file_metadata": "batch",
     "sample_ids_checksum": "records",
@@ -74,6 +74,7 @@ _EXPORTS = {
     "verify_output": "verify",
     "write_batch_file": "writer",
     "write_done": "records",
+    "write_final_manifest": "finalize",
     "write_final_norm": "final_norm",
 }
 

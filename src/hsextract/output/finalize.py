@@ -9,7 +9,8 @@ last, and a lost run dir loses nothing:
    deleted or damaged behind the run's back loses its record and is reported, never listed in a manifest;
 4. the sample index (output/sample_index.py: every sample's file, row, tokens and id, and which samples each
    trainer's schema leaves out), from each batch file's header and index tensors, so that a trainer indexes the
-   output with one read instead of two per batch file;
+   output with one read instead of two per batch file: the trainers' rule, so the launcher writes it between
+   ``ready_manifest`` (steps 1-3) and ``write_final_manifest`` (run/launcher.py ``finish_output``);
 5. the manifest, built only from the plan and the sample ids, so every node builds the same bytes (the index
    too): two nodes finishing at once write the same objects, which makes the race harmless.
 
@@ -112,14 +113,12 @@ def _own_record(sink, key: str, plan_hash: str) -> dict | None:
     return stored_record(StoredObject(key, size, crc), sink.url, head)
 
 
-def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
-    """Write the manifest if every planned batch is done and checked. Returns the exit code (0 also while batches
-    are still to do: another node's, or a crashed shard's) and the keys of every batch not done: without a
-    completion record, or found missing or damaged (their records are removed so that their shards recompute
-    them). An empty set means the manifest is written and every batch it lists was checked just before.
-
-    ``write_index(sink, manifest)`` writes the sample index (``training.index.write_sample_index``): it records
-    which samples each trainer's schema leaves out, which the trainers know and the output does not."""
+def ready_manifest(sink, echo=print) -> tuple[int, set[str], dict | None]:
+    """Steps 1 to 3: the manifest to write once the sample index is (``write_final_manifest``), if every planned
+    batch is done and checked. Returns the exit code (0 also while batches are still to do: another node's, or a
+    crashed shard's), the keys of every batch not done: without a completion record, or found missing or damaged
+    (their records are removed so that their shards recompute them), and the manifest, None unless that set is
+    empty."""
     plan, info, sample_ids, data_report = load_job_files(sink)
     keys = [b.key for b in plan.batches]
     done = done_in_output(sink)
@@ -128,7 +127,7 @@ def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
         _withdraw_manifest(sink, echo)
         shards = sorted({b.shard for b in plan.batches if b.key in todo})
         echo(f"{len(todo)} of {len(keys)} batches still to do (shards {shards}); no manifest written yet")
-        return 0, todo
+        return 0, todo, None
     if note := removed_temps_note(sink.remove_stale_temps()):  # a killed uploader's, its writer gone
         echo(note)
     # The full check: on a store that keeps no CRC32 (a local output) each file is read once to compute it.
@@ -136,21 +135,27 @@ def finalize_output(sink, *, write_index, echo=print) -> tuple[int, set[str]]:
     if problems and not _rewrite_sound_records(sink, problems, plan.plan_hash, echo):
         problems, records = check_batches(sink, keys, plan.plan_hash)
     if problems:
-        return _damaged(sink, problems, len(keys), echo)
+        return (*_damaged(sink, problems, len(keys), echo), None)
     # Written even over a manifest already there: built from the plan and the records just checked, it is the
     # same bytes on every node, and one edited or left by an earlier attempt is replaced by one that holds.
     final_norm = read_final_norm_meta(sink) if info.final_state else None
-    manifest = job_manifest((plan, info, sample_ids, data_report), records, final_norm)
-    # The training loader's sample index (two small reads per batch file, once per job), written before the manifest
-    # that records its checksum.
-    entry, unreadable = write_index(sink, manifest)
+    return 0, set(), job_manifest((plan, info, sample_ids, data_report), records, final_norm)
+
+
+def write_final_manifest(
+    sink, manifest: dict, index_entry: dict | None, unreadable: dict, echo=print
+) -> tuple[int, set[str]]:
+    """Step 5, once the sample index is written (its ``index_entry``; ``unreadable``: ``{key: CorruptOutputError}``
+    for the batch files it could not read, which are then reported as damaged and no manifest is written). Returns
+    the exit code and the keys of the batches found damaged (empty: the manifest is written)."""
     if unreadable:
         problems = {k: e.problem for k, e in unreadable.items()}
-        _refuse_if_sound(sink, problems, plan.plan_hash)
-        return _damaged(sink, problems, len(keys), echo)
-    manifest["sample_index"] = entry
+        _refuse_if_sound(sink, problems, manifest["plan_hash"])
+        return _damaged(sink, problems, len(manifest["batches"]), echo)
+    manifest["sample_index"] = index_entry
     write_manifest(sink, manifest)
     echo(
-        f"done: {plan.num_samples} samples, {plan.num_tokens} tokens in {len(keys)} batch files at {sink.url}"
+        f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['batches'])} "
+        f"batch files at {sink.url}"
     )
     return 0, set()

@@ -21,7 +21,14 @@ from pathlib import Path
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.model.warmup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
-from hsextract.output import Plan, done_in_output, finalize_output, has_manifest, shard_name
+from hsextract.output import (
+    Plan,
+    done_in_output,
+    has_manifest,
+    ready_manifest,
+    shard_name,
+    write_final_manifest,
+)
 from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir
@@ -302,11 +309,9 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
     """Once this node's shards are done: write the manifest if the whole job is done (finalize.py checks every
     batch in the output first, and removes the records of those missing or damaged). Returns the exit code and the
     keys of every batch not done in the output: still to do, missing or damaged."""
-    from hsextract.training.index import write_sample_index  # torch: only once the shards are done
-
     run_dir = RunDir(cfg.run_dir)
     sink = open_sink(cfg.output, cfg.s3_endpoint_url)
-    code, missing = finalize_output(sink, write_index=write_sample_index, echo=echo)
+    code, missing = finish_output(sink, echo=echo)
     mine = {b.key for b in plan.batches if b.shard in cfg.local_shards} & missing
     if code and missing - mine:
         echo(
@@ -315,6 +320,18 @@ def finalize(cfg: RunConfig, plan: Plan, echo=print) -> tuple[int, set[str]]:
     if code == 0 and not missing and has_manifest(sink):
         atomic_write(run_dir.complete_file, plan.plan_hash)
     return code, missing
+
+
+def finish_output(sink, echo=print) -> tuple[int, set[str]]:
+    """The output finished from the output alone (output/finalize.py), by this node or ``hsextract finalize``: every
+    batch checked, then the sample index (the trainers' rule: which samples each schema leaves out), then the
+    manifest, last. Returns the exit code and the keys of every batch not done (empty: the manifest is written)."""
+    code, missing, manifest = ready_manifest(sink, echo=echo)
+    if manifest is None:
+        return code, missing
+    from hsextract.training.index import write_sample_index  # torch: only once every batch is done
+
+    return write_final_manifest(sink, manifest, *write_sample_index(sink, manifest), echo=echo)
 
 
 def remove_empty_staging(cfg: RunConfig, shards: int) -> None:

@@ -1,4 +1,4 @@
-"""Finishing an output from the output alone (output/finalize.py ``finalize_output``, output/manifest.py
+"""Finishing an output from the output alone (output/finalize.py via run/launcher.py ``finish_output``, output/manifest.py
 ``build_manifest``): the manifest lists every planned batch as its file is, in plan order, and is the same
 bytes each time it is built; a batch not done or not sound withdraws the manifest, and a damaged one loses its
 record."""
@@ -10,15 +10,14 @@ from safetensors import safe_open
 from support.damage import copy_output, flip_in_states
 
 from hsextract.output import Plan
-from hsextract.output.finalize import finalize_output
 from hsextract.output.records import done_key
+from hsextract.run.launcher import finish_output
 from hsextract.storage.local import LocalSink
-from hsextract.training.index import write_sample_index
 
 
 def finalize(out):
     said = []
-    code, todo = finalize_output(LocalSink(out), write_index=write_sample_index, echo=said.append)
+    code, todo = finish_output(LocalSink(out), echo=said.append)
     return code, todo, said
 
 

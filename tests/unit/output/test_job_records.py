@@ -12,11 +12,10 @@ import pytest
 from support.damage import copy_output
 
 from hsextract.errors import HsextractError
-from hsextract.output.finalize import finalize_output
 from hsextract.output.jobfiles import load_job_files
 from hsextract.output.records import JOB, JOB_FILES, done_key, sample_ids_checksum
+from hsextract.run.launcher import finish_output
 from hsextract.storage.local import LocalSink
-from hsextract.training.index import write_sample_index
 from hsextract.validation import seal
 
 JOB_RECORDS = [*JOB_FILES.values(), JOB]
@@ -122,7 +121,7 @@ def test_no_single_edit_of_a_job_record_removes_or_rewrites_a_sound_file(written
         before = apply(out, name, body)
         said = []
         try:
-            code, todo = finalize_output(LocalSink(out), write_index=write_sample_index, echo=said.append)
+            code, todo = finish_output(LocalSink(out), echo=said.append)
         except HsextractError as e:
             assert "\n" not in str(e) and name.split("/")[-1] in str(e), (name, what, str(e))
         else:
@@ -161,7 +160,7 @@ def test_a_right_typed_edit_is_refused_by_name_by_finalize_and_verify_and_nothin
     sound = snapshot(out)
     (out / name).write_text(json.dumps(edit(json.loads((out / name).read_text()))))
     with pytest.raises(HsextractError, match=f"{name}.*(damaged|does not match).*nothing was changed"):
-        finalize_output(LocalSink(out), write_index=write_sample_index, echo=lambda *_: None)
+        finish_output(LocalSink(out), echo=lambda *_: None)
     with pytest.raises(HsextractError, match=name):
         load_job_files(LocalSink(out))
     assert snapshot(out) == sound
@@ -190,7 +189,7 @@ def test_job_files_edited_with_their_checksums_still_never_cost_a_sound_batch(wr
     with pytest.raises(
         HsextractError, match="sound by its own header and checksums.*nothing was changed"
     ) as e:
-        finalize_output(LocalSink(out), write_index=write_sample_index, echo=said.append)
+        finish_output(LocalSink(out), echo=said.append)
     assert "sample_ids.json" in str(e.value) and "\n" not in str(e.value)
     assert snapshot(out) == sound, said
     assert all((out / done_key(k)).is_file() for k in sound if k.startswith("shard-"))

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from support.synthetic import synthetic_plan
 
-from hsextract.output.finalize import finalize_output, job_manifest, load_job_files
+from hsextract.output.finalize import job_manifest, load_job_files
 from hsextract.output.manifest import SAMPLE_INDEX, write_manifest
 from hsextract.output.reader import open_output
 from hsextract.output.records import claim_output, job_record, publish_job_files, write_done
 from hsextract.output.sample_index import checksum, encode, table_from_files
 from hsextract.prepare.plan import make_plan
+from hsextract.run.launcher import finish_output
 from hsextract.status.rows import output_status
 from hsextract.storage.local import LocalSink
 from hsextract.training import StatesDataset
-from hsextract.training.index import write_sample_index
 
 pytestmark = pytest.mark.slow  # a minute: 11,000 batches' job files and records are written first
 
@@ -96,7 +96,7 @@ STEPS = {
     ),
     "finalize with every batch to do": (
         False,
-        lambda sink: finalize_output(sink, write_index=write_sample_index, echo=lambda line: None),
+        lambda sink: finish_output(sink, echo=lambda line: None),
     ),
     "status": (True, output_status),
     "open_output": (True, lambda sink: len(open_output(str(sink.root)).manifest["batches"])),
