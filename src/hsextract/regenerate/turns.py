@@ -28,6 +28,9 @@ class RowSkipped(Exception):
         super().__init__(reason)
         self.kind, self.reason, self.sample_id = kind, reason, sample_id
 
+    def __reduce__(self):  # crosses process boundaries with its fields
+        return type(self), (self.kind, self.reason, self.sample_id)
+
 
 @dataclass(frozen=True)
 class Conversation:
