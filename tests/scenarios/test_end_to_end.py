@@ -207,8 +207,12 @@ def test_text_status_of_a_finished_run_shows_average_rate_elapsed_and_the_data_r
     out = CliRunner().invoke(main, ["status", str(root / "run")], terminal_width=200).output
     done_rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+done\s", line)]
     assert len(done_rows) == 2, out
+    from hsextract.run.progress import ShardProgress
+
     for line in done_rows:
         rate = int(line.split()[4].replace(",", ""))
         assert rate > 0 and re.search(r"took \d+m\d+s", line), line
+        saved = ShardProgress.load(root / "run", int(line.split()[0])).tokens_per_s  # the rate the bar showed
+        assert rate == round(saved), (line, saved)
     assert re.search(r"^data: \d+ rows: \d+ kept", out, re.M), out
     assert f"({data}): " in out, out  # the source's own line

@@ -30,7 +30,7 @@ from hsextract.output import (
     write_final_manifest,
 )
 from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
-from hsextract.run.progress import ShardProgress
+from hsextract.run.progress import ShardProgress, rate_text
 from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import StallWatch
 from hsextract.storage import open_sink
@@ -372,6 +372,9 @@ class _Bars:
                 dynamic_ncols=True,
                 leave=True,
                 mininterval=interval,
+                # Not tqdm's own rate and ETA (time since the bar appeared, the model's load included): the
+                # shard's, the one `status` shows (progress.ShardProgress.tokens_per_s).
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
             )
         self.seen = {s: (0, "") for s in shards}
 
@@ -382,7 +385,7 @@ class _Bars:
             if p is None or (p.tokens_done, p.state) == self.seen[s]:
                 continue
             self.seen[s] = (p.tokens_done, p.state)
-            bar.set_postfix_str(f"{p.state} {p.tokens_per_s:,.0f} tok/s", refresh=False)
+            bar.set_postfix_str(rate_text(p), refresh=False)
             bar.update(p.tokens_done - bar.n)
 
     def write_with(self, echo):

@@ -89,6 +89,9 @@ class ShardProgress:
     tokens_total: int = 0
     tokens_done: int = 0
     tokens_per_s: float = 0.0
+    """The shard's rate, the one figure the bar, ``status``, its page and ``/metrics`` show: tokens made durable in
+    the output this session per second since its forwards began (the model's load excluded). ``eta_s`` is the tokens
+    left at that rate."""
     samples_per_s: float = 0.0
     eta_s: float | None = None
     started_at: float = field(default_factory=time.time)
@@ -230,6 +233,12 @@ def format_bytes(n: float) -> str:
             value = n / scale
             return f"{value:,.2f} {unit}" if value < 10 else f"{value:,.1f} {unit}"
     return f"{int(n)} B"
+
+
+def rate_text(p: ShardProgress) -> str:
+    """``running, 1,666 tok/s, eta 0m12s``: a shard's state, rate and (while it runs) ETA, as the bar shows them."""
+    eta = f", eta {format_duration(p.eta_s)}" if p.state == ShardState.RUNNING and p.eta_s is not None else ""
+    return f"{p.state}, {p.tokens_per_s:,.0f} tok/s{eta}"
 
 
 def format_duration(seconds: float) -> str:

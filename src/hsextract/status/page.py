@@ -28,6 +28,15 @@ MIN_BIN_S = 5.0
 MIN_BINS = 12
 
 
+GAP_MIN_S = 10.0
+
+GAP_FACTOR = 4.0
+
+"""Two history points further apart than ``GAP_FACTOR`` times the shard's usual spacing (and ``GAP_MIN_S``) bound
+a stretch in which no worker ran: a live worker saves every second and the history keeps a point every
+``history_step_s``."""
+
+
 COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
 
 
@@ -81,11 +90,24 @@ def _interpolate(points: list[list[float]], col: int, t: float) -> float | None:
     return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
 
 
+def _gaps(points: list[list[float]]) -> list[tuple[float, float]]:
+    """The stretches between two history points in which no worker of the shard ran (stopped, crashed, not yet
+    resumed): points much further apart than the shard's usual spacing (``GAP_FACTOR``)."""
+    steps = sorted(b[0] - a[0] for a, b in zip(points, points[1:], strict=False))
+    if not steps:
+        return []
+    limit = max(GAP_MIN_S, GAP_FACTOR * steps[len(steps) // 2])
+    return [(a[0], b[0]) for a, b in zip(points, points[1:], strict=False) if b[0] - a[0] > limit]
+
+
 def chart_series(doc: dict, hist: dict[int, list[list[float]]]) -> dict:
     """Tokens/s per shard and in total, and staged bytes per shard, on one time grid covering the run so far.
 
     Rates are differences of the cumulative ``tokens_done`` between grid times, so a downsampled history still
-    gives the right average over each bin, and a gap in the history (a crashed shard) reads as zero.
+    gives the right average over each bin; a worker that runs and makes no progress reads as zero. Where no worker
+    of a shard ran (before its first point, after the last of a shard no longer running, a bin that meets a gap
+    between two sessions) its lines have no value: a gap, not a flat line across it. The total is None only where
+    every shard's is.
     """
     now = doc["generated_at"]
     series = {}
@@ -103,13 +125,21 @@ def chart_series(doc: dict, hist: dict[int, list[list[float]]]) -> dict:
     times = [t0 + (t1 - t0) * i / bins for i in range(bins + 1)]
     rates, staged = {}, {}
     for shard, points in series.items():
+        gaps, end = _gaps(points), points[-1][0] + 1e-6 * max(1.0, t1 - t0)
+
+        def ran(ta: float, tb: float, gaps=gaps, end=end) -> bool:
+            return tb <= end and not any(a < tb and ta < b for a, b in gaps)
+
         done = [_interpolate(points, 1, t) for t in times]
         rates[shard] = [None] + [
-            None if a is None or b is None else max(0.0, (b - a) / (tb - ta))
+            None if a is None or b is None or not ran(ta, tb) else max(0.0, (b - a) / (tb - ta))
             for a, b, ta, tb in zip(done, done[1:], times, times[1:], strict=False)
         ]
-        staged[shard] = [_interpolate(points, 2, t) for t in times]
-    total = [None] + [sum(r[i] or 0.0 for r in rates.values()) for i in range(1, len(times))]
+        staged[shard] = [_interpolate(points, 2, t) if ran(t, t) else None for t in times]
+    total = [None] + [
+        None if all(r[i] is None for r in rates.values()) else sum(r[i] or 0.0 for r in rates.values())
+        for i in range(1, len(times))
+    ]
     return {"times": times, "rates": rates, "total": total, "staged": staged}
 
 

@@ -16,7 +16,7 @@ from hsextract.config import RunConfig, node_shards
 from hsextract.errors import HsextractError
 from hsextract.output import JOB_FILES, Plan, done_in_output, has_manifest, load_plan, read_job
 from hsextract.run.procs import pid_alive
-from hsextract.run.progress import FINAL_STATES, MAX_FIGURE, DamagedProgress, ShardProgress, ShardState
+from hsextract.run.progress import FINAL_STATES, DamagedProgress, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import find_stall, stall_note
 from hsextract.storage import open_sink
@@ -125,17 +125,12 @@ def _done_in_output(run_dir: RunDir) -> set[str] | None:
 
 
 def _session(p: ShardProgress | None) -> dict:
-    """The last session's length and average rate (from its first recorded point to its last save): what a
-    finished shard shows instead of a live rate."""
+    """The last session's length (from its start to its last save) and its rate as the worker last saved it (the
+    one rate the bar showed: ``ShardProgress.tokens_per_s``): what a finished shard shows instead of a live rate."""
     if p is None:
         return {"elapsed_s": None, "average_tokens_per_s": None}
-    points = [pt for pt in p.history if pt[0] >= p.started_at - 1.0]
-    tokens_at_start = points[0][1] if points else 0
     elapsed = max(p.updated_at - p.started_at, 0.0)
-    rate = (p.tokens_done - tokens_at_start) / elapsed if elapsed > 0 else None
-    if rate is not None and not 0 <= rate <= MAX_FIGURE:  # batches lost since the session began, or a session
-        rate = None  # of a millisecond: no average to show
-    return {"elapsed_s": round(elapsed, 1), "average_tokens_per_s": rate}
+    return {"elapsed_s": round(elapsed, 1), "average_tokens_per_s": p.tokens_per_s if elapsed > 0 else None}
 
 
 def _by_shard(plan: Plan) -> dict[int, list]:

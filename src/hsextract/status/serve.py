@@ -45,7 +45,12 @@ SHARD_METRICS = (
     ("gauge", "hsextract_planned_tokens", "Tokens planned for the shard.", "tokens_total"),
     ("counter", "hsextract_batches_done", "Batches durable in the output.", "batches_done"),
     ("gauge", "hsextract_planned_batches", "Batches planned for the shard.", "batches_total"),
-    ("gauge", "hsextract_tokens_per_second", "The worker's rate since it started.", "tokens_per_s"),
+    (
+        "gauge",
+        "hsextract_tokens_per_second",
+        "Tokens made durable per second since the session's forwards began (the bar's and status's rate).",
+        "tokens_per_s",
+    ),
     ("gauge", "hsextract_eta_seconds", "Time left at the worker's rate.", "eta_s"),
     ("gauge", "hsextract_staged_bytes", "Batch files in staging, not yet uploaded.", "staged_bytes"),
     (

@@ -95,6 +95,46 @@ def test_chart_rates_are_per_bin_averages_and_a_gap_reads_as_zero():
     assert s["total"][1] == pytest.approx(20.0) and s["total"][-1] == pytest.approx(10.0)
 
 
+def test_the_chart_leaves_a_gap_where_no_worker_ran_instead_of_a_line_across_it():
+    """Shard 0 ran 0-20 s, was stopped, and resumed at 80 s (its history carries on across the restart); shard 1
+    ran 0-60 s and finished. Nothing is drawn for shard 0 between 20 and 80 s, nor for shard 1 after 60 s; the
+    total is the shards that ran."""
+    from hsextract.status.page import svg_chart
+
+    doc = {
+        "generated_at": 100.0,
+        "shards": [
+            {"shard": 0, "state": "done", "tokens_done": 400, "staged_bytes": 0},
+            {"shard": 1, "state": "done", "tokens_done": 300, "staged_bytes": 0},
+        ],
+    }
+    first = [[float(t), 10 * t, 0] for t in range(0, 21, 2)]
+    second = [[float(t), 200 + 10 * (t - 80), 0] for t in range(80, 101, 2)]
+    hist = {0: first + second, 1: [[float(t), 5 * t, 0] for t in range(0, 61, 2)]}
+    s = chart_series(doc, hist)
+    bins = list(
+        zip(s["times"], s["times"][1:], s["rates"][0][1:], s["rates"][1][1:], s["total"][1:], strict=False)
+    )
+    assert bins
+    for ta, tb, r0, r1, total in bins:
+        if tb <= 20 or ta >= 80:
+            assert r0 == pytest.approx(10.0), (ta, tb)
+        elif ta > 20 and tb < 80:
+            assert r0 is None, (ta, tb, r0)  # was ~0, drawn flat across the minute nothing ran
+        if tb <= 60:
+            assert r1 == pytest.approx(5.0), (ta, tb)
+        elif ta >= 60:
+            assert r1 is None, (ta, tb, r1)
+        if 21 < ta and tb < 59:
+            assert total == pytest.approx(5.0)
+        if 61 < ta and tb < 79:
+            assert total is None
+    staged0 = [v for t, v in zip(s["times"], s["staged"][0], strict=True) if 21 < t < 79]
+    assert staged0 and all(v is None for v in staged0)
+    svg = svg_chart(s["times"], [("shard 0", "#000", s["rates"][0], 1.5)], fmt=str)
+    assert svg.count('data-series="shard 0"') == 2  # two sessions, two lines
+
+
 def test_a_crashed_shard_shows_its_state_and_log_on_the_page(run_dir):
     ShardProgress(shard=0, state="running", pid=2**22 + 1, host=socket.gethostname()).save(
         run_dir
