@@ -23,6 +23,7 @@ import yaml
 
 from hsextract.errors import HsextractError, redact
 from hsextract.layers import implies_final_state
+from hsextract.prepare.report import TOO_LONG_POLICIES
 from hsextract.storage.fileio import load_json, write_json
 from hsextract.validation import parse
 
@@ -35,7 +36,6 @@ ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
 STORAGE_DTYPES = ("float8_e4m3fn",)
-TOO_LONG_POLICIES = ("truncate", "skip")
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_MODES = ("fused", "stock")
 COMPUTE_MODES = ("auto", "fp8", "bf16")

@@ -21,6 +21,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+"""Files of a model directory that hold weights: never read whole for a key or a fingerprint (tens of GB)."""
+
+
 IGNORED_FILES = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot"]
 
 """Files a download skips: other frameworks' copies of the weights, which hsextract never reads."""

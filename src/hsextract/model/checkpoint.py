@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from hsextract.errors import HsextractError
+from hsextract.hub import WEIGHT_SUFFIXES
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -25,11 +26,6 @@ TOKENIZER_FILES = (
 )
 
 """Any one of these (or ``vocab.json`` with ``merges.txt``, or a ``*.tiktoken`` file) is a tokenizer's vocabulary."""
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-"""Files of a model directory that hold weights: never read whole for a key or a fingerprint (tens of GB)."""
 
 
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

@@ -13,6 +13,12 @@ from dataclasses import asdict, dataclass, field
 from hsextract.errors import HsextractError
 from hsextract.validation import parse
 
+TOO_LONG_POLICIES = ("truncate", "skip")
+
+"""What becomes of a row over ``max_length`` tokens: cut to it (counted ``truncated``) or left out
+(``skipped_too_long``)."""
+
+
 EXAMPLES_PER_KIND = 5
 
 """Examples kept in the report for each of malformed, empty, too long, truncated and duplicate."""

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from hsextract.config import TOO_LONG_POLICIES
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.prepare.chat import AUTO, DEFAULT_CHAT, ChatOptions, RowEncoder
-from hsextract.prepare.report import DataReport, ReportBuilder
+from hsextract.prepare.report import TOO_LONG_POLICIES, DataReport, ReportBuilder
 from hsextract.prepare.rows import JsonLine
 from hsextract.prepare.sources import Mix, auto_num_proc, finish_row, resolve_sources
 from hsextract.prepare.tiktoken_bpe import spec_of

@@ -25,7 +25,7 @@ import logging
 from importlib import metadata
 from pathlib import Path
 
-from hsextract.model.checkpoint import WEIGHT_SUFFIXES
+from hsextract.hub import WEIGHT_SUFFIXES
 from hsextract.prepare.fast_tokenizer import PROBE, direct_backend
 from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer, valid_snapshot
 from hsextract.prepare.tiktoken_bpe import disabled, spec_from_json, spec_of, spec_to_json
