@@ -17,7 +17,7 @@ import torch
 from support.cli import TINY_LIMITS, cli_run_args, run_cli
 from support.output import write_output
 
-from hsextract.output import read_file_head
+from hsextract.container import read_file_head
 from hsextract.training import StatesMapDataset
 from hsextract.training.schemas import NemoDSpark
 

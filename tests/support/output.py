@@ -13,12 +13,12 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     2 shards, ``E2E_LAYERS``, the tiny limits) under ``root`` (``out``, ``run``, ``staging``); returns
     ``root/out``. ``options`` replace RunConfig fields."""
     from hsextract.config import RunConfig
+    from hsextract.container import read_file_head
     from hsextract.model.capture import model_final_norm
     from hsextract.model.load import load_model_for, torch_device
     from hsextract.output import (
         RunInfo,
         batch_metadata,
-        read_file_head,
         stored_record,
         write_batch_file,
         write_done,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hsextract.container import read_file_head
 from hsextract.output import (
     BatchSpec,
     Plan,
@@ -25,7 +26,6 @@ from hsextract.output import (
     claim_output,
     job_record,
     publish_job_files,
-    read_file_head,
     run_file_metadata,
     sample_ids_checksum,
     stored_record,

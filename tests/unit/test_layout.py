@@ -94,7 +94,7 @@ def test_no_module_over_500_lines():
 # training beside config, so that a trainer's process reads the output without the extraction's config, model or run.
 FLOORS = [
     {"hsextract", "errors", "validation"},
-    {"layers", "devices", "hub"},
+    {"layers", "devices", "hub", "container"},
     {"storage"},
     {"output"},
     {"prepare"},

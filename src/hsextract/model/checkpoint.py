@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
+from hsextract.container import HEADER_LENGTH_BYTES, header_json, read_file_head
 from hsextract.errors import HsextractError
 from hsextract.hub import WEIGHT_SUFFIXES
 
@@ -116,24 +116,26 @@ def _first_cut_short(paths) -> str | None:
 def safetensors_problem(path: Path) -> str | None:
     """What is wrong with a safetensors file's header or length, read from its header alone; None if whole."""
     size = path.stat().st_size
+    if size < HEADER_LENGTH_BYTES:
+        return f"has {size} bytes, not even a header"
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"has {size} bytes, not even a header"
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                return f"has {size} bytes but its header alone claims {n}"
-            header = json.loads(f.read(n))
+        head = read_file_head(path, _Unreadable)
+        header = header_json(head, _Unreadable)
         end = max(
             (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
             default=0,
         )
+    except _Unreadable as e:
+        return str(e)
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return "has no readable safetensors header"
-    if size < 8 + n + end:
-        return f"has {size:,} bytes of the {8 + n + end:,} its header describes"
+    if size < len(head) + end:
+        return f"has {size:,} bytes of the {len(head) + end:,} its header describes"
     return None
+
+
+class _Unreadable(Exception):
+    """What is wrong with a header, said by the codec (container.py)."""
 
 
 SAMPLES_PER_WEIGHT_FILE = 16

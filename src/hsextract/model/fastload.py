@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+
+from hsextract.container import header_json, read_file_head, torch_dtype
+from hsextract.errors import HsextractError
 
 log = logging.getLogger(__name__)
 
@@ -47,32 +49,12 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return sorted(root.glob("*.safetensors")) if root.is_dir() else []
 
 
-def _dtypes():
-    import torch
-
-    return {
-        "BF16": torch.bfloat16,
-        "F16": torch.float16,
-        "F32": torch.float32,
-        "F64": torch.float64,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-    }
-
-
 def read_header(path: Path) -> tuple[dict, int]:
     """The safetensors header (name -> dtype, shape, data_offsets) and where the data starts in the file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    head = read_file_head(path)
+    header = header_json(head, lambda why: HsextractError(f"{path} {why}"))
     header.pop("__metadata__", None)
-    return header, 8 + n
+    return header, len(head)
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
@@ -90,7 +72,6 @@ def read_state_dict(files, device, *, threads: int = THREADS, chunk: int = CHUNK
 
     device = torch.device(device)
     cuda = device.type == "cuda"
-    dtypes = _dtypes()
     local = threading.local()
     state: dict = {}
 
@@ -114,7 +95,7 @@ def read_state_dict(files, device, *, threads: int = THREADS, chunk: int = CHUNK
             header, data_start = read_header(path)
             spans = []
             for name, meta in header.items():
-                t = torch.empty(meta["shape"], dtype=dtypes[meta["dtype"]], device=device)
+                t = torch.empty(meta["shape"], dtype=torch_dtype(meta["dtype"]), device=device)
                 state[name] = t
                 b, e = meta["data_offsets"]
                 if e > b:

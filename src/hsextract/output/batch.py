@@ -13,15 +13,12 @@ cover every token (not only the supervised ones), so the per-token layout and ch
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import xxhash
 
 from hsextract import __version__
-from hsextract.errors import HsextractError
 
 BATCH_FORMAT = "hsextract-batch"
 
@@ -50,14 +47,6 @@ CHECKSUM_CHUNK = 8 << 20
 
 """Bytes hashed per call: xxhash holds the GIL while it hashes, and the writer thread must not starve the
 thread that launches the GPU's kernels (8 MiB is about a millisecond)."""
-
-
-HEADER_LENGTH_BYTES = 8
-
-
-MAX_HEADER_BYTES = 100_000_000
-
-"""The largest header a batch file may declare (the safetensors library's own limit)."""
 
 
 CONVENTION = "output_of_decoder_layer"
@@ -220,59 +209,6 @@ def header_checksum(head: bytes) -> str:
     checksum = new_checksum()
     checksum.update(head)
     return checksum.hexdigest()
-
-
-def read_head(read, damaged, header_size: int | None = None) -> bytes:
-    """A safetensors file's header bytes (8-byte length + JSON), through ``read(offset, length)``, which raises on
-    a short read. ``damaged(why)`` makes the exception for a file that is not one; ``header_size`` (from the
-    manifest) saves a read. The one parser of the length prefix: the reader, the uploader's check of staged
-    files, verify and the final norm all come here."""
-    if (
-        header_size is not None
-        and HEADER_LENGTH_BYTES <= header_size <= HEADER_LENGTH_BYTES + MAX_HEADER_BYTES
-    ):
-        head = read(0, header_size)
-    else:
-        head = read(0, HEADER_LENGTH_BYTES)
-    (n,) = struct.unpack("<Q", head[:HEADER_LENGTH_BYTES])
-    if n > MAX_HEADER_BYTES:
-        raise damaged(
-            f"declares a header of {n} bytes, over the {MAX_HEADER_BYTES}-byte cap: the file is garbled"
-        )
-    if header_size is not None and header_size != HEADER_LENGTH_BYTES + n:
-        raise damaged(
-            f"declares a header of {n} bytes; the manifest recorded {header_size - HEADER_LENGTH_BYTES}"
-        )
-    if len(head) < HEADER_LENGTH_BYTES + n:
-        head += read(HEADER_LENGTH_BYTES, n)
-    return head[: HEADER_LENGTH_BYTES + n]
-
-
-def header_json(head: bytes, damaged) -> dict:
-    """The JSON object of a header read by ``read_head``."""
-    try:
-        header = json.loads(head[HEADER_LENGTH_BYTES:])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise damaged(f"has a garbled header (not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise damaged("has a garbled header (not a JSON object)")
-    return header
-
-
-def read_file_head(path: str | Path) -> bytes:
-    """The header bytes of a local batch file; ``HsextractError`` if it has none."""
-    with open(path, "rb") as f:
-
-        def read(offset: int, length: int) -> bytes:
-            f.seek(offset)
-            raw = f.read(length)
-            if len(raw) < length:
-                raise HsextractError(
-                    f"{path} ends inside its header ({offset + len(raw)} of {offset + length} bytes)"
-                )
-            return raw
-
-        return read_head(read, lambda why: HsextractError(f"{path} {why}"))
 
 
 def bytes_per_token(num_slots: int, hidden: int, itemsize: int, scale_bytes: int = 0) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsextract.container import NOT_IN_NUMPY, numpy_dtype, read_head
 from hsextract.errors import CorruptOutputError
 from hsextract.output.batch import (
     INDEX_TENSORS,
@@ -29,11 +30,10 @@ from hsextract.output.batch import (
     StateLayout,
     header_checksum,
     new_checksum,
-    read_head,
     update_checksum,
 )
 from hsextract.output.final_norm import FinalNorm
-from hsextract.output.header import NUMPY_DTYPES, BatchHeader, tensor_bytes
+from hsextract.output.header import BatchHeader, tensor_bytes
 from hsextract.output.manifest import header_mismatch
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class BatchFile:
             if checksum.hexdigest() != h.checksums.index:
                 raise self.damaged(f"its index tensors ({', '.join(names)}) do not match their checksum")
         info = h.tensors["cu_seqlens"]
-        as_read = NUMPY_DTYPES.get(info.kind)
+        as_read = None if info.kind in NOT_IN_NUMPY else numpy_dtype(info.kind)
         cu = np.frombuffer(raw["cu_seqlens"], dtype=as_read).tolist() if as_read else []
         if (
             info.kind != "I64"
@@ -256,7 +256,7 @@ class BatchFile:
         raw = self._held_bytes.get(name)
         if raw is None:
             raw = _read(self.sink, self.key, info.start, info.stop - info.start, self.damaged)
-        return np.frombuffer(raw, dtype=NUMPY_DTYPES[info.kind]).reshape(info.shape)
+        return np.frombuffer(raw, dtype=numpy_dtype(info.kind)).reshape(info.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of tensor ``name``, unchecked (a sample's rows are checked by ``samples``)."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hsextract.container import header_json, read_head
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.output.batch import header_json, new_checksum, read_head, update_checksum
+from hsextract.output.batch import new_checksum, update_checksum
 
 if TYPE_CHECKING:
     import torch

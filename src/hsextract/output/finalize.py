@@ -19,8 +19,8 @@ last, and a lost run dir loses nothing:
 
 from __future__ import annotations
 
+from hsextract.container import read_head
 from hsextract.errors import HsextractError
-from hsextract.output.batch import read_head
 from hsextract.output.final_norm import read_final_norm_meta
 from hsextract.output.jobfiles import load_job_files
 from hsextract.output.keys import parse_batch_key

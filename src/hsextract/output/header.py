@@ -1,7 +1,7 @@
 """A batch file's header, parsed and checked: its tensors (dtype, shape, byte range), sample ids and checksums.
 
 The one reading of what a header says, for the reader, ``hsextract verify`` and the training loader; the bytes of
-the header itself (its length prefix, JSON, checksum) are output/batch.py's. Whatever is wrong raises the caller's
+the header itself (its length prefix and JSON) are container.py's, its checksums output/batch.py's. Whatever is wrong raises the caller's
 ``damaged(problem)``, so every error names the file.
 """
 
@@ -12,34 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hsextract.output.batch import CHECKSUM_ALGORITHM, CHECKSUMS, INDEX_TENSORS, header_json
+from hsextract.container import DTYPES, header_json, torch_dtype
+from hsextract.output.batch import CHECKSUM_ALGORITHM, CHECKSUMS, INDEX_TENSORS
 
-TORCH_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "I32": "int32",
-    "I64": "int64",
-    "U8": "uint8",
-    "F8_E4M3": "float8_e4m3fn",
-}
+BATCH_DTYPES = ("BF16", "F16", "F32", "I32", "I64", "U8", "F8_E4M3")
 
-"""Each safetensors dtype a batch file may hold -> torch's name of it. No torch import here: finalize and verify
-open batch files in processes that never load torch."""
-
-
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
-
-
-NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64, "U8": np.uint8}
-
-"""The dtypes numpy holds (not bfloat16, not fp8)."""
-
-
-def safetensors_dtype(dtype) -> str:
-    """The safetensors name of a torch dtype, e.g. ``BF16`` for ``torch.bfloat16``."""
-    name = str(dtype).removeprefix("torch.")
-    return next(st for st, torch_name in TORCH_DTYPES.items() if torch_name == name)
+"""The safetensors dtypes a batch file may hold (container.py's table says what each is). No torch import here:
+finalize and verify open batch files in processes that never load torch."""
 
 
 REQUIRED_TENSORS = ("hidden_states", "input_ids", "loss_mask", "cu_seqlens")
@@ -58,9 +37,7 @@ class TensorInfo:
     @property
     def dtype(self):
         """Its torch dtype (imports torch)."""
-        import torch
-
-        return getattr(torch, TORCH_DTYPES[self.kind])
+        return torch_dtype(self.kind)
 
     @property
     def row_bytes(self) -> int:
@@ -114,7 +91,7 @@ def _tensor_info(name: str, entry, header_size: int, damaged) -> TensorInfo:
     try:
         dtype_name, shape, (start, stop) = entry["dtype"], entry["shape"], entry["data_offsets"]
         ok = (
-            dtype_name in TORCH_DTYPES
+            dtype_name in BATCH_DTYPES
             and all(isinstance(d, int) and d >= 0 for d in shape)
             and isinstance(start, int)
             and isinstance(stop, int)
@@ -126,7 +103,7 @@ def _tensor_info(name: str, entry, header_size: int, damaged) -> TensorInfo:
     numel = 1
     for d in shape:
         numel *= d
-    if not 0 <= start <= stop or stop - start != numel * ITEMSIZE[dtype_name]:
+    if not 0 <= start <= stop or stop - start != numel * DTYPES[dtype_name][1]:
         raise damaged(
             f"has a garbled header (tensor {name}: {list(shape)} {dtype_name} in bytes {start}..{stop})"
         )

@@ -11,9 +11,7 @@ runs in light processes too.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,20 +19,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from hsextract.container import arrays, buffer_head, header_bytes, header_json, kind_of, layout, map_file
 from hsextract.errors import CorruptOutputError
 from hsextract.output.manifest import SAMPLE_INDEX  # noqa: F401  (named there: the manifest records it)
 
 INDEX_FORMAT = "hsextract-sample-index"
 
 INDEX_FORMAT_VERSION = 1
-
-_DTYPES = {"I64": np.int64, "I32": np.int32, "U8": np.uint8}
-
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-MAX_HEADER = 100_000_000
-
-"""A header larger than this is damage, not an index (its keys are a few hundred KB at 5,000 files)."""
 
 
 @dataclass
@@ -129,7 +120,7 @@ def _arrays(table: SampleTable) -> dict[str, np.ndarray]:
 
 def encode(table: SampleTable) -> bytes:
     """The file's bytes: the same table gives the same bytes (two nodes finishing at once write one object)."""
-    arrays = _arrays(table)
+    tensors = _arrays(table)
     metadata = {
         "format": INDEX_FORMAT,
         "format_version": str(INDEX_FORMAT_VERSION),
@@ -137,20 +128,8 @@ def encode(table: SampleTable) -> bytes:
         "token_bytes": str(table.token_bytes),
         "skip_reasons": json.dumps(table.skip_reasons, sort_keys=True),
     }
-    header: dict = {"__metadata__": metadata}
-    offset, parts = 0, []
-    for name, a in arrays.items():
-        data = np.ascontiguousarray(a).tobytes()
-        header[name] = {
-            "dtype": _NAMES[a.dtype],
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        parts.append(data)
-        offset += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return b"".join([struct.pack("<Q", len(raw)), raw, *parts])
+    head = header_bytes(layout((name, kind_of(a.dtype), a.shape) for name, a in tensors.items()), metadata)
+    return b"".join([head, *(np.ascontiguousarray(a).tobytes() for a in tensors.values())])
 
 
 def checksum(data) -> str:
@@ -161,42 +140,30 @@ def checksum(data) -> str:
 def decode(buffer, damaged) -> SampleTable:
     """The table in ``buffer`` (bytes or a memory map; the arrays are views into it). ``damaged(problem)`` makes
     the error raised for a file that is not a well-formed index."""
-    view = memoryview(buffer)
-    if len(view) < 8:
-        raise damaged(f"is truncated ({len(view)} bytes)")
-    (size,) = struct.unpack("<Q", view[:8])
-    if size > min(MAX_HEADER, len(view) - 8):
-        raise damaged(f"has a header of {size} bytes in a file of {len(view)}")
+    head = buffer_head(buffer, damaged)
+    header = header_json(head, damaged)
     try:
-        header = json.loads(bytes(view[8 : 8 + size]))
         meta = header.pop("__metadata__")
         if meta.get("format") != INDEX_FORMAT:
             raise ValueError(f"format {meta.get('format')!r}")
         if int(meta["format_version"]) > INDEX_FORMAT_VERSION:
             raise ValueError(f"format version {meta['format_version']}: upgrade hsextract")
-        base, arrays = 8 + size, {}
-        for name, info in header.items():
-            start, stop = info["data_offsets"]
-            dtype = np.dtype(_DTYPES[info["dtype"]])
-            count = int(np.prod(info["shape"]))
-            if not 0 <= start <= stop <= len(view) - base or stop - start < count * dtype.itemsize:
-                raise ValueError(f"tensor {name} lies outside the file")
-            arrays[name] = np.frombuffer(view, dtype=dtype, count=count, offset=base + start)
+        found = arrays(buffer, header, len(head), lambda why: ValueError(why))
         keys = json.loads(meta["keys"])
         table = SampleTable(
             keys=keys,
-            file=arrays["file"],
-            row=arrays["row"],
-            start=arrays["start"],
-            length=arrays["length"],
-            file_first=arrays["file_first"],
-            ids=arrays["ids"],
-            id_offsets=arrays["id_offsets"],
+            file=found["file"],
+            row=found["row"],
+            start=found["start"],
+            length=found["length"],
+            file_first=found["file_first"],
+            ids=found["ids"],
+            id_offsets=found["id_offsets"],
             token_bytes=int(meta["token_bytes"]),
-            skips={name[len("skip.") :]: a for name, a in arrays.items() if name.startswith("skip.")},
+            skips={name[len("skip.") :]: a for name, a in found.items() if name.startswith("skip.")},
             skip_reasons=json.loads(meta["skip_reasons"]),
         )
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise damaged(f"is not a readable sample index ({e})") from None
     n = len(table.file)
     consistent = (
@@ -210,14 +177,6 @@ def decode(buffer, damaged) -> SampleTable:
     if not consistent:
         raise damaged(f"has arrays of inconsistent lengths for {n} samples in {len(keys)} files")
     return table
-
-
-def map_file(path: str) -> np.ndarray:
-    """The file at ``path`` as read-only bytes in shared, file-backed memory."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return np.zeros(0, np.uint8)
-        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
 def remove_copy(path: str, pid: int) -> None:

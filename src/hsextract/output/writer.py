@@ -9,8 +9,6 @@ byte-identical.
 
 from __future__ import annotations
 
-import json
-import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -18,16 +16,10 @@ from pathlib import Path
 
 import torch
 
+from hsextract.container import header_bytes, header_json, kind_of, layout, read_file_head
 from hsextract.errors import HsextractError
-from hsextract.output.batch import (
-    checksum_order,
-    checksums_metadata,
-    header_json,
-    new_checksum,
-    read_file_head,
-    update_checksum,
-)
-from hsextract.output.header import safetensors_dtype, tensor_bytes
+from hsextract.output.batch import checksum_order, checksums_metadata, new_checksum, update_checksum
+from hsextract.output.header import tensor_bytes
 from hsextract.storage.fileio import atomic_write
 
 
@@ -60,22 +52,6 @@ def batch_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     )
 
 
-def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": safetensors_dtype(t.dtype),
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw
-
-
 def write_safetensors(
     path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 ) -> tuple[int, int]:
@@ -86,7 +62,8 @@ def write_safetensors(
     and fsync: a file under its final name is complete.
     """
     path = Path(path)
-    parts = [memoryview(safetensors_header(tensors, metadata))]
+    entries = layout((name, kind_of(t.dtype), t.shape) for name, t in tensors.items())
+    parts = [memoryview(header_bytes(entries, metadata))]
     parts += [tensor_bytes(t) for t in tensors.values() if t.numel()]
 
     def write(f) -> tuple[int, int]:

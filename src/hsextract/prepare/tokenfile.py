@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from hsextract.container import arrays, header_bytes, header_json, layout, map_file, read_file_head
 from hsextract.errors import HsextractError
 from hsextract.validation import SEAL_KEY, content_checksum
 
@@ -151,32 +152,18 @@ class TokenizedSamples:
         return samples, metadata
 
 
-_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
-
-
 def _map_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """A safetensors file's tensors as read-only memory maps, and its metadata."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if size > 100_000_000:
-            raise HsextractError(f"{path} is not a safetensors file (header size {size})")
-        try:
-            header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HsextractError(f"{path} is not a safetensors file ({e})") from None
-    if (problem := _proof_problem(path, header, 8 + size)) is not None:
-        raise HsextractError(f"token file {path} {problem}")
+
+    def damaged(why: str) -> HsextractError:
+        return HsextractError(f"token file {path} {why}")
+
+    head = read_file_head(path, damaged)
+    header = header_json(head, damaged)
+    if (problem := _proof_problem(path, header, len(head))) is not None:
+        raise damaged(problem)
     metadata = {k: v for k, v in header.pop("__metadata__").items() if k not in (SEAL_KEY, DATA_CHECKSUM)}
-    tensors = {}
-    for name, info in header.items():
-        dtype = np.dtype(_DTYPES[info["dtype"]])
-        start, end = info["data_offsets"]
-        count = (end - start) // dtype.itemsize
-        if count == 0:
-            tensors[name] = np.zeros(0, dtype=dtype)
-        else:
-            tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + size + start, shape=(count,))
-    return tensors, metadata
+    return arrays(map_file(path), header, len(head), damaged), metadata
 
 
 DATA_CHECKSUM = "data_xxh3"
@@ -280,33 +267,24 @@ class TokenFileWriter:
         self.ids_file.write(offsets.tobytes())
         digest.update(ids_json)
         digest.update(offsets.tobytes())
-        sizes = [
-            ("input_ids", "I32", 4 * self.tokens),
-            ("loss_mask", "U8", self.tokens),
-            ("sample_ids_json", "U8", len(ids_json)),
-            ("offsets", "I64", 8 * len(offsets)),
-        ]
+        entries = layout(
+            [
+                ("input_ids", "I32", [self.tokens]),
+                ("loss_mask", "U8", [self.tokens]),
+                ("sample_ids_json", "U8", [len(ids_json)]),
+                ("offsets", "I64", [len(offsets)]),
+            ]
+        )
         fields = {"format": "hsextract.tokenized_samples", **metadata, DATA_CHECKSUM: digest.hexdigest()}
-        header: dict = {}
-        start = 0
-        for name, dtype, nbytes in sizes:
-            item = {"I32": 4, "U8": 1, "I64": 8}[dtype]
-            header[name] = {
-                "dtype": dtype,
-                "shape": [nbytes // item],
-                "data_offsets": [start, start + nbytes],
-            }
-            start += nbytes
-        header["__metadata__"] = {**fields, SEAL_KEY: _header_checksum(header, fields)}
-        text = json.dumps(header).encode()
-        if len(text) <= HEADER_RESERVE:
+        head = header_bytes(
+            entries, {**fields, SEAL_KEY: _header_checksum(entries, fields)}, reserve=HEADER_RESERVE
+        )
+        if len(head) == 8 + HEADER_RESERVE:
             self.ids_file.seek(0)
-            self.ids_file.write(
-                HEADER_RESERVE.to_bytes(8, "little") + text + b" " * (HEADER_RESERVE - len(text))
-            )
+            self.ids_file.write(head)
             self._close_into_place()
         else:
-            self._move_data_after(text)
+            self._move_data_after(head)
         self.ids_file = None
         return TokenizedSamples.load(self.path)
 
@@ -316,12 +294,11 @@ class TokenFileWriter:
         self.ids_file.close()
         os.replace(self.tmp, self.path)
 
-    def _move_data_after(self, text: bytes) -> None:
+    def _move_data_after(self, head: bytes) -> None:
         self.ids_file.close()
-        padded = text + b" " * (-len(text) % 8)
         moved = self.path.with_name(self.path.name + ".moved.tmp")
         with open(self.tmp, "rb") as src, open(moved, "wb") as dst:
-            dst.write(len(padded).to_bytes(8, "little") + padded)
+            dst.write(head)
             src.seek(8 + HEADER_RESERVE)
             shutil.copyfileobj(src, dst, 1 << 22)
             dst.flush()

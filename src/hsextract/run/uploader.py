@@ -26,8 +26,9 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsextract.container import read_file_head
 from hsextract.errors import HsextractError, StagedFileChanged, UploaderDied, disk_full, redact
-from hsextract.output import check_claim, read_file_head, stored_record, write_done
+from hsextract.output import check_claim, stored_record, write_done
 from hsextract.run.procs import die_with_parent, log_to_file
 from hsextract.storage import open_sink
 from hsextract.storage.base import DEFAULT_RETRY_DEADLINE_S, Sink

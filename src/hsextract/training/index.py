@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsextract.container import map_file
 from hsextract.errors import CorruptOutputError, HsextractError
 from hsextract.output import (
     SAMPLE_INDEX,
@@ -30,7 +31,6 @@ from hsextract.output import (
     checksum,
     decode,
     encode,
-    map_file,
     open_output,
     plain_memory,
     read_sample_index,

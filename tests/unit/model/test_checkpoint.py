@@ -108,6 +108,6 @@ def test_a_safetensors_header_is_checked_against_the_file_length(tiny_model, tmp
     path.write_bytes(path.read_bytes()[:-1])
     assert safetensors_problem(path) == f"has {size - 1:,} bytes of the {size:,} its header describes"
     path.write_bytes(b"\xff" * 12)
-    assert "header alone claims" in safetensors_problem(path)
+    assert "declares a header of" in safetensors_problem(path)
     path.write_bytes(b"abc")
     assert safetensors_problem(path) == "has 3 bytes, not even a header"

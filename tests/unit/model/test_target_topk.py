@@ -107,7 +107,8 @@ def test_reader_and_datasets_serve_topk_equal_to_hf_on_supervised_tokens(topk_ou
 
 
 def test_an_output_without_topk_is_as_before(written_output):
-    from hsextract.output import open_output, read_file_head
+    from hsextract.container import read_file_head
+    from hsextract.output import open_output
 
     manifest = json.loads((written_output / "manifest.json").read_text())
     assert "target_topk" not in manifest and "target_topk" not in manifest["fingerprint"]

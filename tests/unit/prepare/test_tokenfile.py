@@ -50,7 +50,7 @@ def test_any_edited_byte_of_a_token_file_is_refused_when_mapped(tmp_path, tensor
 def test_an_edited_header_or_a_file_without_a_checksum_is_refused(tmp_path):
     path = samples().save(tmp_path / "tokens.safetensors")
     raw = path.read_bytes()
-    path.write_bytes(raw.replace(b'"shape": [3]', b'"shape": [2]', 1))
+    path.write_bytes(raw.replace(b'"shape":[3]', b'"shape":[2]', 1))
     with pytest.raises(HsextractError, match="its header does not match its checksum"):
         TokenizedSamples.load(path)
     path.write_bytes(raw.replace(b'"data_xxh3"', b'"data_xxhX"', 1))

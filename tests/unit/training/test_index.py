@@ -17,8 +17,9 @@ import pytest
 from safetensors.numpy import load_file
 from support.synthetic import make_output
 
+from hsextract.container import map_file
 from hsextract.errors import CorruptOutputError
-from hsextract.output import checksum, decode, encode, map_file, verify_output
+from hsextract.output import checksum, decode, encode, verify_output
 from hsextract.output.manifest import MANIFEST, SAMPLE_INDEX
 from hsextract.training import StatesMapDataset
 
