@@ -25,18 +25,14 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 DTYPES = {
-    "BF16": ("bfloat16", 2),
-    "F16": ("float16", 2),
-    "F32": ("float32", 4),
-    "F64": ("float64", 8),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
+    kind: (name, int(size))
+    for kind, name, size in map(
+        str.split,
+        """BF16 bfloat16 2 | F16 float16 2 | F32 float32 4 | F64 float64 8 | I64 int64 8 | I32 int32 4 | I16 int16 2
+        | I8 int8 1 | U8 uint8 1 | BOOL bool 1 | F8_E4M3 float8_e4m3fn 1 | F8_E5M2 float8_e5m2 1""".split(
+            "|"
+        ),
+    )
 }
 
 """Each safetensors dtype -> its name in torch (numpy's too, where numpy holds it) and its bytes per item."""

@@ -42,11 +42,11 @@ from hsextract.output import (
     estimate_file_bytes,
     topk_bytes_per_token,
 )
-from hsextract.prepare.chat import ChatOptions, marked_text
+from hsextract.prepare.chat import marked_text
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor
-from hsextract.run.preflight import resolve_data, run_layout
+from hsextract.run.preflight import encoding_options, resolve_data, run_layout
 from hsextract.run.rundir import RunDir
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
@@ -100,16 +100,9 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
     check_target_topk(cfg.target_topk, text)
     tokenizer = load_tokenizer(cfg.model_path, cfg.trust_remote_code)
     run_dir = RunDir(cfg.run_dir)
-    chat = ChatOptions.of(cfg.chat_template_text, cfg.template_kwargs)
-    sampled = load_sample(
-        resolve_data(cfg, run_dir),
-        tokenizer,
-        max_length=cfg.max_length,
-        too_long=cfg.too_long,
-        cache_dir=run_dir.cache_dir,
-        dedupe=cfg.dedupe,
-        chat=chat,
-    )
+    options = encoding_options(cfg, run_dir)
+    chat = options["chat"]
+    sampled = load_sample(resolve_data(cfg, run_dir), tokenizer, **options)
     samples = sampled.samples
     device = torch_device(cfg)
     if lm is None:

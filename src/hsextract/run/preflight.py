@@ -72,12 +72,7 @@ def run_layout(cfg: RunConfig, layer_ids: tuple[int, ...], num_layers: int) -> S
 
 
 def prepare_run(
-    cfg: RunConfig,
-    *,
-    restart: bool = False,
-    echo=print,
-    show_progress: bool = True,
-    confirm=None,
+    cfg: RunConfig, *, restart: bool = False, echo=print, show_progress: bool = True, confirm=None
 ) -> Plan:
     """Validate everything, tokenize, plan; write the run files. Loads no weights. ``confirm(question)``: whether a
     ``restart`` may delete a finished output (None: it may not)."""
@@ -285,13 +280,9 @@ def tokenize(
     samples, report = load_samples(
         mix if mix is not None else resolve_data(cfg, run_dir),
         tokenizer,
-        max_length=cfg.max_length,
-        too_long=cfg.too_long,
         num_proc=cfg.num_proc,
-        cache_dir=run_dir.cache_dir,
         progress=show_progress,
-        dedupe=cfg.dedupe,
-        chat=ChatOptions.of(cfg.chat_template_text, cfg.template_kwargs),
+        **encoding_options(cfg, run_dir),
     )
     echo(f"data: {report.summary()}")
     if len(report.sources) > 1:
@@ -309,6 +300,18 @@ def tokenize(
             f"(see {run_dir.data_report_file.name})"
         )
     return samples, report, renamed
+
+
+def encoding_options(cfg: RunConfig, run_dir: RunDir) -> dict:
+    """How the run's rows become tokens (``load_samples``, and dry-run's ``load_sample``): limits, dedupe, the
+    chat template and its arguments, and the run dir's token cache."""
+    return dict(
+        max_length=cfg.max_length,
+        too_long=cfg.too_long,
+        cache_dir=run_dir.cache_dir,
+        dedupe=cfg.dedupe,
+        chat=ChatOptions.of(cfg.chat_template_text, cfg.template_kwargs),
+    )
 
 
 def model_identity(cfg: RunConfig, config) -> dict:
