@@ -21,7 +21,7 @@ from hsextract.config import field_docs as config_field_docs
 from hsextract.errors import HsextractError, disk_full, install_redaction
 from hsextract.regenerate.config import REQUIRED as REGENERATE_REQUIRED
 from hsextract.regenerate.config import RegenerateConfig
-from hsextract.run.procs import Terminated, stop_on_signals
+from hsextract.run.procs import Terminated, steady_echo, stop_on_signals
 from hsextract.run.rundir import default_run_dir
 
 
@@ -160,10 +160,11 @@ def run(only_shards, restart, yes, no_progress, nodes, node_rank, **opts):
 
     place = node_place(nodes, node_rank)
     cfg = _build_config(nodes=place.nodes, node_rank=place.rank, **opts)
+    echo = steady_echo(f"hsextract status {cfg.run_dir}")  # `run | head -1` carries on
     if place.nodes > 1:
         first, last = cfg.local_shards[0], cfg.local_shards[-1]
         mine = f"shard {first}" if first == last else f"shards {first}..{last}"
-        click.echo(f"{place.describe()}: {mine} of {cfg.total_shards}")
+        echo(f"{place.describe()}: {mine} of {cfg.total_shards}")
     if cfg.random_weights:
         raise HsextractError("random weights are for benchmarks only; `run` needs a real checkpoint")
     code = run_job(
@@ -171,7 +172,7 @@ def run(only_shards, restart, yes, no_progress, nodes, node_rank, **opts):
         restart=restart,
         only_shards=_int_list(only_shards),
         show_progress=not no_progress,
-        echo=click.echo,
+        echo=echo,
         confirm=_confirm(yes),
     )
     sys.exit(code)

@@ -2,6 +2,7 @@
 
 import errno
 import logging
+import os
 import re
 import shutil
 import sys
@@ -110,6 +111,11 @@ def disk_full(e: BaseException, where=None) -> HsextractError | None:
     else ``where``), the system's words and the bytes still free there; None for any other exception."""
     if not isinstance(e, OSError) or e.errno not in FULL_ERRNOS:
         return None
+    if e.filename is None and where is None and _echoing(e):
+        return HsextractError(
+            f"cannot write to standard output: {e.strerror or 'No space left on device'} (the file it is "
+            "redirected to is on a full file system); redirect it elsewhere"
+        )
     path = e.filename or where
     free = free_bytes(path) if path else None
     room = f"; {free:,} bytes free on its file system" if free is not None else ""
@@ -117,6 +123,17 @@ def disk_full(e: BaseException, where=None) -> HsextractError | None:
         f"cannot write {path or 'a file'}: {e.strerror or 'No space left on device'}{room}. Free space there, "
         "then rerun the same command to resume"
     )
+
+
+def _echoing(e: BaseException) -> bool:
+    """Whether ``e`` was raised while the CLI printed (click's ``echo``): a write to a standard stream."""
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "echo" and f"click{os.sep}utils.py" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def load_or_explain(model: str, what: str, load):

@@ -217,6 +217,23 @@ def check_vocab_options(draft_vocab: int | None, target_vocab_size: int | None, 
     return vocab
 
 
+def check_manifest_vocab(source: str, endpoint_url: str | None, recorded: int) -> None:
+    """The manifest's vocabulary is the one the run recorded (its sealed ``hsextract/run.json``): an edited one
+    is named with its fix, not met as a token id past it after the sample files are written."""
+    from hsextract.output import load_plan
+
+    sink = open_sink(source, endpoint_url)
+    if not sink.exists("hsextract/run.json"):
+        return  # an output of an hsextract older than the job files: the manifest is all there is
+    _plan, info = load_plan(sink)
+    if info.vocab_size is not None and info.vocab_size != recorded:
+        raise HsextractError(
+            f"{source}'s manifest records a vocabulary of {recorded} tokens, its hsextract/run.json {info.vocab_size}: the "
+            f"manifest was edited or damaged; `hsextract finalize {source}` writes it again from the output's "
+            "job files, then export again (no --target-vocab-size needed)"
+        )
+
+
 def export(
     source: str,
     dest_url: str,
@@ -253,6 +270,8 @@ def export(
     manifest = out.manifest
     layers = fmt.schema.layers_for(manifest, layers)
     fmt.check(manifest, served_layers(manifest, layers) or out.layer_ids)
+    if (draft_vocab is not None or target_vocab_size is not None) and manifest.get("vocab_size"):
+        check_manifest_vocab(source, endpoint_url, manifest["vocab_size"])
     vocab = check_vocab_options(draft_vocab, target_vocab_size, manifest.get("vocab_size"))
     num_proc = default_num_proc() if num_proc is None else num_proc
     if num_proc < 1:
@@ -343,9 +362,10 @@ def export(
     dest.put_bytes("token_freq.pt", _torch_bytes(dict(sorted(token_freq.items()))))
     if draft_vocab is not None:
         if token_freq and max(token_freq) >= vocab:
+            where = "--target-vocab-size" if target_vocab_size else "the manifest's vocab_size"
             raise HsextractError(
-                f"--target-vocab-size {vocab}: the output holds token id {max(token_freq)}; give the model's "
-                "vocabulary size"
+                f"{where} {vocab}: the output holds token id {max(token_freq)}; give --target-vocab-size the "
+                "model's vocabulary size (its config.json's vocab_size)"
             )
         d2t, t2d = vocab_mapping(token_freq, draft_vocab, vocab)
         for key, data in fmt.vocab_mapping_files(d2t, t2d).items():

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
+from hsextract.errors import HsextractError
 from hsextract.model.load import load_model_config
 from hsextract.storage.fileio import write_json
 from hsextract.validation import seal, seal_problem
+
+log = logging.getLogger(__name__)
 
 RECORD_VERSION = 2
 
@@ -140,11 +144,14 @@ def recorded_model_config(model: str, record_dir: Path | None, trust_remote_code
         values["layer_types"] = list(values["layer_types"]) if values["layer_types"] is not None else None
         config_path, data = config_file
         if _recordable(values) and all(values[k] == v for k, v in _stated(data).items()):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(
-                path,
-                seal({"config_file": str(config_path), "config_sha256": _sha256(data), "fields": values}),
-            )
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(
+                    path,
+                    seal({"config_file": str(config_path), "config_sha256": _sha256(data), "fields": values}),
+                )
+            except (OSError, HsextractError) as e:  # a record saves time, its absence costs none
+                log.warning("the model's config is not recorded (%s): it is read again next time", e)
     return config, text, num_layers
 
 

@@ -14,6 +14,7 @@ storage client release the GIL; xxhash does not, so on a local disk more than a 
 
 from __future__ import annotations
 
+import json
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -147,7 +148,7 @@ def check_against_plan(sink: Sink, manifest: dict) -> None:
     without a plan (older hsextract) are checked against their batch headers only."""
     if not sink.exists(JOB_FILES["plan"]):
         return
-    plan, _info, sample_ids, _report = load_job_files(sink)  # each proves itself, or is named
+    plan, info, sample_ids, _report = load_job_files(sink)  # each proves itself, or is named
 
     def differs(problem: str) -> CorruptOutputError:
         return CorruptOutputError(
@@ -156,6 +157,12 @@ def check_against_plan(sink: Sink, manifest: dict) -> None:
 
     if manifest.get("plan_hash") != plan.plan_hash:
         raise differs(f"has plan {manifest.get('plan_hash')}, the output's plan is {plan.plan_hash}")
+    model = json.loads(json.dumps(info.to_json()))  # the model's figures the run recorded (sealed), as JSON
+    for name in ("vocab_size",):  # no batch header holds it (each holds the rest: checked file by file)
+        if manifest.get(name) != model.get(name):
+            raise differs(
+                f"records {name} {manifest.get(name)!r:.60}, the output's run.json {model.get(name)!r:.60}"
+            )
     listed = [b["key"] for b in manifest["batches"]]
     planned = [b.key for b in plan.batches]
     if listed != planned:

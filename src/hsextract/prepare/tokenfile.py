@@ -27,6 +27,7 @@ import xxhash
 
 from hsextract.container import arrays, header_bytes, header_json, layout, map_file, read_file_head
 from hsextract.errors import HsextractError
+from hsextract.storage.fileio import check_not_dir
 from hsextract.validation import SEAL_KEY, content_checksum
 
 
@@ -104,6 +105,7 @@ class TokenizedSamples:
         """Write one safetensors file (tmp + rename: a file under its final name is complete); a hard link when
         these samples are a token file's contents already."""
         path = Path(path)
+        check_not_dir(path)
         if self.file is not None:
             tmp = path.with_name(path.name + ".tmp")
             tmp.unlink(missing_ok=True)
@@ -221,6 +223,7 @@ class TokenFileWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        check_not_dir(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.mask_tmp = self.path.with_name(self.path.name + ".mask.tmp")

@@ -12,11 +12,14 @@ changes), and a later call with the same inputs maps it instead of tokenizing ag
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import multiprocessing
 import pickle
+import signal
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -157,6 +160,22 @@ def _chunks(rows: Iterable[Any], size: int) -> Iterator[list]:
         yield chunk
 
 
+@contextlib.contextmanager
+def _deaf_to_ctrl_c():
+    """Processes started within ignore SIGINT for life (a terminal's Ctrl-C reaches the whole group: a child killed
+    while it read its start-up data printed an UnpicklingError); here a Ctrl-C waits, blocked, until they are up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _encode_all(
     rows: Iterator[tuple[int, int, Any]],
     total: int | None,
@@ -187,9 +206,10 @@ def _encode_all(
         # The tiktoken check encodes the whole vocabulary both ways: once, here.
         spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
         pickled = pickle.dumps((tokenizer, spec), protocol=pickle.HIGHEST_PROTOCOL)
-        with context.Pool(
-            num_proc, initializer=_init_worker, initargs=(pickled, max_length, too_long, columns, AUTO, chat)
-        ) as pool:
+        args = (pickled, max_length, too_long, columns, AUTO, chat)
+        with _deaf_to_ctrl_c():
+            pool = context.Pool(num_proc, initializer=_init_worker, initargs=args)
+        with pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
                 pending.append(pool.apply_async(_encode_chunk, (chunk,)))

@@ -25,6 +25,7 @@ import logging
 from importlib import metadata
 from pathlib import Path
 
+from hsextract.errors import HsextractError
 from hsextract.hub import WEIGHT_SUFFIXES
 from hsextract.prepare.fast_tokenizer import PROBE, direct_backend
 from hsextract.prepare.snapshot_tokenizer import SnapshotTokenizer, valid_snapshot
@@ -97,6 +98,19 @@ def _valid(record: dict, files: str | None) -> bool:
     )
 
 
+def _kept_or_said(write, path: Path) -> bool:
+    """``write()``; a record that cannot be written (a full disk, a directory in its place) is said, never fatal:
+    it saves time, its absence costs none."""
+    try:
+        write()
+    except (OSError, HsextractError) as e:
+        log.warning(
+            "the tokenizer's record %s is not kept (%s): the tokenizer is loaded again next time", path, e
+        )
+        return False
+    return True
+
+
 class RecordedTokenizer:
     """The model's tokenizer as preparation uses it: ``recorded_fingerprint()`` and ``pad_token_id`` from the record
     in ``record_dir`` when the tokenizer's files match one, else from the tokenizer, loaded then (and recorded);
@@ -128,7 +142,6 @@ class RecordedTokenizer:
             }
             snapshot = take_snapshot(tokenizer)
             if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
                 if snapshot is not None:
                     self._keep(self.snapshot_path, "snapshot_sha256", snapshot)
                 self._write()
@@ -162,14 +175,14 @@ class RecordedTokenizer:
     def _write(self) -> None:
         """The record, sealed, only when it would be read back (a pad id outside the vocabulary never is)."""
         if _valid(self._record, self.files):
-            write_json(self.path, seal(self._record))
+            _kept_or_said(lambda: write_json(self.path, seal(self._record)), self.path)
 
     def _keep(self, path: Path, digest_key: str, value) -> None:
         """``value`` as JSON at ``path``, its sha256 in the record under ``digest_key`` (the record is the caller's to
         write)."""
         text = json.dumps(seal({"files_sha256": self.files, "value": value}))
-        atomic_write(path, text, durable=False)
-        self._record[digest_key] = hashlib.sha256(text.encode()).hexdigest()
+        if _kept_or_said(lambda: atomic_write(path, text, durable=False), path):
+            self._record[digest_key] = hashlib.sha256(text.encode()).hexdigest()
 
     def _kept(self, path: Path | None, digest_key: str):
         """What ``_keep`` wrote at ``path``; ValueError when there is none or the file is not the one recorded."""

@@ -45,6 +45,36 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def steady_echo(follow: str):
+    """``click.echo`` for a command that runs for hours: when its standard output fails (``run ... | head -1``,
+    a redirect to a full disk) the command carries on, says once on stderr how to ``follow`` it, and writes
+    nothing more there (was: exit 1 without a word, before any worker started)."""
+    import click
+
+    gone = False
+
+    def echo(message=None, **kwargs):
+        nonlocal gone
+        if gone and not kwargs.get("err"):
+            return
+        try:
+            click.echo(message, **kwargs)
+        except OSError as e:
+            if kwargs.get("err"):
+                raise
+            gone = True
+            devnull = os.open(
+                os.devnull, os.O_WRONLY
+            )  # what is still buffered, and every later write, go there
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            click.echo(
+                f"hsextract: standard output failed ({e.strerror or e}); carrying on: {follow}", err=True
+            )
+
+    return echo
+
+
 def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies. Call it in the child (``preexec_fn`` or first
     thing in a spawned process). With ``parent_pid``, also exit at once if the parent died before the request was

@@ -76,6 +76,7 @@ def atomic_write(
     the rename still makes every reader see a whole file. Returns what the writing function returned.
     """
     path = Path(path)
+    check_not_dir(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(path)
     try:
@@ -101,6 +102,16 @@ def atomic_write(
     if durable:
         fsync_dir(path.parent)
     return result
+
+
+def check_not_dir(path: Path) -> None:
+    """A directory where hsextract keeps a file is named, not met as ``IsADirectoryError`` (hsextract never
+    removes what it did not write)."""
+    if path.is_dir():
+        raise HsextractError(
+            f"{path} is a directory where hsextract keeps a file: move it away (nothing in it is hsextract's), "
+            "then rerun the same command"
+        )
 
 
 def cache_home(env=None) -> Path:

@@ -87,7 +87,7 @@ def scan_files(open_file, entries: list[dict], schemas: list[Schema], threads: i
         if schemas:
             ids, mask = f.read_array("input_ids"), f.read_array("loss_mask")
             for s in schemas:
-                codes[s.name] = [
+                codes[s.verdicts] = [
                     s.skip_reason(ids[a:b], mask[a:b]) for a, b in zip(cu[:-1], cu[1:], strict=True)
                 ]
         return list(f.sample_ids), cu, codes, f.tensors["hidden_states"].row_bytes
@@ -102,11 +102,11 @@ def scan_files(open_file, entries: list[dict], schemas: list[Schema], threads: i
         reasons: list[str] = []
         codes: list[int] = []
         for _, _, verdicts, _ in scanned:
-            for why in verdicts[s.name]:
+            for why in verdicts[s.verdicts]:
                 if why and why not in reasons:
                     reasons.append(why)
                 codes.append(reasons.index(why) + 1 if why else 0)
-        skips[s.name] = (reasons, codes)
+        skips[s.verdicts] = (reasons, codes)
     table = table_from_files(
         [e["key"] for e in entries],
         [(ids, cu) for ids, cu, _, _ in scanned],
@@ -197,11 +197,11 @@ class SampleIndex:
                     entry["key"],
                     "lists other batch files than the manifest; the output is damaged",
                 )
-            if wanted and schema.name not in self.table.skips:
-                log.info("%s has no verdicts for %s: indexing its batch files", SAMPLE_INDEX, schema.name)
+            if wanted and schema.verdicts not in self.table.skips:
+                log.info("%s has no verdicts for %s: indexing its batch files", SAMPLE_INDEX, schema.verdicts)
                 scanned = self._scan(out, manifest, wanted, threads)
                 self.extra_skips = {
-                    schema.name: (scanned.skips[schema.name], scanned.skip_reasons[schema.name])
+                    schema.verdicts: (scanned.skips[schema.verdicts], scanned.skip_reasons[schema.verdicts])
                 }
                 self._add_skips()
         self._select()
@@ -211,8 +211,8 @@ class SampleIndex:
                 where.path,
                 len(self.table) - len(self.kept),
                 len(self.table),
-                schema.name,
-                "; ".join(self.table.skip_reasons[schema.name]),
+                schema.verdicts,
+                "; ".join(self.table.skip_reasons[schema.verdicts]),
             )
 
     @staticmethod
@@ -227,7 +227,7 @@ class SampleIndex:
     def _select(self) -> None:
         """The served samples (``kept``: positions in the table, None for all) and each file's range of them."""
         t = self.table
-        codes = t.skips.get(self.schema.name) if skips_samples(self.schema) else None
+        codes = t.skips.get(self.schema.verdicts) if skips_samples(self.schema) else None
         self.kept = None if codes is None or not codes.any() else np.flatnonzero(codes == 0)
         bounds = t.file_first if self.kept is None else np.searchsorted(self.kept, t.file_first)
         self.file_keys = list(t.keys)
@@ -292,7 +292,7 @@ class SampleIndex:
     def skipped(self) -> dict[str, str]:
         if not skips_samples(self.schema) or self.kept is None:
             return {}
-        codes, reasons = self.table.skips[self.schema.name], self.table.skip_reasons[self.schema.name]
+        codes, reasons = self.table.skips[self.schema.verdicts], self.table.skip_reasons[self.schema.verdicts]
         left_out = np.flatnonzero(codes)
         return dict(
             zip(self.table.sample_ids_at(left_out), (reasons[c - 1] for c in codes[left_out]), strict=True)

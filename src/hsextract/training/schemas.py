@@ -86,6 +86,11 @@ class Schema:
             "records, or ids in the order wanted)"
         )
 
+    @property
+    def verdicts(self) -> str:
+        """The name its ``skip_reason`` verdicts are kept under in the sample index: one per distinct rule."""
+        return self.name
+
     def skip_reason(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str | None:
         """Why a sample cannot be served, decided from its tokens alone (dataset and export agree on it)."""
         return None
@@ -187,6 +192,11 @@ class NemoDSpark(Schema):
 
     def __init__(self, seq_length: int | None = None):
         self.seq_length = seq_length
+
+    @property
+    def verdicts(self) -> str:
+        """Each ``seq_length`` leaves out other samples (the index written at finalize holds those of none)."""
+        return self.name if self.seq_length is None else f"{self.name}:seq_length={self.seq_length}"
 
     def skip_reason(self, input_ids, loss_mask):
         if self.seq_length is not None and len(input_ids) > self.seq_length:

@@ -51,3 +51,52 @@ def test_train_with_names_the_layer_ids_where_the_trainer_takes_them(union, tmp_
     vllm = [k + 1 for k in EAGLE3]  # speculators counts the input of layer k
     assert f"--target-layer-ids {' '.join(map(str, vllm))}" in result.stdout
     assert f"  layer ids {vllm}: --target-layer-ids" in result.stdout
+
+
+def test_a_sharded_cache_shorter_than_samples_skips_them_with_a_count(union, tmp_path):
+    """The sample index written at finalize holds nemo-dspark's verdicts for no seq_length: a given one gets its
+    own (was: a RuntimeError padding a 300-token sample to 16)."""
+    result = _export(
+        union, tmp_path / "nemo", "--format", "nemo-dspark", "--layers", "dflash2", "--seq-length", "16"
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+    line = next(x for x in result.output.splitlines() if x.startswith("exported "))
+    kept, total, skipped = (int(w) for w in (line.split()[1], line.split()[3], line.split(";")[1].split()[0]))
+    assert 0 < kept < total and kept + skipped == total and "longer than the cache's seq_length 16" in line
+
+
+def test_a_manifest_vocabulary_unlike_the_runs_is_named_with_its_fix_before_anything_is_written(
+    union, tmp_path
+):
+    import json
+    import shutil
+
+    out = shutil.copytree(union, tmp_path / "out")
+    manifest = json.loads((out / "manifest.json").read_text())
+    real = manifest["vocab_size"]
+    (out / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 7}))
+    for extra in ((), ("--target-vocab-size", "7"), ("--target-vocab-size", str(real))):
+        result = _export(
+            out,
+            tmp_path / "dest",
+            "--format",
+            "specforge-dflash",
+            "--layers",
+            "dflash2",
+            "--draft-vocab",
+            "5",
+            *extra,
+        )
+        assert result.exit_code == 2 and not (tmp_path / "dest").exists()
+        assert f"manifest records a vocabulary of 7 tokens, its hsextract/run.json {real}" in result.stderr
+        assert f"`hsextract finalize {out}` writes it again" in result.stderr
+    verify = CliRunner().invoke(main, ["verify", str(out)])
+    assert (
+        verify.exit_code != 0
+        and f"records vocab_size 7, the output's run.json {real}" in verify.output + verify.stderr
+    )
+    assert CliRunner().invoke(main, ["finalize", str(out)]).exit_code == 0
+    result = _export(
+        out, tmp_path / "dest", "--format", "specforge-dflash", "--layers", "dflash2", "--draft-vocab", "5"
+    )
+    assert result.exit_code == 0, result.stderr

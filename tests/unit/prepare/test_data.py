@@ -380,12 +380,38 @@ def test_bad_arguments_and_unusable_data_raise_clear_errors(tmp_path, tokenizer)
 
 
 @pytest.mark.slow
-def test_num_proc_2_matches_num_proc_1(tmp_path, tokenizer):
-    rows = [*make_conversations(150, seed=11), *MIXED_ROWS[-2:], {"messages": "oops"}]
-    path = write_jsonl(rows, tmp_path / "rows.jsonl")
+def test_num_proc_2_matches_num_proc_1_and_a_ctrl_c_reaches_the_parent_alone(
+    tmp_path, tokenizer, monkeypatch
+):
+    """The pool gives what one process gives. Its processes start with SIGINT ignored (set before they exec, so it
+    holds while they read their start-up data) and keep it: the terminal's Ctrl-C, sent to the whole process
+    group, does nothing there and the pool still gives every chunk (was: a child still reading printed an
+    UnpicklingError); the parent's own handler is back once they are started."""
+    import multiprocessing
+    import os
+    import signal
 
+    rows = [*make_conversations(300, seed=11), *MIXED_ROWS[-2:], {"messages": "oops"}]
+    path = write_jsonl(rows, tmp_path / "rows.jsonl")
     serial, serial_report = load(path, tokenizer, max_length=128)
+
+    interrupted, chunks = [], data._chunks
+
+    def interrupting(rows, size):
+        for i, chunk in enumerate(chunks(rows, size)):
+            if i == 1:  # the pool is up: its first chunk went out
+                for child in multiprocessing.active_children():
+                    status = open(f"/proc/{child.pid}/status").read()
+                    ignored = next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1]
+                    assert int(ignored, 16) & (1 << (signal.SIGINT - 1)), f"{child.pid} would take a Ctrl-C"
+                    os.kill(child.pid, signal.SIGINT)
+                    interrupted.append(child.pid)
+            yield chunk
+
+    monkeypatch.setattr(data, "_chunks", interrupting)
+    handler = signal.getsignal(signal.SIGINT)
     parallel, parallel_report = load(path, tokenizer, max_length=128, num_proc=2)
+    assert len(interrupted) == 2 and signal.getsignal(signal.SIGINT) is handler
 
     assert_same_samples(parallel, serial)
     assert parallel_report == serial_report

@@ -155,3 +155,14 @@ def test_a_pad_id_edited_in_the_record_is_never_used(model, tmp_path, pad):
     again = RecordedTokenizer(str(model), tmp_path / "cache")
     assert again.pad_token_id == reference(model)[1] and again.loaded
     assert json.loads(first.path.read_text())["pad_token_id"] == reference(model)[1]  # recorded again
+
+
+def test_a_directory_where_a_record_goes_is_said_and_the_run_goes_on(model, tmp_path, caplog):
+    first = RecordedTokenizer(str(model), tmp_path / "cache")
+    first.path.mkdir(parents=True)  # a directory where the record goes (was: IsADirectoryError)
+    with caplog.at_level("WARNING"):
+        assert first.recorded_fingerprint() == reference(model)[0]
+    assert (
+        f"the tokenizer's record {first.path} is not kept" in caplog.text and "is a directory" in caplog.text
+    )
+    assert first.path.is_dir() and not any(first.path.iterdir())  # never removed: hsextract did not make it

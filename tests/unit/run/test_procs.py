@@ -53,3 +53,24 @@ def test_the_cli_entry_exits_with_clicks_codes():
         [sys.executable, "-m", "hsextract.cli", "nonsense"], capture_output=True, text=True
     )
     assert usage.returncode == 2 and "No such command" in usage.stderr, usage.stderr
+
+
+def test_a_run_whose_stdout_reader_goes_carries_on_and_says_so_once(monkeypatch, capsys):
+    """``hsextract run ... | head -1``: the pipe's reader is gone after the first line. The run's echo says once on
+    stderr how to follow it and writes nothing more there (was: exit 1 without a word, before any worker)."""
+    import io
+    import os
+
+    from hsextract.run.procs import steady_echo
+
+    read, write = os.pipe()
+    stream = io.TextIOWrapper(os.fdopen(write, "wb"), write_through=True)
+    monkeypatch.setattr(sys, "stdout", stream)
+    echo = steady_echo("hsextract status RUN")
+    os.close(read)  # `head -1` has read its line and gone
+    for line in ("data: 28 rows", "plan: 7 batches", "done"):
+        echo(line)  # a real EPIPE the first time; nothing raised, nothing more tried
+    monkeypatch.undo()
+    stream.close()
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["hsextract: standard output failed (Broken pipe); carrying on: hsextract status RUN"]

@@ -1,8 +1,10 @@
 """The status document and the rate history, without processes: damaged progress files, the history's bound, the
 chart's rates. (The server and the page against a real run are in test_serve.py.)"""
 
+import contextlib
 import json
 import socket
+import sys
 
 import pytest
 
@@ -203,3 +205,20 @@ def test_status_shows_what_the_chat_template_left_out_and_names_a_damaged_count(
     lines = data_lines(status_document(run_dir)["plan"])
     assert any("unrendered: {'reasoning': -3} is not a count per field" in line for line in lines)
     assert not any("-3 rows" in line for line in lines)
+
+
+def test_a_full_stdout_is_named_as_such_not_as_a_file_to_resume(run_dir, monkeypatch, capsys):
+    """``hsextract status RUN > /dev/full``: where stdout goes is full, which no rerun of the job fixes (was:
+    "cannot write a file: ... rerun the same command to resume")."""
+    from hsextract.cli import main
+
+    full = open("/dev/full", "w")  # a real ENOSPC on every write
+    monkeypatch.setattr(sys, "stdout", full)
+    with pytest.raises(SystemExit) as exit_:
+        main.main(["status", str(run_dir)], standalone_mode=False)
+    monkeypatch.undo()
+    with contextlib.suppress(OSError):  # what it still holds cannot be written either
+        full.close()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "resume" not in err
+    assert err.startswith("error: cannot write to standard output: No space left on device (the file it is")

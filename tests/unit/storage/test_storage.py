@@ -328,3 +328,19 @@ def test_local_discard_partials_removes_only_unfinished_copies(tmp_path: Path) -
     assert sink.discard_partials("shard-00001/") == 1
     assert sink.list_keys() == ["shard-00001/batch-000001.safetensors"]
     assert (tmp_path / "shard-00002" / "batch-000005.safetensors.tmp-1-2").exists()
+
+
+def test_a_directory_where_hsextract_keeps_a_file_is_named_not_removed(tmp_path):
+    from hsextract.prepare.tokenfile import TokenizedSamples
+    from hsextract.storage.fileio import write_json
+
+    for name, write in (
+        ("run.json", lambda path: write_json(path, {"a": 1})),
+        ("tokens.safetensors", TokenizedSamples(["a"], [1, 2], [0, 1], [0, 2]).save),
+    ):
+        (tmp_path / name / "theirs").mkdir(parents=True)
+        with pytest.raises(
+            HsextractError, match=f"{tmp_path / name} is a directory where hsextract keeps a file"
+        ):
+            write(tmp_path / name)
+        assert (tmp_path / name / "theirs").is_dir()  # was: IsADirectoryError, a traceback
