@@ -30,6 +30,7 @@ from support.s3server import cli_env
 from hsextract.config import run_staging_dir
 from hsextract.output import JOB, Plan, open_output
 from hsextract.run.progress import ShardProgress
+from hsextract.validation import SEAL_KEY, seal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -163,7 +164,10 @@ def test_uploader_stops_when_the_output_is_claimed_by_another_job_mid_run(tmp_pa
         for pid in pids:  # frozen with batches still to compute, so uploads follow the change
             freeze(pid)
         job = json.loads((tmp_path / "out" / JOB).read_text())
-        (tmp_path / "out" / JOB).write_text(json.dumps({**job, "plan_hash": "0123456789abcdef"}))
+        job = {
+            k: v for k, v in job.items() if k != SEAL_KEY
+        }  # another job's claim proves itself, as ours does
+        (tmp_path / "out" / JOB).write_text(json.dumps(seal({**job, "plan_hash": "0123456789abcdef"})))
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         assert proc.wait(timeout=120) == 1
@@ -284,7 +288,7 @@ def test_truncated_plan_gives_a_clear_message_and_restart_recovers(tmp_path, tin
         and "Traceback" not in r.stderr
     )
     refused(args, "plan.json", "damaged", "--restart")
-    run_cli(*args, "--restart")
+    run_cli(*args, "--restart", "--yes")  # the output was finished: --restart asks first
     assert batch_bytes(tmp_path / "out") == batch_bytes(reference / "out")
 
 

@@ -347,7 +347,7 @@ def test_rerun_with_changed_plan_is_refused_and_restart_starts_over(tmp_path, ti
     )
     assert done_keys(run_dir) == done_before and (out / "manifest.json").exists()
 
-    r = run_cli(*changed, "--restart", timeout=RUN_TIMEOUT_S)
+    r = run_cli(*changed, "--restart", "--yes", timeout=RUN_TIMEOUT_S)  # over a finished output
     assert "--restart: cleared" in r.stdout and "done:" in r.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["fingerprint"]["max_rows"] == 16

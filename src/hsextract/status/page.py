@@ -297,7 +297,7 @@ def _plan_section(plan: dict) -> str:
         f"<td>{L['hf_output_hidden_states_index']}</td><td>{L['vllm_speculators_id']}</td></tr>"
         for L in plan["layers"]
     )
-    data = "".join(f"<dt>{_esc(k.replace('_', ' '))}</dt><dd>{_count(v)}</dd>" for k, v in report.items())
+    data = "".join(f"<dt>{_esc(k.replace('_', ' '))}</dt><dd>{_figure(v)}</dd>" for k, v in report.items())
     return (
         '<h2>Plan</h2><div class="plan"><dl>'
         f'<dt>model</dt><dd class="mono">{_esc(plan["model"])}</dd>'
@@ -315,6 +315,13 @@ def _plan_section(plan: dict) -> str:
         + "".join(f'<p class="err">damaged: {_esc(problem)}</p>' for problem in plan.get("damaged") or [])
         + _sources_table(plan.get("data_sources", []))
     )
+
+
+def _figure(value) -> str:
+    """A count, or counts by name (``unrendered``: ``reasoning 3``)."""
+    if isinstance(value, dict):
+        return _esc(", ".join(f"{name} {_count(n)}" for name, n in sorted(value.items())) or "none")
+    return _count(value)
 
 
 def _sources_table(sources: list[dict]) -> str:

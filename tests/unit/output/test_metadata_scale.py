@@ -7,6 +7,7 @@ quadratic in batches or samples ~100x; the bound, 30x, leaves room for a shared 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -17,7 +18,14 @@ from support.synthetic import synthetic_plan
 from hsextract.output.finalize import job_manifest, load_job_files
 from hsextract.output.manifest import SAMPLE_INDEX, write_manifest
 from hsextract.output.reader import open_output
-from hsextract.output.records import claim_output, job_record, publish_job_files, write_done
+from hsextract.output.records import (
+    RunInfo,
+    claim_output,
+    job_record,
+    publish_job_files,
+    sample_ids_checksum,
+    write_done,
+)
 from hsextract.output.sample_index import checksum, encode, table_from_files
 from hsextract.prepare.plan import make_plan
 from hsextract.run.launcher import finish_output
@@ -43,17 +51,19 @@ def metadata_output(root, batches: int, *, done: bool) -> LocalSink:
     plan_hash = plan.plan_hash  # a hash of the whole plan: once, not per batch
     sink = LocalSink(root)
     LENGTHS[str(root)] = lengths
-    info = {
-        "layer_ids": [0, 1],
-        "layer_types": ["full_attention"] * 2,
-        "num_layers": 2,
-        "hidden_size": 4,
-        "pad_token_id": 0,
-        "plan_hash": plan_hash,
-        "file_metadata": {},
-    }
+    samples = json.dumps(ids).encode()  # the job files as preparation publishes them, each proving itself
+    info = RunInfo(
+        layer_ids=(0, 1),
+        layer_types=("full_attention",) * 2,
+        num_layers=2,
+        hidden_size=4,
+        pad_token_id=0,
+        plan_hash=plan_hash,
+        file_metadata={},
+        sample_ids_sha256=sample_ids_checksum(samples),
+    ).to_json()
     claim_output(sink, job_record(plan=plan, nodes=2, run_dir="synthetic", host="synthetic"))
-    publish_job_files(sink, {"plan": plan.to_json(), "info": info, "samples": ids, "data_report": {}})
+    publish_job_files(sink, {"plan": plan.to_json(), "info": info, "samples": samples, "data_report": {}})
     if not done:
         return sink
     stored = {

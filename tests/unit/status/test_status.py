@@ -200,6 +200,7 @@ def test_status_shows_what_the_chat_template_left_out_and_names_a_damaged_count(
     doc = status_document(run_dir)
     assert "reasoning not rendered in 3 rows" in data_lines(doc["plan"])[0]
     assert "reasoning not rendered in 3 rows" in CliRunner().invoke(main, ["status", str(run_dir)]).output
+    assert "<dt>unrendered</dt><dd>reasoning 3</dd>" in render_body(doc, history(run_dir))
 
     RunDir(run_dir).data_report_file.write_text(json.dumps({**report, "unrendered": {"reasoning": -3}}))
     lines = data_lines(status_document(run_dir)["plan"])
