@@ -44,7 +44,7 @@ DEFAULT_PREPARE_WAIT_S = 3600.0
 RESERVED_TEMPLATE_ARGS = frozenset(
     {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
 )
-"""Arguments every rendering sets itself; a user's value for them would be silently overridden."""
+"""Arguments every rendering (ours, a server's) sets itself: a user's value for them would be overridden."""
 REQUIRED = ("model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -300,27 +300,7 @@ class RunConfig:
             )
 
     def _check_chat_options(self) -> None:
-        kwargs = self.chat_template_kwargs
-        if isinstance(kwargs, dict):  # a YAML mapping: kept as its canonical JSON, like the command line's
-            kwargs = json.dumps(kwargs)
-        if kwargs is not None:
-            try:
-                value = json.loads(kwargs) if isinstance(kwargs, str) else None
-            except json.JSONDecodeError as e:
-                raise HsextractError(
-                    f"--chat-template-kwargs {kwargs!r} is not JSON ({e}); give an object, e.g. "
-                    """'{"enable_thinking": false}'"""
-                ) from None
-            if not isinstance(value, dict):
-                raise HsextractError(
-                    f"--chat-template-kwargs must be a JSON object of template arguments, got {kwargs!r}"
-                )
-            reserved = sorted(set(value) & RESERVED_TEMPLATE_ARGS)
-            if reserved:
-                raise HsextractError(
-                    f"--chat-template-kwargs: {', '.join(reserved)} are set by hsextract itself, not by the user"
-                )
-            object.__setattr__(self, "chat_template_kwargs", json.dumps(value, sort_keys=True))
+        object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.chat_template is not None:
             self.chat_template_text  # noqa: B018 -- a missing file fails here
 
@@ -411,6 +391,30 @@ class RunConfig:
         """Environment a worker needs beyond config.json: the endpoint with its credentials, if it has any."""
         url = self.s3_endpoint_url
         return {ENDPOINT_ENV: url} if url and redact(url) != url else {}
+
+
+def template_kwargs_json(value) -> str | None:
+    """``--chat-template-kwargs`` (JSON text, or a YAML mapping) as canonical JSON: what the plan records and a
+    server's ``chat_template_kwargs`` takes; anything but an object of arguments left to the user is an error."""
+    if value is None:
+        return None
+    try:
+        parsed = value if isinstance(value, dict) else json.loads(value)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise HsextractError(
+            f"--chat-template-kwargs {value!r} is not JSON ({e}); give an object, e.g. "
+            """'{"enable_thinking": false}'"""
+        ) from None
+    if not isinstance(parsed, dict):
+        raise HsextractError(
+            f"--chat-template-kwargs must be a JSON object of template arguments, got {value!r}"
+        )
+    reserved = sorted(set(parsed) & RESERVED_TEMPLATE_ARGS)
+    if reserved:
+        raise HsextractError(
+            f"--chat-template-kwargs: {', '.join(reserved)} are set by each rendering itself, not by the user"
+        )
+    return json.dumps(parsed, sort_keys=True)
 
 
 @functools.cache

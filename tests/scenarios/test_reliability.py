@@ -424,6 +424,8 @@ def test_status_page_on_a_public_address_warns_that_it_has_no_authentication(ref
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Ctrl-C as a terminal sends it, even where the harness runs in the background (SIGINT ignored there).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         lines = [p.stdout.readline(), p.stdout.readline()]

@@ -15,18 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from hsextract.config import template_kwargs_json
 from hsextract.errors import HsextractError, redact
 
 TURNS = ("all", "first")
 COMPRESSIONS = ("zstd", "gzip")
 REQUIRED = ("endpoint", "served_model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
-
-
-RESERVED_TEMPLATE_ARGS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
-)
-"""Template arguments the server sets itself: a value for them in ``chat_template_kwargs`` would be overridden."""
 
 
 def _opt(default, *, flag: str | None = None, choices: tuple | None = None):
@@ -206,33 +201,6 @@ class RegenerateConfig:
             "data_seed": self.data_seed,
             "compression": self.compression,
         }
-
-
-def template_kwargs_json(value) -> str | None:
-    """``--chat-template-kwargs`` (JSON text, or a YAML mapping) as canonical JSON; anything but an object of
-    arguments the server leaves to the user is an error."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        parsed = value
-    else:
-        try:
-            parsed = json.loads(value)
-        except (TypeError, json.JSONDecodeError) as e:
-            raise HsextractError(
-                f"--chat-template-kwargs {value!r} is not JSON ({e}); give an object, e.g. "
-                """'{"enable_thinking": false}'"""
-            ) from None
-    if not isinstance(parsed, dict):
-        raise HsextractError(
-            f"--chat-template-kwargs must be a JSON object of template arguments, got {value!r}"
-        )
-    reserved = sorted(set(parsed) & RESERVED_TEMPLATE_ARGS)
-    if reserved:
-        raise HsextractError(
-            f"--chat-template-kwargs: {', '.join(reserved)} are set by the server, not by the user"
-        )
-    return json.dumps(parsed, sort_keys=True)
 
 
 def _endpoint_url(given) -> str:

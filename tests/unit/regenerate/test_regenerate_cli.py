@@ -91,7 +91,7 @@ def _args(server, data, out, *extra):
                 "--chat-template-kwargs",
                 '{"tools": []}',
             ],
-            "set by the server",
+            "set by each rendering itself",
         ),
         (
             [
