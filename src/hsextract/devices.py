@@ -31,6 +31,8 @@ class Gpu:
     used_bytes: int = 0
     total_bytes: int = 0
     """0: not known (no NVML, or a device NVML cannot look up)."""
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability (9, 0) for Hopper; None: not known."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,11 @@ def _nvml_gpu(pynvml, index: int, ref: str) -> Gpu:
         name = pynvml.nvmlDeviceGetName(handle)
     except pynvml.NVMLError:  # a MIG instance or a UUID NVML does not resolve: counted, memory unknown
         return Gpu(index)
-    return Gpu(index, name if isinstance(name, str) else name.decode(), memory.used, memory.total)
+    try:
+        capability = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
+    except (pynvml.NVMLError, AttributeError, TypeError):
+        capability = None
+    return Gpu(index, name if isinstance(name, str) else name.decode(), memory.used, memory.total, capability)
 
 
 def _cuda_from_torch() -> Cuda:
@@ -153,7 +159,28 @@ def check_gpus(shards: int, gpus: tuple[int, ...] | None, cuda: Cuda) -> None:
             )
 
 
+FP8_GEMM_CAPABILITY = (9, 0)
+"""Block-scaled fp8 GEMMs (``torch._scaled_mm`` with 1x128 / 128x128 scales) need Hopper."""
+
+
+def check_fp8_compute(shards: int, gpus: tuple[int, ...] | None, cuda: Cuda) -> None:
+    """``--compute fp8`` on GPUs known to lack block-scaled fp8 GEMMs is refused now, not by a worker after
+    preparation (``--compute auto`` dequantizes an FP8 checkpoint there instead)."""
+    wanted = gpus[:shards] if gpus else tuple(range(shards))
+    for i in wanted:
+        gpu = cuda.gpus[i] if i < len(cuda.gpus) else None
+        if gpu is not None and gpu.capability is not None and gpu.capability < FP8_GEMM_CAPABILITY:
+            raise HsextractError(
+                f"--compute fp8 needs block-scaled fp8 GEMMs (a Hopper GPU, compute capability 9.0); GPU {i}"
+                f"{f' ({gpu.name})' if gpu.name else ''} has {gpu.capability[0]}.{gpu.capability[1]}. Leave "
+                "--compute at auto (an FP8 checkpoint is then dequantized on load, saying so)"
+            )
+
+
 def check_device(cfg) -> None:
-    """``check_gpus`` for a run on ``cuda`` (``cfg`` a RunConfig); nothing to check on ``cpu``."""
+    """``check_gpus`` for a run on ``cuda`` (``cfg`` a RunConfig), and its ``--compute fp8``; nothing to check on
+    ``cpu``."""
     if cfg.device == "cuda":
         check_gpus(cfg.shards, cfg.gpus, detect_cuda())
+        if getattr(cfg, "compute", "auto") == "fp8":
+            check_fp8_compute(cfg.shards, cfg.gpus, detect_cuda())

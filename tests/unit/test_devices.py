@@ -73,3 +73,14 @@ def test_run_without_device_picks_cpu_here_and_says_why(tmp_path, monkeypatch):
     assert "device: cpu (--device auto: " in result.output, result.output
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert not (tmp_path / "runs").exists(), "a refused run left its run dir behind"
+
+
+def test_fp8_compute_on_a_gpu_without_fp8_gemms_is_refused_before_preparation():
+    from hsextract.devices import check_fp8_compute
+
+    hopper = Gpu(0, "NVIDIA H200", 0, H200, (9, 0))
+    ampere = Gpu(1, "NVIDIA A100", 0, H200, (8, 0))
+    check_fp8_compute(1, None, Cuda((hopper, ampere)))
+    check_fp8_compute(1, (1,), Cuda((hopper, Gpu(1))))  # capability not known: the worker decides
+    with pytest.raises(HsextractError, match=r"--compute fp8 needs .* GPU 1 \(NVIDIA A100\) has 8.0"):
+        check_fp8_compute(2, None, Cuda((hopper, ampere)))
