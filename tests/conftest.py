@@ -1,6 +1,10 @@
 """Shared fixtures: the tiny random qwen3_5 model and tokenizer, built once per test session."""
 
+import logging
 import os
+import signal
+import sys
+import threading
 
 import pytest
 import torch
@@ -65,3 +69,16 @@ def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.fixture
+def restored_process_state():
+    """What ``run`` installs in the process that calls it (signal handlers, the log redaction, the excepthooks) is
+    put back after the test: for tests that run the CLI in-process."""
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved = logging.getLogRecordFactory(), sys.excepthook, threading.excepthook
+    yield
+    for s, handler in signals.items():
+        signal.signal(s, handler)
+    logging.setLogRecordFactory(saved[0])
+    sys.excepthook, threading.excepthook = saved[1], saved[2]

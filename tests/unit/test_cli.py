@@ -2,11 +2,7 @@
 defaults live in RunConfig alone, and a YAML file fills what the command line leaves out."""
 
 import dataclasses
-import logging
 import os
-import signal
-import sys
-import threading
 
 import pytest
 from click.testing import CliRunner
@@ -83,15 +79,9 @@ def test_gpus_take_a_comma_list_on_the_command_line(tmp_path):
 # -- bad input: one message, exit 2, before any weight loads (the command in this process; one real process:
 # -- tests/scenarios/test_cli_errors.py) ----------------------------------------------------------------------------
 @pytest.fixture
-def cli():
-    """``hsextract ARGS`` in this process: (exit code, stderr). What ``run`` installs in its process (signal
-    handlers, the redaction) is put back after."""
-    saved = (
-        {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)},
-        logging.getLogRecordFactory(),
-        sys.excepthook,
-        threading.excepthook,
-    )
+def cli(restored_process_state):
+    """``hsextract ARGS`` in this process: (exit code, stderr); what ``run`` installs in its process is put back
+    after (``restored_process_state``)."""
 
     def invoke(*args, env=None):
         result = CliRunner().invoke(main, [str(a) for a in args], env=env)
@@ -99,11 +89,7 @@ def cli():
             raise result.exception  # a traceback where a message was due
         return result.exit_code, result.stderr
 
-    yield invoke
-    for s, handler in saved[0].items():
-        signal.signal(s, handler)
-    logging.setLogRecordFactory(saved[1])
-    sys.excepthook, threading.excepthook = saved[2], saved[3]
+    return invoke
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,7 @@
 `dry-run` before any row is read, naming the files (the command in this process, through click's CliRunner)."""
 
 import json
-import logging
 import shutil
-import signal
-import sys
-import threading
 
 import pytest
 from click.testing import CliRunner
@@ -15,17 +11,7 @@ from support.cli import TINY_LIMITS, cli_run_args, write_mixed_dataset
 from hsextract.cli import main
 from hsextract.model.checkpoint import missing_weights, safetensors_problem
 
-
-@pytest.fixture(autouse=True)
-def _restored_process_state():
-    """What `run` installs in its process (signal handlers, the redaction) is put back after each test."""
-    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    saved = logging.getLogRecordFactory(), sys.excepthook, threading.excepthook
-    yield
-    for s, handler in signals.items():
-        signal.signal(s, handler)
-    logging.setLogRecordFactory(saved[0])
-    sys.excepthook, threading.excepthook = saved[1], saved[2]
+pytestmark = pytest.mark.usefixtures("restored_process_state")
 
 
 @pytest.fixture(scope="module")

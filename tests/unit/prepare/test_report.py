@@ -3,10 +3,6 @@ console, `--max-bad-rows` stopping before any weight loads, and a source without
 that fits what its rows lacked."""
 
 import json
-import logging
-import signal
-import sys
-import threading
 
 import pytest
 from click.testing import CliRunner
@@ -16,17 +12,7 @@ from hsextract.cli import main
 from hsextract.demo import make_conversations
 from hsextract.prepare.report import DataReport
 
-
-@pytest.fixture(autouse=True)
-def _restored_process_state():
-    """What `run` installs in its process (signal handlers, the redaction) is put back after each test."""
-    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    saved = logging.getLogRecordFactory(), sys.excepthook, threading.excepthook
-    yield
-    for s, handler in signals.items():
-        signal.signal(s, handler)
-    logging.setLogRecordFactory(saved[0])
-    sys.excepthook, threading.excepthook = saved[1], saved[2]
+pytestmark = pytest.mark.usefixtures("restored_process_state")
 
 
 def _write(path, rows):

@@ -1,11 +1,6 @@
 """`--restart` of a finished output: refused without --yes (a question on a terminal), nothing changed; with the
 user's yes the old job's manifest goes. `hsextract run` in this process through click's CliRunner."""
 
-import logging
-import signal
-import sys
-import threading
-
 import pytest
 from click.testing import CliRunner
 from support.cli import TINY_LIMITS, cli_run_args, write_mixed_dataset
@@ -16,17 +11,7 @@ from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.run.preflight import prepare_run
 
-
-@pytest.fixture(autouse=True)
-def _restored_process_state():
-    """What `run` installs in its process (signal handlers, the redaction) is put back after each test."""
-    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    saved = logging.getLogRecordFactory(), sys.excepthook, threading.excepthook
-    yield
-    for s, handler in signals.items():
-        signal.signal(s, handler)
-    logging.setLogRecordFactory(saved[0])
-    sys.excepthook, threading.excepthook = saved[1], saved[2]
+pytestmark = pytest.mark.usefixtures("restored_process_state")
 
 
 def test_restart_of_a_finished_output_asks_first_and_deletes_only_when_told(

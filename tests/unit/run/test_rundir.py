@@ -1,28 +1,14 @@
 """A run refused by its checks leaves nothing behind: no run dir (the data files' hash memos do not count), no
 staging directory; a command refused for its options names no run dir. `hsextract run` in this process."""
 
-import logging
 import os
-import signal
-import sys
-import threading
 
 import pytest
 from click.testing import CliRunner
 
 from hsextract.cli import main
 
-
-@pytest.fixture(autouse=True)
-def _restored_process_state():
-    """What `run` installs in its process (signal handlers, the redaction) is put back after each test."""
-    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    saved = logging.getLogRecordFactory(), sys.excepthook, threading.excepthook
-    yield
-    for s, handler in signals.items():
-        signal.signal(s, handler)
-    logging.setLogRecordFactory(saved[0])
-    sys.excepthook, threading.excepthook = saved[1], saved[2]
+pytestmark = pytest.mark.usefixtures("restored_process_state")
 
 
 def test_a_run_refused_at_the_data_step_leaves_no_run_dir_and_no_staging(tiny_model, tmp_path, monkeypatch):
