@@ -36,93 +36,28 @@ def _args(server, data, out, *extra):
     return ["--endpoint", server.url, "--served-model", "org/model", "--data", data, "--output", out, *extra]
 
 
+REQUIRED_REST = ["--served-model", "m", "--data", "x", "--output", "o"]
+"""The required options besides --endpoint; each case adds the one it gets wrong."""
+
+
+def _options(*extra, endpoint="http://h"):
+    return ["--endpoint", endpoint, *REQUIRED_REST, *extra]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--data", "x.jsonl"], "missing --endpoint, --served-model, --output"),
+        (_options(endpoint="gpu-node:8000"), "not an http"),
+        (_options(endpoint="http://u:secret@h/v1"), "--api-key-env"),
         (
-            ["--endpoint", "gpu-node:8000", "--served-model", "m", "--data", "x", "--output", "o"],
-            "not an http",
-        ),
-        (
-            ["--endpoint", "http://u:secret@h/v1", "--served-model", "m", "--data", "x", "--output", "o"],
-            "--api-key-env",
-        ),
-        (
-            [
-                "--endpoint",
-                "http://h/v1",
-                "--endpoint",
-                "http://h/v1/",
-                "--served-model",
-                "m",
-                "--data",
-                "x",
-                "--output",
-                "o",
-            ],
+            ["--endpoint", "http://h/v1", "--endpoint", "http://h/v1/", *REQUIRED_REST],
             "the same server twice",
         ),
-        (
-            [
-                "--endpoint",
-                "http://h",
-                "--served-model",
-                "m",
-                "--data",
-                "x",
-                "--output",
-                "o",
-                "--chat-template-kwargs",
-                "[1]",
-            ],
-            "must be a JSON object",
-        ),
-        (
-            [
-                "--endpoint",
-                "http://h",
-                "--served-model",
-                "m",
-                "--data",
-                "x",
-                "--output",
-                "o",
-                "--chat-template-kwargs",
-                '{"tools": []}',
-            ],
-            "set by each rendering itself",
-        ),
-        (
-            [
-                "--endpoint",
-                "http://h",
-                "--served-model",
-                "m",
-                "--data",
-                "x",
-                "--output",
-                "o",
-                "--api-key-env",
-                "sk-abc.def",
-            ],
-            "NAME of an environment variable",
-        ),
-        (
-            [
-                "--endpoint",
-                "http://h",
-                "--served-model",
-                "m",
-                "--data",
-                "x",
-                "--output",
-                "o",
-                "--api-key-env",
-                "HSX_UNSET_KEY",
-            ],
-            "HSX_UNSET_KEY: the variable is not set",
-        ),
+        (_options("--chat-template-kwargs", "[1]"), "must be a JSON object"),
+        (_options("--chat-template-kwargs", '{"tools": []}'), "set by each rendering itself"),
+        (_options("--api-key-env", "sk-abc.def"), "NAME of an environment variable"),
+        (_options("--api-key-env", "HSX_UNSET_KEY"), "HSX_UNSET_KEY: the variable is not set"),
         (["--endpoint", "http://h", "--served-model", "m", "--data", "x?limit=0", "--output", "o"], "limit"),
     ],
 )
