@@ -321,6 +321,13 @@ class RunConfig:
         return self.model_dir or self.model
 
     @property
+    def chat_options(self):
+        """The template and arguments the run renders conversations with (``prepare.chat.ChatOptions``)."""
+        from hsextract.prepare.chat import ChatOptions
+
+        return ChatOptions.of(self.chat_template_text, self.template_kwargs)
+
+    @property
     def template_kwargs(self) -> dict:
         """``chat_template_kwargs`` as a dict (empty when not given)."""
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}

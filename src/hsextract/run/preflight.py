@@ -38,7 +38,6 @@ from hsextract.output import (
     run_file_metadata,
     sample_ids_checksum,
 )
-from hsextract.prepare.chat import ChatOptions
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, resolve_sources
@@ -310,7 +309,7 @@ def encoding_options(cfg: RunConfig, run_dir: RunDir) -> dict:
         too_long=cfg.too_long,
         cache_dir=run_dir.cache_dir,
         dedupe=cfg.dedupe,
-        chat=ChatOptions.of(cfg.chat_template_text, cfg.template_kwargs),
+        chat=cfg.chat_options,
     )
 
 
@@ -333,9 +332,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
     return {
         **mix.fingerprint(),
         **tokenizer_fingerprint(tokenizer),
-        **ChatOptions.of(
-            cfg.chat_template_text, cfg.template_kwargs
-        ).fingerprint(),  # a given template's hash wins
+        **cfg.chat_options.fingerprint(),  # a given template's hash replaces the tokenizer's
         **model_identity(cfg, model.config),
         "layer_ids": list(model.layer_ids),
         "dtype": cfg.dtype,
