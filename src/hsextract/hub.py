@@ -57,7 +57,7 @@ def is_hub_id(name: str) -> bool:
 def resolve_model(name: str, revision: str | None = None) -> ResolvedModel:
     """The directory ``name`` stands for; one clear line when it is neither a directory nor a Hub id found."""
     path = Path(name).expanduser()
-    if path.exists() or not HUB_ID.match(name):
+    if not is_hub_id(name):
         if not path.exists():
             raise HsextractError(
                 f"--model {name}: no such directory, and not a Hub id of the form org/name either"
