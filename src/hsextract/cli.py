@@ -1,5 +1,5 @@
-"""The command line: ``hsextract run | regenerate | dry-run | status | finalize | verify | export | demo``. The only
-module that imports click.
+"""The command line: ``hsextract run | regenerate | dry-run | layers | status | finalize | verify | export | demo``.
+The only module that imports click.
 
 Options mirror RunConfig's fields; ``--config FILE.yaml`` fills them from a file (configs/), and options given on
 the command line override it. User errors print one message and exit with status 2.
