@@ -137,6 +137,11 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
             f"{n} of {sampled.report.kept} sampled rows carry {what} that the chat template does not render: "
             "their tokens leave it out (--chat-template, --chat-template-kwargs give the server's rendering)"
         )
+    compute = getattr(lm, "hsx_compute", "bf16")
+    fp8_check = None
+    if compute.startswith("fp8"):
+        fp8_check = check_fp8(lm, cfg, layout, proof, samples, device)
+        warnings += fp8_check["warnings"]
     ok = all(e["ok"] for e in layers_report) and not warnings
     report = {
         "model": cfg.model,
@@ -151,7 +156,8 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         "layers": layers_report,
         "final_state": None if norm is None else {"layer": num_layers - 1, **norm.describe()},
         "storage_dtype": layout.storage_dtype or cfg.dtype,
-        "compute": getattr(lm, "hsx_compute", "bf16"),
+        "compute": compute,
+        "fp8_check": fp8_check,
         "target_topk": topk_report,
         "proof": {
             "samples": proof.num_samples,
@@ -174,6 +180,8 @@ class Proof:
 
     states: torch.Tensor
     """[tokens, slots, hidden] float32, as the pipeline captured them (unquantized)."""
+    rows: list
+    """(sample index, first token, end) of each sample's rows in ``states``, longest first."""
     errors: dict
     """layer id -> {"match": [...], "prev": [...], "next": [...]} relative errors per sample vs HF k+1, k, k+2."""
     fp8: torch.Tensor | None
@@ -256,12 +264,32 @@ def prove_layers(
                     errors[k]["next"].append(_rel(got, ref[k + 2][0].float().cpu()))
     return Proof(
         states=states,
+        rows=[(i, cu[row], cu[row + 1]) for row, i in enumerate(order)],
         errors=errors,
         fp8=fp8,
         topk=None if topk is None else topk.summary(),
         num_samples=len(order),
         num_tokens=batch.num_tokens,
         seconds=seconds,
+    )
+
+
+def check_fp8(lm, cfg: RunConfig, layout: StateLayout, proof: Proof, samples, device) -> dict:
+    """fp8 compute held against its recipe and the recipe's wrong variants (model/fp8_check.py), on the two proof
+    samples nearest the median length: each costs seven unbatched forwards."""
+    from hsextract.model.fp8_check import check_compute
+    from hsextract.model.fp8_load import is_fp8_checkpoint
+
+    mid = len(proof.rows) // 2
+    rows = proof.rows[max(0, mid - 1) : mid + 1]
+    return check_compute(
+        lm,
+        cfg.model_path,
+        not cfg.random_weights and is_fp8_checkpoint(cfg.model_path),
+        layout.slot_layers,
+        [samples.sample(i)[0] for i, _, _ in rows],
+        [proof.states[a:b] for _, a, b in rows],
+        device,
     )
 
 

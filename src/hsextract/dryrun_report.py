@@ -60,6 +60,7 @@ def format_report(report: dict) -> str:
             "fp8-emulated": " (the served FP8 recipe, emulated in float32: no block-scaled fp8 GEMMs here)",
         }.get(compute, f" (no fp8: the linears run in {p['dtype']})")
     )
+    lines += fp8_check_lines(report.get("fp8_check"))
     f = report.get("final_state")
     if f:
         lines.append(
@@ -119,3 +120,33 @@ def format_report(report: dict) -> str:
         else "dry run FAILED: do not start the run until the warnings above are understood"
     )
     return "\n".join(lines)
+
+
+def fp8_check_lines(check: dict | None) -> list[str]:
+    """The fp8 compute's proof: per layer the capture's distance from the served recipe, from the nearest of its
+    wrong variants and from the bf16 target's states."""
+    if not check:
+        return []
+    loaded = (
+        f"{check['linears']} fp8 linears, "
+        + (
+            "weights and scales identical to the checkpoint's files"
+            if not check["mismatched_linears"]
+            else f"{len(check['mismatched_linears'])} NOT as in the checkpoint's files"
+        )
+        if check["checked_against_files"]
+        else f"{check['linears']} linears quantized on load"
+    )
+    lines = [
+        f"fp8 recipe check: {check['samples']} samples, {check['tokens']} tokens; {loaded}; relative L2 distance "
+        f"of the states from each reference (bf16 target: {check['bf16_target']})",
+        f"{'layer':>7}{'recipe':>10}  {'nearest wrong variant':<38}{'bf16 target':>12}  nearest the recipe",
+    ]
+    for layer, dist in check["layers"].items():
+        wrong = {v: d for v, d in dist.items() if v != "recipe"}
+        nearest = min(wrong, key=wrong.get)
+        lines.append(
+            f"{layer:>7}{dist['recipe']:>10.2e}  {f'{wrong[nearest]:.2e} ({nearest})':<38}"
+            f"{dist['bf16 weights']:>12.2e}  {'yes' if dist['recipe'] < wrong[nearest] else 'NO'}"
+        )
+    return lines

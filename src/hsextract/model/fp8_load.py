@@ -16,6 +16,7 @@ Hopper) an FP8 checkpoint is dequantized on load, saying so; on the CPU the reci
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -88,7 +89,9 @@ def unquantized_config(model: str):
     return config
 
 
-def _weight_files(root: Path) -> list[Path]:
+def weight_files(model: str) -> list[Path]:
+    """The checkpoint's safetensors files (those its index names, when it has one)."""
+    root = Path(model)
     index = root / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -101,9 +104,8 @@ def read_scales(model: str) -> dict[str, object]:
     import torch
     from safetensors import safe_open
 
-    root = Path(model)
     scales = {}
-    for path in _weight_files(root):
+    for path in weight_files(model):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key.endswith(SCALE_SUFFIX):
@@ -115,22 +117,53 @@ def read_scales(model: str) -> dict[str, object]:
     return scales
 
 
-def scales_by_module(lm, checkpoint_scales: dict) -> dict:
-    """``checkpoint_scales`` keyed by the loaded model's module names (transformers' renaming of checkpoint keys);
-    scales of modules the model does not have (a vision tower, MTP layers) are left out."""
+def module_keys(lm, keys) -> dict[str, str]:
+    """The loaded model's module name -> the checkpoint key (``*.weight``) it was loaded from, by transformers'
+    renaming of checkpoint keys; keys of modules the model does not have (a vision tower, MTP layers) are left out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     renamings = get_model_conversion_mapping(lm)
     modules = dict(lm.named_modules())
     out = {}
-    for name, scale in checkpoint_scales.items():
-        key = name + ".weight"
+    for source in keys:
+        key = source
         for rename in renamings:
             key, _ = rename.rename_source_key(key)
         target = key.removesuffix(".weight")
         if target in modules:
-            out[target] = scale
+            out[target] = source
     return out
+
+
+def scales_by_module(lm, checkpoint_scales: dict) -> dict:
+    """``checkpoint_scales`` keyed by the loaded model's module names (``module_keys``)."""
+    keys = module_keys(lm, [name + ".weight" for name in checkpoint_scales])
+    return {module: checkpoint_scales[key.removesuffix(".weight")] for module, key in keys.items()}
+
+
+class _ScalesExpected(logging.Filter):
+    """transformers' load report when its only finding is the FP8 checkpoint's ``weight_scale_inv`` tensors, which
+    this module reads itself (``read_scales``): not a problem, so not a warning; any other finding stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message:
+            return True
+        rows = [line for line in message.splitlines() if "|" in line and not line.startswith(("Key", "-"))]
+        return not rows or not all(SCALE_SUFFIX in row and "UNEXPECTED" in row for row in rows)
+
+
+@contextlib.contextmanager
+def scales_expected(fp8_checkpoint: bool):
+    """Inside the block, transformers' load report of an FP8 checkpoint says nothing of its scales."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    quiet = _ScalesExpected()
+    if fp8_checkpoint:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def apply_compute(lm, *, model: str, compute: str, fp8_checkpoint: bool, device, dtype) -> str:

@@ -91,23 +91,8 @@ def load_model(
         with torch.device(device):
             lm = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
-        # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
-        placement = {} if device == "cpu" else {"device_map": {"": device}}
-        lm = None
-        if device != "cpu" and fast_load_enabled() and not trust_remote_code:
-            lm = fast_from_pretrained(
-                model, dtype=torch_dtype, attn_implementation=attn_implementation, device=device, **given
-            )
-        if lm is None:
-            with reader_threads(None if device == "cpu" else load_threads()):
-                lm = AutoModelForCausalLM.from_pretrained(
-                    model,
-                    dtype=torch_dtype,
-                    attn_implementation=attn_implementation,
-                    trust_remote_code=trust_remote_code,
-                    **placement,
-                    **given,
-                )
+        with fp8_load.scales_expected(fp8_checkpoint):
+            lm = _from_pretrained(model, torch_dtype, attn_implementation, device, trust_remote_code, given)
     lm.eval()
     lm.requires_grad_(False)
     lm.hsx_compute = fp8_load.apply_compute(
@@ -118,6 +103,31 @@ def load_model(
         device=torch.device(device),
         dtype=torch_dtype,
     )
+    return lm
+
+
+def _from_pretrained(
+    model: str, torch_dtype, attn_implementation: str, device: str, trust_remote_code, given
+):
+    from transformers import AutoModelForCausalLM
+
+    # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
+    placement = {} if device == "cpu" else {"device_map": {"": device}}
+    lm = None
+    if device != "cpu" and fast_load_enabled() and not trust_remote_code:
+        lm = fast_from_pretrained(
+            model, dtype=torch_dtype, attn_implementation=attn_implementation, device=device, **given
+        )
+    if lm is None:
+        with reader_threads(None if device == "cpu" else load_threads()):
+            lm = AutoModelForCausalLM.from_pretrained(
+                model,
+                dtype=torch_dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                **placement,
+                **given,
+            )
     return lm
 
 
