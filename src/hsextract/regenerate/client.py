@@ -109,6 +109,10 @@ class EndpointPool:
         others = [e for e in healthy if e is not avoid] or healthy
         return min(others, key=lambda e: e.in_flight)
 
+    @property
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self.endpoints)
+
     def failed(self, endpoint: Endpoint) -> None:
         if endpoint.failed(time.monotonic(), self.down_after_s):
             self.went_down.append(endpoint.url)
@@ -125,12 +129,12 @@ class Retry:
 
 @dataclass
 class Counters:
+    """What a client did, as the closing report states it: requests sent (retries included), retries, and the
+    completion tokens of the answers."""
+
     requests: int = 0
     retries: int = 0
-    in_flight: int = 0
-    answered: int = 0
     tokens: int = 0
-    refused_in_a_row: int = 0
 
 
 class ChatClient:
@@ -147,13 +151,17 @@ class ChatClient:
         policy: RetryPolicy | None = None,
         timeout_s: float = 600.0,
         key_env: str | None = None,
+        counters: Counters | None = None,
     ):
         self.session, self.pool, self.policy = session, pool, policy or RetryPolicy()
         self.served_model, self.options = served_model, options
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.key_env = key_env
-        self.counters = Counters()
+        self.counters = counters if counters is not None else Counters()
+        # The refusal rule's state: refusals since the last answer, and whether any request was answered yet.
+        self.refused_in_a_row = 0
+        self.answered_any = False
 
     async def complete(self, messages: list[dict], tools: list | None) -> dict:
         body = {"model": self.served_model, "messages": messages, **self.options}
@@ -178,7 +186,6 @@ class ChatClient:
         """The reply, or a ``Retry``; raises ``RowFailed`` for a refused request and ``Stop`` for a refused key."""
         counters = self.counters
         counters.requests += 1
-        counters.in_flight += 1
         endpoint.in_flight += 1
         try:
             async with self.session.post(
@@ -194,7 +201,6 @@ class ChatClient:
         except (aiohttp.ClientError, OSError):  # dropped mid-reply, reset, closed without an answer
             return Retry("connection dropped")
         finally:
-            counters.in_flight -= 1
             endpoint.in_flight -= 1
         if status == 200:
             try:
@@ -202,19 +208,18 @@ class ChatClient:
             except ValueError as e:
                 return Retry(f"bad reply ({e})")
             endpoint.succeeded()
-            counters.answered += 1
             counters.tokens += tokens
-            counters.refused_in_a_row = 0
+            self.answered_any, self.refused_in_a_row = True, 0
             return reply
         if status in (401, 403):
             raise Stop(auth_message(endpoint.url, status, self.key_env))
         if self.policy.retried(status):
             return Retry(f"HTTP {status}", retry_after, endpoint_fault=status != 429)  # 429: busy, not broken
-        counters.refused_in_a_row += 1
+        self.refused_in_a_row += 1
         detail = _detail(payload)
-        if counters.answered == 0 and counters.refused_in_a_row >= REFUSALS_BEFORE_STOP:
+        if not self.answered_any and self.refused_in_a_row >= REFUSALS_BEFORE_STOP:
             raise Stop(
-                f"{endpoint.url} refused the first {counters.refused_in_a_row} requests (HTTP {status}: {detail}); "
+                f"{endpoint.url} refused the first {self.refused_in_a_row} requests (HTTP {status}: {detail}); "
                 "check the sampling options and --served-model"
             )
         raise RowFailed(f"refused (HTTP {status}: {detail})")

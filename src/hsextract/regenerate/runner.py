@@ -24,6 +24,7 @@ from hsextract.errors import HsextractError
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.regenerate.client import (
     ChatClient,
+    Counters,
     EndpointPool,
     RetryPolicy,
     RowFailed,
@@ -49,9 +50,8 @@ class Totals:
     truncated: int = 0
     cut_at_tool: int = 0
     failed: Counter = field(default_factory=Counter)
-    requests: int = 0
-    retries: int = 0
-    tokens: int = 0
+    client: Counters = field(default_factory=Counters)
+    """The chat client's own counters (it counts into them)."""
     seconds: float = 0.0
     went_down: list[str] = field(default_factory=list)
     stopped: str = ""
@@ -59,16 +59,17 @@ class Totals:
     signal: int = 0
 
     def lines(self, selection: Selection, cfg: RegenerateConfig) -> list[str]:
-        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        client = self.client
+        rate = client.tokens / self.seconds if self.seconds > 0 else 0.0
         lines = [
             f"wrote {self.written} rows in {self.chunks} chunk(s) to {cfg.output}"
             + (f", dropped {self.dropped} truncated rows (--drop-truncated)" if self.dropped else "")
             + (f"; {selection.done} were there already" if selection.done else ""),
         ]
-        if self.requests:
+        if client.requests:
             lines.append(
-                f"generated {self.tokens} tokens in {self.seconds:.1f} s: {rate:.1f} tok/s over "
-                f"{self.requests} requests ({self.retries} retries)"
+                f"generated {client.tokens} tokens in {self.seconds:.1f} s: {rate:.1f} tok/s over "
+                f"{client.requests} requests ({client.retries} retries)"
             )
         for url in self.went_down:
             lines.append(f"endpoint {url} failed for --endpoint-down-after and was taken out of the rotation")
@@ -205,6 +206,7 @@ class _Job:
                 policy=RetryPolicy(max_retries=cfg.max_retries),
                 timeout_s=cfg.request_timeout_s,
                 key_env=cfg.api_key_env,
+                counters=self.totals.client,
             )
             await self._answer(client)
 
@@ -233,10 +235,9 @@ class _Job:
                     {finished, stopped}, timeout=PROGRESS_EVERY_S, return_when="FIRST_COMPLETED"
                 )
                 elapsed = time.monotonic() - started
-                counters = client.counters
                 bar.set_postfix(
-                    in_flight=counters.in_flight,
-                    tok_s=f"{counters.tokens / max(elapsed, 1e-9):.0f}",
+                    in_flight=client.pool.in_flight,
+                    tok_s=f"{totals.client.tokens / max(elapsed, 1e-9):.0f}",
                     written=totals.written,
                     refresh=False,
                 )
@@ -258,12 +259,6 @@ class _Job:
             stopped.cancel()
             await chunks.flush()  # every finished row, whatever stopped the run
             bar.close()
-            counters = client.counters
-            totals.requests, totals.retries, totals.tokens = (
-                counters.requests,
-                counters.retries,
-                counters.tokens,
-            )
             totals.seconds = time.monotonic() - started
             totals.went_down = list(client.pool.went_down)
 

@@ -40,32 +40,18 @@ def _damaged(row: dict) -> int:
 
 
 SHARD_METRICS = (
-    # (kind, name, help, the status row's field or a function of the row; None leaves the shard out)
+    # One row a metric: (kind, name, help, the status row's field or a function of the row). A None value leaves
+    # the shard out of that metric.
     ("counter", "hsextract_tokens_done", "Tokens durable in the output.", "tokens_done"),
     ("gauge", "hsextract_planned_tokens", "Tokens planned for the shard.", "tokens_total"),
     ("counter", "hsextract_batches_done", "Batches durable in the output.", "batches_done"),
     ("gauge", "hsextract_planned_batches", "Batches planned for the shard.", "batches_total"),
-    (
-        "gauge",
-        "hsextract_tokens_per_second",
-        "Tokens made durable per second since the session's forwards began (the bar's and status's rate).",
-        "tokens_per_s",
-    ),
+    ("gauge", "hsextract_tokens_per_second", "Tokens made durable per second this session.", "tokens_per_s"),
     ("gauge", "hsextract_eta_seconds", "Time left at the worker's rate.", "eta_s"),
     ("gauge", "hsextract_staged_bytes", "Batch files in staging, not yet uploaded.", "staged_bytes"),
-    (
-        "gauge",
-        "hsextract_upload_queue_files",
-        "Files in staging waiting for the uploader.",
-        "uploads_waiting",
-    ),
+    ("gauge", "hsextract_upload_queue_files", "Staged files waiting for the uploader.", "uploads_waiting"),
     ("gauge", "hsextract_upload_lag_seconds", "Age of the oldest file waiting for upload.", "upload_lag_s"),
-    (
-        "gauge",
-        "hsextract_last_progress_age_seconds",
-        "Since the shard's tokens last advanced.",
-        "progress_age_s",
-    ),
+    ("gauge", "hsextract_last_progress_age_seconds", "Since the shard's tokens advanced.", "progress_age_s"),
     ("gauge", "hsextract_shard_failed", "1 if the shard crashed or failed.", _failed),
     ("gauge", "hsextract_shard_stalled", "1 if the worker lives but makes no progress.", _stalled),
     ("gauge", "hsextract_progress_file_damaged", "1 if the progress file cannot be read.", _damaged),

@@ -101,7 +101,7 @@ def server():
 def test_answers_come_back_with_their_tokens_counted(server):
     client, results = asyncio.run(_complete(server, n=5))
     assert results == [{**REPLY, "finish_reason": "stop"}] * 5
-    assert client.counters.tokens == 20 and client.counters.requests == 5 and client.counters.in_flight == 0
+    assert client.counters.tokens == 20 and client.counters.requests == 5 and client.pool.in_flight == 0
 
 
 def test_a_server_error_is_retried_a_bounded_number_of_times_then_fails_the_row(server):
