@@ -28,7 +28,8 @@ from support.procs import freeze
 from support.s3server import cli_env
 
 from hsextract.config import run_staging_dir
-from hsextract.output import JOB, Plan, open_output
+from hsextract.output import Plan, open_output
+from hsextract.output.records import JOB
 from hsextract.run.progress import ShardProgress
 from hsextract.validation import SEAL_KEY, seal
 

@@ -13,8 +13,9 @@ from support.s3server import cli_env
 
 from hsextract.demo import make_conversations
 from hsextract.errors import HsextractError
-from hsextract.output import JOB, open_output
+from hsextract.output import open_output
 from hsextract.output.manifest import MANIFEST
+from hsextract.output.records import JOB
 from hsextract.prepare.publish import LEASE as PREPARE_LEASE
 from hsextract.prepare.publish import RECORD as PREPARE_RECORD
 from hsextract.prepare.tokenfile import TokenizedSamples

@@ -39,7 +39,8 @@ from support.s3server import S3Endpoint, cli_env, free_port
 
 from hsextract.config import run_staging_dir
 from hsextract.errors import CorruptOutputError
-from hsextract.output import DONE_PREFIX, JOB, Plan, open_output
+from hsextract.output import Plan, open_output
+from hsextract.output.records import DONE_PREFIX, JOB
 from hsextract.run.progress import ShardProgress
 
 # aws_test_env: fake credentials for the boto3 clients of this process (the reader); the CLI gets its own (cli_env).

@@ -174,7 +174,7 @@ def done_keys(run_dir: Path) -> set[str]:
     output. The output is local: the test process has no S3 credentials of its own."""
     from hsextract.config import RunConfig
     from hsextract.errors import HsextractError
-    from hsextract.output import done_in_output
+    from hsextract.output.ledger import done_in_output
     from hsextract.storage.local import LocalSink
 
     try:
@@ -185,7 +185,7 @@ def done_keys(run_dir: Path) -> set[str]:
 
 
 def done_count(run_dir: Path, shard: int | None = None) -> int:
-    from hsextract.output import shard_name
+    from hsextract.output.ledger import shard_name
 
     keys = done_keys(run_dir)
     return len(keys) if shard is None else sum(k.startswith(f"{shard_name(shard)}/") for k in keys)

@@ -16,14 +16,8 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     from hsextract.container import read_file_head
     from hsextract.model.capture import model_final_norm
     from hsextract.model.load import load_model_for, torch_device
-    from hsextract.output import (
-        RunInfo,
-        batch_metadata,
-        stored_record,
-        write_batch_file,
-        write_done,
-        write_final_norm,
-    )
+    from hsextract.output import batch_metadata, write_batch_file, write_final_norm
+    from hsextract.output.ledger import RunInfo, stored_record, write_done
     from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.launcher import finish_output
     from hsextract.run.pipeline import Extractor

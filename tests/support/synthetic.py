@@ -17,19 +17,14 @@ from pathlib import Path
 import torch
 
 from hsextract.container import read_file_head
-from hsextract.output import (
-    BatchSpec,
-    Plan,
+from hsextract.output import BatchSpec, Plan, StateLayout, batch_metadata, run_file_metadata, write_batch_file
+from hsextract.output.ledger import (
     RunInfo,
-    StateLayout,
-    batch_metadata,
     claim_output,
     job_record,
     publish_job_files,
-    run_file_metadata,
     sample_ids_checksum,
     stored_record,
-    write_batch_file,
     write_done,
 )
 from hsextract.run.launcher import finish_output

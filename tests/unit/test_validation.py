@@ -9,7 +9,8 @@ import pytest
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import Plan, RunInfo
+from hsextract.output import Plan
+from hsextract.output.ledger import RunInfo
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.report import DataReport
 from hsextract.run.progress import DamagedProgress, ShardProgress

@@ -220,7 +220,7 @@ def check_vocab_options(draft_vocab: int | None, target_vocab_size: int | None, 
 def check_manifest_vocab(source: str, endpoint_url: str | None, recorded: int) -> None:
     """The manifest's vocabulary is the one the run recorded (its sealed ``hsextract/run.json``): an edited one
     is named with its fix, not met as a token id past it after the sample files are written."""
-    from hsextract.output import load_plan
+    from hsextract.output.ledger import load_plan
 
     sink = open_sink(source, endpoint_url)
     if not sink.exists("hsextract/run.json"):

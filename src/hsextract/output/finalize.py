@@ -24,8 +24,22 @@ from hsextract.errors import HsextractError
 from hsextract.output.final_norm import read_final_norm_meta
 from hsextract.output.jobfiles import load_job_files
 from hsextract.output.keys import parse_batch_key
-from hsextract.output.manifest import build_manifest, delete_manifest, has_manifest, write_manifest
-from hsextract.output.records import check_batches, done_in_output, done_key, stored_record, write_done
+from hsextract.output.manifest import (
+    STORED_FIELDS,
+    build_manifest,
+    delete_manifest,
+    has_manifest,
+    read_manifest,
+    write_manifest,
+)
+from hsextract.output.records import (
+    JOB_FILES,
+    check_batches,
+    done_in_output,
+    done_key,
+    stored_record,
+    write_done,
+)
 from hsextract.storage.base import StoredObject, removed_temps_note
 
 
@@ -41,6 +55,21 @@ def job_manifest(job, stored: dict[str, dict], final_norm: dict | None = None) -
         stored=stored,
         final_norm=final_norm,
     )
+
+
+def live_manifest(sink) -> dict | None:
+    """The manifest of the output behind ``sink`` if it has one, else one built from its job files with no batch
+    recorded yet (entries without size or checksums); None while the job files are not all there."""
+    if has_manifest(sink):
+        return read_manifest(sink)
+    if not all(sink.exists(key) for key in JOB_FILES.values()):
+        return None
+    job = load_job_files(sink)
+    manifest = job_manifest(job, {b.key: dict.fromkeys(STORED_FIELDS) for b in job[0].batches})
+    for entry in manifest["batches"]:
+        for field in STORED_FIELDS:
+            del entry[field]
+    return manifest
 
 
 def _withdraw_manifest(sink, echo) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import (
-    Plan,
+from hsextract.output import Plan, read_manifest
+from hsextract.output.ledger import (
     claim_output,
     delete_manifest,
     describe_job,
@@ -19,7 +19,6 @@ from hsextract.output import (
     has_manifest,
     job_record,
     read_job,
-    read_manifest,
 )
 from hsextract.prepare.plan import fingerprint_changes
 from hsextract.prepare.sources import changed_files

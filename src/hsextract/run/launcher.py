@@ -21,8 +21,8 @@ from pathlib import Path
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
 from hsextract.model.warmup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
-from hsextract.output import (
-    Plan,
+from hsextract.output import Plan
+from hsextract.output.ledger import (
     done_in_output,
     has_manifest,
     ready_manifest,

@@ -29,15 +29,8 @@ from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
-from hsextract.output import (
-    Plan,
-    RunInfo,
-    StateLayout,
-    estimate_file_bytes,
-    publish_job_files,
-    run_file_metadata,
-    sample_ids_checksum,
-)
+from hsextract.output import Plan, StateLayout, estimate_file_bytes, run_file_metadata
+from hsextract.output.ledger import RunInfo, publish_job_files, sample_ids_checksum
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.sources import Mix, resolve_sources

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.output import BatchSpec, check_file, read_metadata, shard_name, verified_done
+from hsextract.output import BatchSpec, read_metadata
+from hsextract.output.ledger import check_file, shard_name, verified_done
 from hsextract.storage.local import LocalSink
 
 log = logging.getLogger(__name__)

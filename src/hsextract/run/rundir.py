@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError, free_bytes
-from hsextract.output import shard_name
+from hsextract.output.ledger import shard_name
 
 RUN_DIR_MIN_FREE_BYTES = 16 << 20
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hsextract.container import read_file_head
 from hsextract.errors import HsextractError, StagedFileChanged, UploaderDied, disk_full, redact
-from hsextract.output import check_claim, stored_record, write_done
+from hsextract.output.ledger import check_claim, stored_record, write_done
 from hsextract.run.procs import die_with_parent, log_to_file
 from hsextract.storage import open_sink
 from hsextract.storage.base import DEFAULT_RETRY_DEADLINE_S, Sink

@@ -27,7 +27,8 @@ from hsextract.errors import HsextractError, disk_full, install_redaction, redac
 from hsextract.model import warmup
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
-from hsextract.output import BatchSpec, Plan, RunInfo, shard_name, write_final_norm
+from hsextract.output import BatchSpec, Plan, write_final_norm
+from hsextract.output.ledger import RunInfo, shard_name
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.monitor import ShardMonitor
 from hsextract.run.pipeline import Extractor

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import CONVENTION, Plan, RunInfo, shard_name
+from hsextract.output import CONVENTION, Plan
+from hsextract.output.ledger import RunInfo, shard_name
 from hsextract.prepare.report import COUNTS
 from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir, scan_staging

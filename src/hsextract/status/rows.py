@@ -14,7 +14,8 @@ from pathlib import Path
 
 from hsextract.config import RunConfig, node_shards
 from hsextract.errors import HsextractError
-from hsextract.output import JOB_FILES, Plan, done_in_output, has_manifest, load_plan, read_job
+from hsextract.output import Plan
+from hsextract.output.ledger import JOB_FILES, done_in_output, has_manifest, load_plan, read_job
 from hsextract.run.procs import pid_alive
 from hsextract.run.progress import FINAL_STATES, DamagedProgress, ShardProgress, ShardState
 from hsextract.run.rundir import RunDir

@@ -27,19 +27,8 @@ from pathlib import Path
 from torch.utils.data import get_worker_info
 
 from hsextract.errors import HsextractError
-from hsextract.output import (
-    JOB_FILES,
-    STORED_FIELDS,
-    Output,
-    done_in_output,
-    has_manifest,
-    job_manifest,
-    load_job_files,
-    read_done,
-    read_final_norm_meta,
-    read_manifest,
-    served_layers,
-)
+from hsextract.output import Output, read_final_norm_meta, read_manifest, served_layers
+from hsextract.output.ledger import STORED_FIELDS, done_in_output, has_manifest, live_manifest, read_done
 from hsextract.storage import open_sink
 from hsextract.training.index import Where, open_where
 from hsextract.training.order import rank_sequence, worker_share
@@ -47,21 +36,6 @@ from hsextract.training.schemas import Schema
 from hsextract.training.state import anything, check_state, count, is_int, sealed, seconds
 
 log = logging.getLogger(__name__)
-
-
-def live_manifest(sink) -> dict | None:
-    """The manifest of the output behind ``sink`` if it has one, else one built from its job files with no batch
-    recorded yet (entries without size or checksums); None while the job files are not all there."""
-    if has_manifest(sink):
-        return read_manifest(sink)
-    if not all(sink.exists(key) for key in JOB_FILES.values()):
-        return None
-    job = load_job_files(sink)
-    manifest = job_manifest(job, {b.key: dict.fromkeys(STORED_FIELDS) for b in job[0].batches})
-    for entry in manifest["batches"]:
-        for field in STORED_FIELDS:
-            del entry[field]
-    return manifest
 
 
 class Follow:

@@ -5,7 +5,7 @@ import pytest
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import claim_output, job_record, read_job
+from hsextract.output.ledger import claim_output, job_record, read_job
 from hsextract.prepare.plan import make_plan
 from hsextract.run.accept import reset_run
 from hsextract.run.rundir import RunDir

@@ -13,7 +13,7 @@ import pytest
 from support.s3server import S3Endpoint, free_port
 
 from hsextract.errors import UploaderDied
-from hsextract.output import claim_output, done_in_output, read_done
+from hsextract.output.ledger import claim_output, done_in_output, read_done
 from hsextract.run.uploader import Uploader
 from hsextract.storage import open_sink
 
