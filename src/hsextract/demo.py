@@ -1,10 +1,8 @@
 """The embedded default: a tiny random ``qwen3_5`` model, a tiny tokenizer and sample conversations.
 
-Nothing here is downloaded. The tokenizer is a byte-level BPE trained on the generated conversations, with a
-ChatML-style chat template that handles system prompts, tools, tool calls and ``<think>`` blocks the way Qwen's
-templates do (reasoning of earlier turns is dropped from the history). The model is the real transformers
-``Qwen3_5ForCausalLM`` class with a small config and random weights: Gated-DeltaNet layers mixed with full
-attention, as in the real target. Tests and the README's first command build everything from here.
+Nothing here is downloaded, so tests and the README's first command run anywhere; yet the parts are real: a
+byte-level BPE with a ChatML-style template that handles tools and ``<think>`` as Qwen's do, and transformers'
+own ``Qwen3_5ForCausalLM`` (Gated-DeltaNet mixed with full attention, as in the target) with random weights.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Which device the workers run on, checked with the other cheap checks, before any data is prepared.
 
-``--device auto`` (the default) is ``cuda`` where CUDA can run (a CUDA build of torch and an NVIDIA GPU), else
-``cpu``. A run on ``cuda`` is refused at once when there is no CUDA, when the shards need more GPUs than this
-machine shows, or when a GPU they would use is already nearly full: a worker would otherwise fail after the data's
-preparation with an error from deep inside torch.
-
-The facts come from NVML (``nvidia-ml-py``, in the ``gpu`` extra) and torch's package version, without importing
-torch or starting CUDA in the launcher (its workers start CUDA while it prepares: run/prestart.py); without NVML,
-torch is asked.
+A run on ``cuda`` is refused at once when there is no CUDA, too few GPUs, or a GPU already nearly full: a worker
+would otherwise fail after preparation with an error from deep inside torch. The facts come from NVML and torch's
+package version, without importing torch or starting CUDA in the launcher; without NVML, torch is asked.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Layer ids: presets, unions of presets, parsing and validation against the model's depth, what each id captures.
 
 Every id is the OUTPUT of decoder layer k (0-based) = HF ``output_hidden_states[k + 1]``, the convention of DFlash,
-SpecForge, ModelOpt, NeMo Automodel and DeepSpec (vLLM and speculators count the input of layer k: ours + 1).
-Presets, from the model's depth N and the sources that fix them:
-- ``dflash``: 5 ids evenly from 1 to N-3 (z-lab ``build_target_layer_ids``; NeMo Automodel ``draft_qwen3.py``);
-- ``dflash2``: 5 ids ending at N-3, ``round(N / 4.5)`` apart: the rule every published config fits (z-lab
-  Qwen3.8-27B-DFlash2, z-lab ``dflash2-config.json``, NeMo Automodel's ``qwen3*_dflash2.yaml``);
-- ``dspark``: DFlash's ids and the final state (DeepSpec ``dspark_qwen3_8b.py``, ``prepare_target_cache.py``);
-- ``eagle3``: [1, N//2 - 1, N - 4] and the final state.
-A union captures every id any of them needs once, in one forward; the output records each preset's ids.
+SpecForge, ModelOpt, NeMo Automodel and DeepSpec (vLLM and speculators count the input: ours + 1). Each
+preset's function names its rule and source (``dspark`` is DFlash's ids and the final state); a union captures
+every id once, in one forward, and the output records each preset's ids.
 """
 
 from __future__ import annotations
@@ -24,7 +19,8 @@ FINAL_STATE_PRESETS = ("dspark", "eagle3")
 
 
 def dflash_layer_ids(num_layers: int, num_targets: int = 5) -> tuple[int, ...]:
-    """DFlash's default: ``num_targets`` ids evenly spaced from 1 to N-3, rounded ([1, 16, 31, 46, 61] for 64)."""
+    """DFlash's default: ``num_targets`` ids evenly spaced from 1 to N-3, rounded ([1, 16, 31, 46, 61] for 64;
+    z-lab ``build_target_layer_ids``, NeMo Automodel ``draft_qwen3.py``)."""
     start, end = 1, num_layers - 3
     if num_targets == 1 or end <= start:
         return (start,)
@@ -34,7 +30,8 @@ def dflash_layer_ids(num_layers: int, num_targets: int = 5) -> tuple[int, ...]:
 
 def dflash2_layer_ids(num_layers: int, num_targets: int = 5) -> tuple[int, ...]:
     """DFlash 2's published ids: ``num_targets`` ending at N-3, ``round(N / (num_targets - 0.5))`` apart
-    ([5, 19, 33, 47, 61] for 64); DFlash's rule where that would start below layer 1."""
+    ([5, 19, 33, 47, 61] for 64): the rule every published config fits (z-lab ``dflash2-config.json``, NeMo
+    Automodel's ``qwen3*_dflash2.yaml``); DFlash's rule where that would start below layer 1."""
     end = num_layers - 3
     step = round(num_layers / (num_targets - 0.5))
     start = end - (num_targets - 1) * step

@@ -3,6 +3,7 @@ config or run, output never prepare, run, model or training...), the rest import
 module imports another in a circle."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,86 @@ def test_the_faces_export_what_they_name():
     for face in FACES.values():
         for name, module in face.items():
             assert hasattr(importlib.import_module(f"hsextract.output.{module}"), name), (name, module)
+
+
+# Module docstrings say what a module is for and why it is built that way, in a few lines; the rest lives in the
+# code's own comments and in docs/. Figures that were measured (durations, rates, sizes, ratios) drift as the code
+# changes, so they live in docs/PERFORMANCE.md beside the command that measures them, never in a docstring.
+MAX_MODULE_DOCSTRING_LINES = 6
+# Modules being reshaped in other work (the start-up seam, fp8): each leaves these sets as its docstrings are cut.
+LONG_DOCSTRING_ALLOWED = {
+    *(f"model/warmup/{m}.py" for m in ("__init__", "cache", "fla_patch", "launch", "process", "tables")),
+    *(
+        f"model/{m}.py"
+        for m in ("fastload", "fp8", "fp8_check", "fp8_kernels", "fp8_load", "qwen3_5", "qwen3_5_fp8")
+    ),
+    *(f"run/{m}.py" for m in ("hostmem", "launcher", "pipeline", "prestart", "worker")),
+    "dryrun.py",
+}
+FIGURES_ALLOWED = {
+    "model/fastload.py",
+    "model/qwen3_5.py",
+    "model/warmup/fla_patch.py",
+    "model/warmup/tables.py",
+    "run/hostmem.py",
+    "run/prestart.py",
+}
+_UNIT = r"(?:s|ms|us|µs|min|minutes|seconds|h|hours|[kMGT]i?B|%|x)"
+MEASURED_FIGURE = re.compile(
+    # An approximate quantity: ~1 s, about 20 MB, roughly 3x.
+    rf"(?:~|\babout |\baround |\broughly )\d[\d,.]*\s?{_UNIT}(?![\w/])"
+    # A rate: 1,666 tok/s, 4.1 GB/s, 900 TFLOP/s.
+    r"|\b\d[\d,.]*\s?(?:tok|tokens|samples|rows|it|[kMGT]i?B|TFLOP)/s\b"
+    # A speed-up or saving: 8x less, 2.5x faster (a dimension such as 128x128 is not one).
+    r"|\b\d[\d.]*\s?x (?:faster|slower|less|more|fewer|smaller|larger|lower|higher)\b"
+    # A duration or share with decimals: 0.026 s, 0.3% (round definitions such as "1 MiB" or "30 min" pass).
+    r"|\b\d+\.\d+\s?(?:s|ms|%)(?![\w/])"
+)
+"""What a measured figure looks like in prose. Text in double backquotes is left out: it shows what the code prints
+(``1,666 tok/s``) or takes, not a measurement."""
+
+
+def _docstrings():
+    """(module, line, text) of every docstring under the package: modules', classes', functions' and attributes'."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                if isinstance(node.value.value, str):
+                    yield module, node.lineno, node.value.value
+
+
+def test_module_docstrings_are_short():
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = str(path.relative_to(PACKAGE))
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if (n := len(doc.strip("\n").splitlines())) > MAX_MODULE_DOCSTRING_LINES:
+            long[module] = n
+    assert set(long) <= LONG_DOCSTRING_ALLOWED, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (say what the module is for and why, "
+        f"in short; the rest belongs in comments or docs/): {long}"
+    )
+    shortened = LONG_DOCSTRING_ALLOWED - set(long)
+    assert not shortened, (
+        f"within {MAX_MODULE_DOCSTRING_LINES} lines now: take out of LONG_DOCSTRING_ALLOWED: {shortened}"
+    )
+
+
+def _figures(docstring: str) -> list[str]:
+    prose = re.sub(r"``.*?``", "", docstring, flags=re.S)
+    return [m.group().strip() for m in MEASURED_FIGURE.finditer(prose)]
+
+
+def test_no_docstring_quotes_a_measured_figure():
+    found, quoting = [], set()
+    for module, line, text in _docstrings():
+        if figures := _figures(text):
+            quoting.add(module)
+            found += [f"{module}:{line}: {f!r}" for f in figures if module not in FIGURES_ALLOWED]
+    assert not found, "measured figures in docstrings (they belong in docs/PERFORMANCE.md): " + "; ".join(
+        found
+    )
+    assert FIGURES_ALLOWED <= quoting, (
+        f"no figures left: take out of FIGURES_ALLOWED: {FIGURES_ALLOWED - quoting}"
+    )

@@ -1,12 +1,9 @@
 """NeMo Automodel's DSpark offline cache written from an output (``--format nemo-dspark``).
 
-Its reader (``CachedTensorDataset``, ``CachedDSparkDataset``; nemo-automodel 0.7.0) reads ``manifest.json`` and
-shards ``shard-NNNNNN.safetensors`` numbered without gaps, each ``shard_size`` samples stacked and padded to
-``seq_length``; its recipe checks the manifest's model fields against its own configuration and loads the target's
-embedding and ``lm_head`` from ``target_weights.safetensors`` (weights, not states: docs/EXPORT.md shows the lines
-that write it). Shards are written in sample order, each under its final name at once, so a rerun skips those there;
-``manifest.json`` comes last with ``complete: true``. A shard is built in memory (16 x 4096 x 6 x 5120 bf16 is
-4 GB), hence the small default ``shard_size``.
+The files are what its reader (``CachedTensorDataset``, ``CachedDSparkDataset``) and recipe read: docs/EXPORT.md.
+Shards are written in sample order, each under its final name at once, so a rerun skips those there;
+``manifest.json`` comes last with ``complete: true``. A shard is built in memory, hence the small default
+``shard_size``.
 """
 
 from __future__ import annotations

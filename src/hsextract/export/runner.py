@@ -1,13 +1,9 @@
 """``hsextract export OUTPUT DEST --format F``: a finished output rewritten as the files a drafter trainer reads.
 
-Each format is what the trainer's own offline loader reads (docs/EXPORT.md: the files, their layout, the trainer's
-source each follows). An export is the training dataset plus a file writer: its samples are the dataset's index for
-the format's schema (training/index.py), read by the dataset's read path and made into the schema's record
-(training/schemas.py), so an export and ``hsextract.training`` cannot disagree. One unit of work is one batch file
-(``--num-proc`` processes); each file is written under its final name atomically and the unit's marker
-(``.hsextract-export/done/``) after its last file, so a rerun skips marked units and rewrites the others with the
-same bytes. The files about the whole export come once every unit is done, ``export.json`` last: an export with it
-is complete. ``.hsextract-export/spec.json``, written first, makes a DEST holding anything else refused.
+An export is the training dataset plus a file writer (the schema's records, training/schemas.py), so an export and
+``hsextract.training`` cannot disagree. One unit of work is one batch file, marked done after its last file, so a
+rerun skips marked units; ``export.json``, written last, says an export is complete, and ``spec.json``, written
+first, makes a DEST holding anything else refused. docs/EXPORT.md has the formats.
 """
 
 from __future__ import annotations
@@ -67,8 +63,8 @@ def units_of(manifest: dict) -> list[Unit]:
 READ_THREADS = 4
 
 """Threads reading and serializing samples, shared out among the export processes (at least one each), each
-keeping 4 samples per thread ahead of its writes (``StatesDataset``'s defaults in one process). More threads per
-process than cores to spare made two processes on two cores ~10% slower."""
+keeping 4 samples per thread ahead of its writes (``StatesDataset``'s defaults in one process). Few, because
+threads beyond the cores to spare slowed the export down."""
 
 
 _proc: dict = {}

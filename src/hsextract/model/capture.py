@@ -1,12 +1,9 @@
 """Forward hooks with early exit, and the on-device gather of valid tokens.
 
-Layer id ``k`` is the output of decoder layer ``k`` before the final norm (layers.py). The forward runs on the bare
-decoder stack (no lm_head); a hook on each wanted layer gathers the valid (unpadded) tokens of its output straight
-into one preallocated buffer laid out as the batch file stores it, ``[tokens, slots, hidden]``, and the hook on the
-deepest wanted layer raises ``_StopForward``, so later layers, the final norm and the lm_head never run. The final
-state is the last layer's slot, before the norm; with fp8 storage the hooks quantize what they gather (output/fp8.py).
-With ``--target-topk K`` the last layer's hook applies the final norm and ``lm_head`` to the valid tokens a chunk
-at a time (target_topk.py) and keeps only the K-wide ids and log-probabilities.
+The forward runs on the bare decoder stack; a hook on each wanted layer gathers its valid (unpadded) tokens
+straight into one buffer laid out as the batch file stores it, and the deepest wanted layer's hook raises
+``_StopForward``, so later layers, the final norm and the lm_head never run. With fp8 storage the hooks quantize
+what they gather; with ``--target-topk`` the last layer's hook computes the top-k (target_topk.py).
 """
 
 from __future__ import annotations

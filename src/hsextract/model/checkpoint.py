@@ -144,8 +144,8 @@ SAMPLE_BYTES = 1 << 16
 
 def weights_fingerprint(model_dir: Path) -> str:
     """A cheap hash that changes when the weights do: per weight file its name, size, and 16 x 64 KiB spread over
-    it (header included). Reads ~1 MB per file instead of 54 GB; any retrained or re-saved checkpoint differs in
-    the sampled bytes. Empty for a hub id or a config-only directory."""
+    it (header included): a few reads per file instead of the whole weights, and any retrained or re-saved checkpoint
+    differs in the sampled bytes. Empty for a hub id or a config-only directory."""
     if not model_dir.is_dir():
         return ""
     h = hashlib.sha256()

@@ -1,15 +1,9 @@
-"""What preparation reads of the model's config, recorded (in the user's cache, prepare/tokenizer_record.records_dir)
-so that a later launch reads no config through transformers: its import (which imports torch) was most of a resume's
-CPU (6.6 -> 2.5 CPU-s for a finished tiny job).
+"""What preparation reads of the model's config, recorded in the user's cache so that a later launch reads no config
+through transformers, whose import (with torch) was most of a resume's CPU.
 
-A record is found by the path and bytes of ``config.json``, the transformers version that read it and
-``RECORD_VERSION``; a model given as a Hub id has none. It holds the values of the attributes preparation reads
-(``FIELDS``), as the loaded config gave them, defaults included: the run files and the plan are the same with a
-record or without. It proves itself before it is used: sealed (``validation.seal``), naming the config file's path
-and sha256, which must be this model's, and agreeing with every field the config file itself states (the layer
-count, shapes and vocabulary come from the model's own file; a record only supplies transformers' defaults). One
-that fails is ignored and written again from the config: one model's record never serves another's files, and an
-edited one never changes the layers, shapes, vocabulary or top-k check of a run.
+A record is keyed by the path and bytes of ``config.json``, the transformers version and ``RECORD_VERSION``; it
+is sealed, names the config's sha256 and must agree with every field the config file states, so one model's or an
+edited record never changes a run's layers, shapes or vocabulary. One that fails is written again from the config.
 """
 
 from __future__ import annotations

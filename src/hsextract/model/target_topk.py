@@ -1,10 +1,9 @@
 """The target's top-k (``--target-topk K``): computed on the device from the final normed state, checked against
 the model before it loads, and compared with a reference forward's logits (the dry run's proof).
 
-``target_topk_`` applies ``lm_head`` to a chunk of tokens at a time, so the full-vocabulary logits (248,320 wide for
-Qwen3.6) exist for one chunk only, on the device; the log-softmax's normalizer is a float32 logsumexp over the whole
-vocabulary, and only the K ids and log-probabilities per token are kept (model/capture.py calls it from the last
-layer's hook, on the batch's valid tokens). No torch at import (tensor methods only): preparation checks K here.
+``lm_head`` runs on a chunk of tokens at a time, so the full-vocabulary logits exist for one chunk only; the
+normalizer is a float32 logsumexp over the whole vocabulary, and only K ids and log-probabilities are kept. No
+torch at import (tensor methods only): preparation checks K here.
 """
 
 from __future__ import annotations

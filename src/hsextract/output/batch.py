@@ -1,13 +1,9 @@
 """A batch file's format: its metadata, its checksums, its header, and which layer each slot of its states holds.
 
-An output holds one safetensors file per batch (``shard-SSSSS/batch-BBBBBB.safetensors``), the claim and job files
-under ``hsextract/``, one completion record per durable batch (records.py) and ``manifest.json``, written last
-(manifest.py): docs/FORMAT.md describes every file. Each batch file carries run-wide metadata and its own identity,
-so a file read alone says what it holds, and one xxh3 per sample (over its rows of every per-token tensor) and one
-over the index tensors: a reader checks a sample with the one ranged read that fetches it. ``StateLayout`` says
-which captured layer each slot of ``hidden_states`` [tokens, slots, hidden] holds.
-With ``--target-topk K``, ``target_topk_ids`` [tokens, K] int32 and ``target_topk_logprobs`` [tokens, K] float32
-cover every token (not only the supervised ones), so the per-token layout and checksums serve them unchanged.
+Each batch file carries run-wide metadata and its own identity, so a file read alone says what it holds, and one
+xxh3 per sample (over its rows of every per-token tensor): a reader checks a sample with the one ranged read that
+fetches it. ``StateLayout`` says which captured layer each slot of ``hidden_states`` holds. docs/FORMAT.md
+describes every file of an output.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """One batch file of an output, read through ranged reads and checked: what the reader, the training loader,
 export and ``hsextract verify`` read a batch file with.
 
-``BatchFile`` parses and checks the header (output/header.py), reads the index tensors together with the small
-per-token tensors (token ids, loss mask, fp8 scales) and holds them, and serves samples: ``samples(rows)`` reads the
-states of several neighbouring rows in one ranged read, into memory the caller allocates, and checks each sample
-against its own checksum as its bytes arrive. ``SampleView`` turns a sample's stored slots into the keys a trainer
-reads (layers, the concatenated captured states, the final state before and after the norm, fp8 dequantized);
-the target's top-k (``target_topk_ids``, ``target_topk_logprobs``), where stored, pass through as stored.
-Whatever is wrong with the file raises, or for one sample returns, ``CorruptOutputError`` naming the file. Opening
-a file and ``read_array`` need no torch (finalize and verify run in processes that never import it); samples are
-torch tensors.
+``BatchFile`` holds the header and the small per-token tensors and serves samples, each checked against its own
+checksum as its bytes arrive; ``SampleView`` turns stored slots into the keys a trainer reads. Anything wrong raises
+``CorruptOutputError`` naming the file. Opening a file needs no torch (finalize and verify never import it).
 """
 
 from __future__ import annotations

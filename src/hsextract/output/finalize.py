@@ -1,20 +1,9 @@
 """Finishing an output from the output alone: the manifest once every batch of the whole job is durable.
 
-Every node (and ``hsextract finalize OUTPUT``) runs the same steps, so the manifest is written by whichever finishes
-last, and a lost run dir loses nothing:
-
-1. the job files (plan, run info, sample ids, data report) that preparation published next to the claim;
-2. the completion records: a batch without one is still to do (another node's, or a crashed one's);
-3. every batch checked against its record (exists, same size, same CRC32 where the store keeps it): a batch
-   deleted or damaged behind the run's back loses its record and is reported, never listed in a manifest;
-4. the sample index (output/sample_index.py: every sample's file, row, tokens and id, and which samples each
-   trainer's schema leaves out), from each batch file's header and index tensors, so that a trainer indexes the
-   output with one read instead of two per batch file: the trainers' rule, so the launcher writes it between
-   ``ready_manifest`` (steps 1-3) and ``write_final_manifest`` (run/launcher.py ``finish_output``);
-5. the manifest, built only from the plan and the sample ids, so every node builds the same bytes (the index
-   too): two nodes finishing at once write the same objects, which makes the race harmless.
-
-``status.rows.output_status`` reads the same files for ``hsextract status OUTPUT``.
+Every node (and ``hsextract finalize OUTPUT``) runs the same steps, so whichever finishes last writes the manifest
+and a lost run dir loses nothing: the job files, the completion records, every batch checked against its record
+(a damaged one loses its record, never enters a manifest), then the manifest, built from the plan and the records
+only, so that two nodes finishing at once write the same bytes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """What a stored state means beyond its bytes: fp8 storage with a scale per vector, and the final norm.
 
-fp8 (``--storage-dtype float8_e4m3fn``): every stored vector (one token of one layer) gets its own float32 scale
-``absmax / 448``, so its largest entry lands on fp8's largest value. One scale per token per layer, since a token's
-layers differ by orders of magnitude; quantized on the device in the capture hooks, so only fp8 bytes and scales
-cross the host link. An all-zero vector stays zero; a NaN or Inf makes its scale non-finite, so the health checks
-still see it. The final norm (``--final-state``): the last layer's raw output is stored with the norm's weight,
-epsilon and rule, so HF's ``output_hidden_states[-1]`` is derived exactly. Of the two RMSNorm rules (Llama's and
-Qwen3.5/Gemma's ``1 + weight``), ``FinalNorm.from_module`` keeps the one that reproduces the model's own norm on a
-probe, and refuses a norm that follows neither.
+fp8: one float32 scale per token per layer (``absmax / 448``), since a token's layers differ by orders of magnitude;
+a NaN or Inf makes its scale non-finite, so the health checks still see it. The final norm: the last layer's raw
+output is stored with the norm's weight, epsilon and rule, and ``FinalNorm.from_module`` keeps the rule (Llama's or
+``1 + weight``) that reproduces the model's own norm on a probe.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def load_job_files(sink) -> tuple[Plan, RunInfo, list[str], dict]:
 
 
 def load_plan(sink) -> tuple[Plan, RunInfo]:
-    """The job's plan and run info alone (status needs no sample ids: ~20 MB of JSON at 1M samples)."""
+    """The job's plan and run info alone (status needs no sample ids, which grow with the job)."""
     plan, info, _sealed = _plan_and_info(sink)
     return plan, info
 

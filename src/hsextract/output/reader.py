@@ -1,16 +1,8 @@
 """What trainers call: ``open_output(path)`` over a local directory or ``s3://bucket/prefix``.
 
-    from hsextract.output import open_output
-    out = open_output("s3://bucket/run1")          # layers="dflash2" or [5, 19, 33]: a subset, in that order
-    s = out["conv-00042"]                          # by sample id; ``for s in out`` goes batch by batch
-    s["hidden_states"], s["layers"][16], s["input_ids"], s["loss_mask"], s["final_hidden_state"]
-    s["target_topk_ids"], s["target_topk_logprobs"]  # [T, K] with --target-topk
-
-A sample costs one ranged read of its states (contiguous, token-major), never a whole batch file; each file's
-header and index tensors are read once and held. Verification costs no extra read and is on by default: a file's
-header against the manifest's checksum when it is opened, a sample against its own when it is read; anything wrong
-raises ``CorruptOutputError`` naming the file. fp8 outputs are dequantized unless ``dequantize=False``. What a sample
-holds: docs/FORMAT.md and docs/TRAINING.md.
+A sample costs one ranged read of its states, never a whole batch file. Verification costs no extra read and is on
+by default: a header against the manifest's checksum, a sample against its own; anything wrong raises
+``CorruptOutputError`` naming the file. docs/TRAINING.md shows it in use and docs/FORMAT.md what a sample holds.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``sample_index.safetensors``: every sample of a finished output in one file, so a trainer indexes the output
 with one read instead of two per batch file.
 
-Written at finalize, before the manifest, which records its size and xxh3. Flat numpy arrays in a standard
-safetensors file, each aligned to its item size, so a reader maps it and every DataLoader worker of a node shares
-its pages: per sample its batch file, row, first token, length and id, per file its first sample, and for each
-schema that leaves samples out the reason per sample (docs/FORMAT.md lists the tensors). No torch here: finalize
-runs in light processes too.
+Written at finalize, before the manifest, which records its xxh3. Flat numpy arrays aligned to their item size, so
+a reader maps it and a node's DataLoader workers share its pages (docs/FORMAT.md lists them). No torch here.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """``hsextract verify OUTPUT``: every batch file the manifest lists, checked whole, several files at once.
 
-Per file (``check_file``): it exists with the size the manifest recorded; its header matches the recorded header
-checksum and is well formed; its index tensors and each sample's rows match the checksums in its header; the CRC32
-of the whole file matches the one the uploader computed before the upload (and S3 checked on arrival). The reader
-checks the same things piecemeal, as it reads (output/reader.py); this checks everything, once.
-
-A file is read once, front to back, in ranged reads of ``CHUNK`` bytes (after its header and index tensors, a few
-KB): each chunk feeds the CRC32 and, byte range by byte range, the running checksum of the sample those bytes
-belong to. This works because the writer puts the per-token tensors first, in the order the sample checksums
-cover them (output.checksum_order). Files are checked by ``workers`` threads: reads, zlib's CRC32 and the
-storage client release the GIL; xxhash does not, so on a local disk more than a few threads gain little.
+The reader checks the same things piecemeal as it reads; this checks everything once. Each file is read once, front
+to back, each chunk feeding the file's CRC32 and the checksum of the sample its bytes belong to: this works because
+the writer puts the per-token tensors first, in the order the sample checksums cover them.
 """
 
 from __future__ import annotations
@@ -34,8 +27,8 @@ from hsextract.storage.base import Sink, removed_temps_note
 
 CHUNK = 8 << 20
 
-"""Bytes per ranged read: S3's advice for ranged GETs is 8-16 MB; on a local disk larger reads were slower here
-(a fresh 32 MB buffer per read: 0.30 GB/s against 0.59 GB/s at 8 MB, scripts/bench_io.py checks)."""
+"""Bytes per ranged read: S3's advice for ranged GETs is 8-16 MB, and on a local disk larger reads were slower (a
+fresh buffer per read; docs/PERFORMANCE.md, "Checksums")."""
 
 
 @dataclass

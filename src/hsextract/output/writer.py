@@ -1,10 +1,8 @@
 """Batch files: safetensors written straight from the host buffer, under a temporary name, then renamed.
 
-The checksums (one per sample, one over the index tensors: output/batch.py) and the CRC32 of the whole file are
-computed from the host tensors about to be written: the last moment the bytes are known good. The serializer is
-ours rather than ``safetensors.torch.save_file``, which first copies every tensor into a bytes object; the files
-are standard safetensors all the same, and hold nothing time-dependent, so a batch recomputed after a crash is
-byte-identical.
+The checksums are computed from the host tensors about to be written: the last moment the bytes are known good.
+The serializer is ours because ``safetensors.torch.save_file`` first copies every tensor into a bytes object; the
+files are standard safetensors and hold nothing time-dependent, so a recomputed batch is byte-identical.
 """
 
 from __future__ import annotations

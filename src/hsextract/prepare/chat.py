@@ -1,20 +1,9 @@
-"""One row -> token ids and a loss mask, for any chat template.
+"""One row -> token ids and a loss mask, for any chat template; ``RowEncoder.encode`` never raises (a row it cannot
+encode comes back with its skip kind and reason).
 
-A row is pre-tokenized (kept as given), chat (``messages``, OpenAI's forms included), ShareGPT or plain ``text``;
-``RowEncoder.encode`` never raises: a row it cannot encode comes back with its skip kind and reason. The mask is 1
-on what the assistant writes (its turns' content, ``<think>`` and tool calls included, and the end-of-turn token),
-and nothing about a template is hard-coded: the conversation is rendered once, with the template and arguments
-the server uses (``ChatOptions``), and tokenized with offsets (the ids ``apply_chat_template`` gives). Assistant
-turns are found by the role header every assistant turn opens with (probed: the common start of the generation
-prompt and of assistant turns early and late in a conversation, e.g. ``<|im_start|>assistant\n``), each up to
-its end-of-turn marker; a turn renders differently by its position (Qwen drops the reasoning of turns before the
-last user query), so a turn's own rendering is not searched for. Where the headers do not match the assistant
-messages one to one, each turn is located by rendering the messages before it with the generation prompt and
-through it, or by the longest tail of its rendering; a turn that cannot be found makes the row malformed, never
-mis-masked. Messages are taken as servers take them: tool-call ``arguments`` given as a JSON string are parsed
-into an object (as vLLM does), and ``reasoning`` is read as ``reasoning_content``.
-A long row is tokenized only as far as ``max_length`` needs: a prefix of ``(max_length + PREFIX_MARGIN_TOKENS) *``
-the longest token's characters, taken only when a cut twice as far gives the same tokens.
+Nothing about a template is hard-coded: the conversation is rendered once with the server's template and arguments
+and tokenized with offsets; assistant turns are found by the role header they open with (probed), and a turn that
+cannot be located makes the row malformed, never mis-masked. docs/DATA.md has the row forms and the mask.
 """
 
 from __future__ import annotations

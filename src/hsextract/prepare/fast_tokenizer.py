@@ -1,10 +1,8 @@
-"""A fast tokenizer's Rust backend, called without transformers' call around it.
+"""A fast tokenizer's Rust backend, called without transformers' call around it (which costs a share of every row's
+encoding, docs/PERFORMANCE.md).
 
-``tokenizer(text, add_special_tokens=False)`` sets the backend's truncation and padding off, then wraps the Rust
-encoding into Python lists and a ``BatchEncoding``: ~14% of a row's encoding for the real job's mix
-(docs/PERFORMANCE.md). Called directly, the backend gives the same ids and character offsets when the tokenizer's
-class encodes the standard way and nothing is left on the backend that the call would turn off; both are checked
-once, on a probe text, before the backend is used.
+Called directly, the backend gives the same ids and offsets when the tokenizer's class encodes the standard way and
+nothing is left on the backend that the call would turn off; both are checked once, on a probe, before use.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Dataset sources read through the ``datasets`` library: ``hf:org/name`` ids, local folders in Hub layout, and
 ``save_to_disk`` directories.
 
-A Hub id is read with ``datasets.load_dataset`` as its users would: from its cache, honouring
-``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE``, with ``config``, ``split`` and ``revision``. A local folder in Hub
-layout (``data/train-00000-of-00002.parquet`` ... beside a README whose YAML header declares ``configs``) goes the
-same way, so its configs and splits mean what they mean on the Hub; its Arrow cache is kept in the run dir.
+A Hub id is read as its users would read it (its cache, the offline variables, config, split, revision); a local
+folder in Hub layout goes the same way, so its configs and splits mean what they mean on the Hub.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ def is_hub_folder(path: Path) -> bool:
 HUB_PROBE_TIMEOUT_S = 5.0
 
 """How long a first request to the Hub may take before it counts as unreachable. ``datasets`` itself retries for
-~25 s before it blames the dataset id."""
+much longer before it blames the dataset id."""
 
 
 def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str:

@@ -1,14 +1,9 @@
 """The plan: which samples go in which batch, and which shard runs it. Pure and deterministic (no torch).
 
-Samples are sorted by length, longest first, and cut greedily into batches bounded by
-``rows x longest row <= max_tokens_per_batch`` and ``rows <= max_rows``. Rows are padded, never packed: packing
-is wrong for hybrid models whose linear-attention recurrence and causal conv carry state across sample
-boundaries. Sorting keeps padding waste small (0.3% on realistic lengths) and puts the largest batch first, so a
-batch that does not fit in memory fails in the first minute rather than the last hour.
-
-Batches are dealt to shards largest first, each to the shard with the fewest padded tokens so far (LPT), so shards
-finish together. Batch ids are global and stable; a batch's output key is ``shard-SSSSS/batch-BBBBBB.safetensors``.
-Its record (``Plan``, ``BatchSpec``: the hash, the file, the checks) is the output's (output/plan.py).
+Samples sorted longest first are cut greedily into batches under the token and row caps: rows are padded, never
+packed (docs/ARCHITECTURE.md says why), sorting keeps padding small, and the largest batch comes first so that one
+too large for memory fails at once. Batches go to the shard with the fewest padded tokens so far (largest first),
+so shards finish together. The plan's record is the output's (output/plan.py).
 """
 
 from __future__ import annotations

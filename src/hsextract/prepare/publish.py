@@ -1,28 +1,9 @@
-"""A multi-node job prepares once: node 0 tokenizes and plans and publishes its token file in the output; every
-other node takes that file instead of tokenizing the whole dataset itself, and plans from it.
+"""A multi-node job prepares once: node 0 tokenizes, plans and publishes its token file in the output; every other
+node takes that file instead of tokenizing the whole dataset, and plans from it.
 
-Everything lives under the output's ``hsextract/prepare/``, so it works alike on S3 and on a shared directory:
-
-- ``lease.json``: node 0 writes it before it tokenizes and rewrites it every ``BEAT_S`` with a rising beat count
-  until it has published (``state: published``) or failed (``state: failed`` and its error). A waiting node times
-  the beats with its own clock, never node 0's: a lease whose beat has not moved for ``LEASE_STALE_S`` is a node
-  that died mid-preparation.
-- ``tokens.safetensors``: the token file as node 0's token cache holds it (sample ids not yet made unique: every
-  node does that itself), uploaded through the output's ``Sink`` (multipart on S3), checked against its CRC32.
-- ``prepared.json``: the record, written last, once the token file is complete and verified and node 0 holds the
-  output's claim: the identity of what was prepared (the plan's fingerprint: every source's identity, the
-  tokenizer, the chat template and each option that shapes the plan; the shard count; the token cache's key), the
-  sources as the data report describes them (sizes, times, hashes), the plan hash and the token file's size and
-  CRC32.
-
-A node takes only a record whose identity is its own: it downloads the token file into its token cache, checks its
-size and CRC32, plans from it and checks that its plan hash is node 0's. A node started with other data or options
-is refused, naming what differs. Nothing half-published is ever taken: without the record there is nothing to take,
-and node 0 deletes an older record before it replaces the token file.
-
-Node 0 prepares, rather than whichever node claims it first: a dead preparer means rerunning the job whoever it
-was, and a fixed one needs no takeover protocol. Node 0 itself takes a published preparation its token cache lacks
-(a lost run dir), and a node whose token cache holds the data already waits for nobody.
+Node 0 beats a lease while it prepares (timed by the waiter's own clock); the record, written last, names what was
+prepared, so a node takes only its own job's file, checks it and its plan hash, and never a half-published one.
+Node 0 rather than the first claimant, so no takeover protocol is needed. docs/SCALING.md has the files and waits.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Reading the rows of one data file or dataset directory, and their fingerprints.
 
-A file is JSONL (also ``.jsonl.gz`` and ``.jsonl.zst``, decompressed as a stream), JSON (a list of rows, or
-``{"data": [...]}``), or Parquet (read in record batches); a directory is one written by
-``datasets.Dataset.save_to_disk``. Every reader yields rows one at a time, so a large file is never held as Python
-objects. A JSONL line can also be yielded unparsed (``JsonLine``), so that a process that only hands rows to a
-tokenizer pool moves bytes and the tokenizer process parses them. Which files and datasets make a run's data, and
-how they are mixed, is sources.py's job.
+JSONL (plain, .gz, .zst), JSON, Parquet, or a ``save_to_disk`` directory; every reader yields rows one at a time,
+so a large file is never held as Python objects, and a JSONL line can travel unparsed to the tokenizer process
+that parses it. Which files make a run's data, and how they are mixed, is sources.py's job.
 """
 
 from __future__ import annotations

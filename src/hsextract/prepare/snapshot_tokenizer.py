@@ -1,11 +1,9 @@
 """A transformers tokenizer as preparation uses it, rebuilt from a snapshot without importing transformers (the
 snapshot is taken and checked in tokenizer_record.py).
 
-Importing transformers (and through it torch) is most of a launcher's CPU and of every tokenizer process's start
-(~9 CPU-s each). A snapshot holds what decides the tokens: the Rust backend's JSON, the chat template and the
-special-token map. It is taken once from the loaded tokenizer and kept only when the rebuilt tokenizer agrees with
-it on everything preparation reads (sizes, vocabularies, fingerprint, probe encodings and renders); templates
-render in an environment built as transformers builds its own (``_cached_compile_jinja_template``).
+Importing transformers (and torch) is most of a tokenizer process's start. A snapshot holds what decides the tokens
+(the backend's JSON, the chat template, the special tokens) and is kept only when the rebuilt tokenizer agrees with
+the loaded one on everything preparation reads.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Data sources: where a run's rows come from, how several are mixed, and what identifies each.
 
-A source spec is a location (a file, glob or directory of JSONL/JSON/Parquet; a ``save_to_disk`` or Hub-layout
-directory; ``hf:org/name``; ``s3://bucket/key-or-prefix``, fetched once into the run dir's cache) with options
-(``limit``, ``fraction``/``sample``, ``name``, ``columns``); docs/DATA.md lists them. Rows are streamed, never held
-as Python objects. A row's id is its ``id`` field, else its position before any selection, so a changed limit
-renames nothing. Everything here runs before any weight loads and fails as an ``HsextractError`` naming the
-source; each source's identity (content hash, Hub fingerprint, S3 ETags) and options go into the plan's
-fingerprint, so a changed source is refused on resume like any plan change.
+Sources are files, directories, ``hf:`` ids or ``s3://`` locations with options (docs/DATA.md lists them); rows are
+streamed. A row's id is its ``id`` field, else its position before any selection, so a changed limit renames
+nothing. Each source's identity and options go into the plan's fingerprint, so a changed source is refused on
+resume; everything here runs before any weight loads and fails naming the source.
 """
 
 from __future__ import annotations
@@ -415,10 +412,9 @@ def changed_files(before: list[dict], now: list[dict]) -> list[str]:
 
 AUTO_PARALLEL_MIN_BYTES = 16_000_000
 
-"""Data below this size is tokenized in the calling process. A pool starts ~6.5 s later (each spawned process
-unpickles the tokenizer, importing transformers) and one process tokenizes ~1.3 MB of JSONL chat rows a second:
-on 16 cores pools of 4-16 won from ~10 MB (~1,600 rows of ~1k tokens); on 2 cores they never did, up to 36 MB
-(docs/PERFORMANCE.md, scripts/bench_tokenize.py)."""
+"""Data below this size is tokenized in the calling process: a pool starts seconds later (each spawned process
+unpickles the tokenizer, importing transformers), which only data past about this size wins back on many cores
+(docs/PERFORMANCE.md, "The tokenizer pool"; scripts/bench_tokenize.py)."""
 
 
 AUTO_MAX_PROC = 16

@@ -1,13 +1,9 @@
-"""A byte-level BPE tokenizer encoded by tiktoken: the same ids and character offsets, ~8x less CPU.
+"""A byte-level BPE tokenizer encoded by tiktoken: the same ids and character offsets for much less CPU.
 
-Tokenizing is most of preparing the real job (~30 CPU-minutes of BPE at 914k rows, docs/PERFORMANCE.md). tiktoken
-merges the adjacent pair whose concatenation ranks lowest; transformers' BPE merges the pair listed first in its
-merges. Both give the same tokens when the merges are every split of a vocabulary entry into two entries, listed
-in the order of the entry's id, which is how tiktoken vocabularies (Qwen's, Llama 3's, GPT's) convert to
-transformers. ``spec_of`` checks that, and the rest of the tokenizer (byte-level pre-tokenizer with one regex, no
-normalizer but NFC, added tokens that split plainly), then encodes every vocabulary entry's text and a probe both
-ways; anything else keeps the tokenizer's own backend. While it runs, every ``CHECK_EVERY``-th text is encoded both
-ways too, and a difference stops the preparation (nothing is cached). ``HSEXTRACT_TIKTOKEN=0`` turns it off.
+tiktoken merges the lowest-ranked pair, transformers the first-listed merge; both agree when the merges are every
+split of a vocabulary entry in id order, as tiktoken vocabularies convert. ``spec_of`` checks that and the rest of
+the tokenizer, then every vocabulary entry and a probe both ways; while it runs every ``CHECK_EVERY``-th text is
+encoded both ways too. Anything else keeps the tokenizer's own backend; ``HSEXTRACT_TIKTOKEN=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ ENV = "HSEXTRACT_TIKTOKEN"
 
 CHECK_EVERY = 256
 
-"""One text in this many is also encoded by the tokenizer's own backend (~2% of a row's cost: the backend is ~5x
-slower than everything else a row costs), the first 16 always."""
+"""One text in this many is also encoded by the tokenizer's own backend (a small share of a row's cost, though
+the backend is much slower than everything else a row costs), the first 16 always."""
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 

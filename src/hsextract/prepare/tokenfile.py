@@ -1,15 +1,9 @@
 """The token file: every kept sample's ids and loss mask, written once as the tokenizer's chunks arrive, read back
-memory-mapped.
+memory-mapped, so the process preparing a run never holds the tokens.
 
-One safetensors file (``input_ids`` int32, ``loss_mask`` uint8, ``offsets``; the sample ids and the data report in
-its header). The writer appends each chunk's arrays as they come, so the process preparing a run never holds the
-tokens; the header's room is reserved up front and the data moved once only when it outgrows it. Renamed into place
-only after fsync: a token file under its final name is complete.
-
-The file proves itself: its header's metadata holds the xxh3-128 of every byte of its data (``data_xxh3``, hashed
-as the writer writes them) and ``checksum``, a sha256 of the metadata and the tensors' places, so an id edited in
-the token cache or in the run dir's hard link to it is found whenever the file is mapped, for one pass over its
-bytes (0.026 s for 30 M tokens from the page cache, ~0.3 s for 300 M); preparation re-tokenizes a file that fails.
+Renamed into place only after fsync: a token file under its final name is complete. It proves itself: its header
+holds the xxh3 of its data and a checksum of the metadata, so an edited id is found whenever the file is mapped
+(one pass over its bytes) and the file is tokenized again.
 """
 
 from __future__ import annotations

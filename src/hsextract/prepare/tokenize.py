@@ -1,13 +1,9 @@
 """Data sources -> tokenized samples with a loss mask: the first stage of the pipeline.
 
-A row is pre-tokenized (kept exactly as given), chat, ShareGPT or plain text (docs/DATA.md); how one becomes ids and
-a mask is chat.py's job. Bad rows never crash a run and are never dropped silently: each is counted per source in a
-``DataReport`` with examples. Rows stream into ``num_proc`` spawned processes (spawn: the caller may hold threads or
-CUDA) in chunks in source order, so the result does not depend on ``num_proc``. The parent does as little per row
-as it can (JSONL lines travel unparsed, the tokenizer is pickled once); each chunk's tokens go straight into the
-token file (``TokenFileWriter``), so the parent holds one length and one id per sample, never the tokens. With
-``cache_dir`` that file is kept under a hash of every input of the encoding (bump ``FORMAT_VERSION`` when it
-changes), and a later call with the same inputs maps it instead of tokenizing again.
+Bad rows never crash a run and are never dropped silently: each is counted per source in a ``DataReport``. Rows
+stream in source-order chunks into ``num_proc`` spawned processes (the caller may hold threads or CUDA), so the
+result does not depend on ``num_proc``; tokens go straight into the token file. With ``cache_dir`` that file is
+kept under a hash of every input of the encoding (bump ``FORMAT_VERSION`` when it changes).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""What preparation needs of the model's tokenizer (its fingerprint and pad id), recorded so that a launch from the
-token cache loads no tokenizer (a 248k-vocabulary one costs seconds to import, load and hash), and beside it the
-tokenizer's snapshot (snapshot_tokenizer.py), so that a launch that tokenizes imports no transformers.
+"""What preparation needs of the model's tokenizer (its fingerprint and pad id), recorded with the tokenizer's
+snapshot, so that a launch from the token cache loads no tokenizer and one that tokenizes imports no transformers.
 
-A record is found by the tokenizer's files: the name, size and bytes of every file of the model directory but the
-weights, the versions of transformers and tokenizers that read them, and ``RECORD_VERSION`` (bump it when
-``load_tokenizer`` changes what it makes of them). Whatever could change the loaded tokenizer changes that key,
-so a record is never used for a tokenizer it was not made from; a model given as a Hub id has no record. The
-values are those of ``tokenizer_fingerprint`` on the loaded tokenizer: the cache key and the plan are the same with
-a record or without.
-
-Each record proves itself before it is used: sealed (``validation.seal``), it names the full sha256 of the files it
-was made from (``files_key``'s digest), which must be this directory's now, and a pad id that is an int inside the
-tokenizer's vocabulary. The snapshot and the tiktoken spec beside it are sealed too, name the same files' digest,
-and must have the sha256 the record gives. A record or file that fails (edited, damaged, another model's copied
-under this key, ``pad_token_id`` null, negative or past the vocabulary) is ignored: the tokenizer is loaded
-through transformers and recorded again.
+A record is keyed by every file of the model directory but the weights, the library versions and
+``RECORD_VERSION`` (bump it when ``load_tokenizer`` changes), sealed, and checked against the files' digest before
+use; a record that fails any check is ignored and the tokenizer is loaded through transformers and recorded again.
 """
 
 from __future__ import annotations

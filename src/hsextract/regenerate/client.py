@@ -1,13 +1,9 @@
 """Chat completions from one or more OpenAI-compatible servers, many requests in flight in one process.
 
-Each request goes to the healthy endpoint with the fewest requests in flight (a retry to another one than the
-last, where there is one). 429, 5xx, timeouts and dropped or refused connections are retried with exponential
-backoff and jitter, ``max_retries`` times; then the row fails with its cause and is left for the next run. An
-endpoint that has answered nothing but failures for ``endpoint_down_s`` is taken out of the rotation; when none
-is left the run stops. A 401 or 403 stops the run at once, naming the key's variable; another 4xx fails the row
-without retries (the server refused that request), and a run whose first requests are all refused stops, saying
-why, instead of refusing every row. ``check_endpoints`` asks every server's ``/models`` first, so a server that
-is down or does not serve the model fails the command in seconds.
+Requests go to the healthy endpoint with the fewest in flight; what may succeed later (429, 5xx, timeouts, dropped
+connections) is retried with backoff, then the row fails and is left for the next run. An endpoint failing for
+``endpoint_down_s`` leaves the rotation; a refused key, no endpoint left, or a first run of refused requests stops
+the run with its reason, instead of failing every row.
 """
 
 from __future__ import annotations

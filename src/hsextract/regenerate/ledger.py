@@ -1,14 +1,8 @@
 """The output of ``hsextract regenerate``: a directory (or S3 prefix) that ``hsextract run --data`` reads as it is.
 
-    regenerate.json                 the settings, the served model and the data's identity (written first)
-    chunk-000000.jsonl.zst          rows, one JSON object a line (zstd with frame checksums, or .jsonl.gz)
-    chunk-000000.rows.json          the chunk's row ids (and those dropped as truncated), written before it
-
-A chunk is the unit of durability: it is stored whole under its final name (a temporary name and a rename, or
-one S3 PUT) after its row list, so a chunk that exists is complete and its list says what it holds. A row list
-without its chunk (a crash between the two) is stale and rewritten. On a rerun, the rows listed beside complete
-chunks are done and are never requested again; everything else is. ``prepare.sources`` reads such a directory
-as its chunk files only, and shows the settings in ``run``'s data report.
+A chunk is the unit of durability: stored whole under its final name after its row list, so a chunk that exists is
+complete and its list says what it holds; the rows listed beside complete chunks are never requested again.
+``regenerate.json`` holds the settings, written first. docs/DATA.md describes the files.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``hsextract regenerate`` from options to report: check the output and the servers, then answer every row.
 
-Everything cheap is checked before the first request: the options, the key's variable, the data (every source
-found and read once), the output's settings record (another job's output is refused by name), and each server's
-``/models``. Then ``concurrency`` workers, one asyncio loop, each take a conversation and request its turns in
-order; a finished row goes to the chunk being filled, and a full chunk (or one older than ``chunk_interval_s``) is
-written whole in a thread while the requests go on, one write at a time. SIGINT and SIGTERM stop the requests,
-write the finished rows and say how to resume; a SIGKILL loses only rows of no complete chunk.
+Everything cheap (options, key, data, the output's settings, each server's ``/models``) is checked before the
+first request. ``concurrency`` workers in one asyncio loop request each conversation's turns in order; full chunks
+are written whole in a thread, one at a time. SIGINT and SIGTERM write the finished rows and say how to resume.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """One input row -> the requests it needs and the row it becomes.
 
-A conversation is cut into prompts: the system and user messages before each assistant turn (and after the last,
-when it ends on a user message: a prompt-only row). Request k holds prompts 0..k with the regenerated replies
-between them, so that turn k answers the model's own earlier turns, not the dataset's. The dataset's assistant
-turns are never sent. A tool result answers the dataset's tool call, not a new one: a conversation stops before
-its first tool message, and after a regenerated reply that calls a tool while prompts remain (``cut_at_tool``).
-Rows are read as ``hsextract run`` reads them (prepare.chat), so a row that ``run`` refuses is refused here too.
+Request k holds the row's prompts 0..k with the regenerated replies between them, so that a turn answers the
+model's own earlier turns; the dataset's assistant turns are never sent. A conversation stops before its first
+tool message, or after a regenerated tool call while prompts remain (a tool result answers the dataset's call).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Which node of a multi-node job this process is: from ``--nodes/--node-rank`` or the scheduler's environment.
 
-hsextract runs under a cluster scheduler as it is, without a scheduler of its own: each node runs the same
-``hsextract run`` command, computes the same plan (it is deterministic), and runs only its own shards with the
-existing one-process-per-GPU design. With N nodes of S shards each the plan has N x S shards and node R runs
-shards R*S .. R*S+S-1. The sources, in order:
-
-1. ``--nodes N --node-rank R`` on the command line;
-2. SLURM, one ``srun`` task per node: ``SLURM_NNODES`` and ``SLURM_NODEID``;
-3. a SLURM job array, one task per node: ``SLURM_ARRAY_TASK_COUNT`` and ``SLURM_ARRAY_TASK_ID`` (ids must start
-   at 0: ``--array=0-N``);
-4. torchrun-style variables: ``NNODES`` and ``NODE_RANK``;
-5. otherwise a single node.
+No scheduler of our own: each node runs the same command, computes the same (deterministic) plan of N x S shards
+and runs its own S (node R: shards R*S .. R*S+S-1). The sources, first found wins: the command line, SLURM
+(``srun`` tasks, then a job array starting at 0), torchrun-style ``NNODES``/``NODE_RANK``, else a single node.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One thread that watches a shard while it runs: its ticks, its stalls and its progress file.
 
-From the uploader's start to the shard's end the monitor ticks every ``TICK_S``: it hears the uploader (each key
-it reports is a completion record written, counted done), looks for a stall and rewrites the progress file, which
-is the worker's heartbeat (progress.py). Nothing calls back into the worker: the main thread sets ``state``, the
-staging writer exposes what it is doing, and a failure the monitor meets (the uploader died) is kept for the main
-thread and sets ``stop``, which ends the pipeline at its next batch. A stall is logged and recorded, never acted on.
+Nothing calls back into the worker: the main thread sets ``state``, the staging writer exposes what it does, and
+a failure the monitor meets (the uploader died) is kept for the main thread and sets ``stop``, which ends the
+pipeline at its next batch. A stall is logged and recorded, never acted on.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The launcher's preflight: every check and every cheap step before any weight loads, as a short sequence of steps.
 
-Bad input must fail in seconds, not after loading 54 GB of weights, and a refused rerun must leave the run dir as
-it was. ``prepare_run``: (1) ``check_places_and_files``: the places and the model's files (no imports: run/job.py
-starts the early workers then); (2) ``check_model_and_output``: the model config and layer ids, the output (a probe
-object), staging space; (3) ``resolve_data`` and ``tokenize`` (prepare/: parallel, cached), ids made unique; (4)
-``make_fingerprint`` and ``make_plan``; (5) ``accept_plan`` (accept.py): a held plan is resumed only if identical,
-else the message says what changed (``--restart`` clears it), then the output is claimed for this plan; (6)
-``write_run_files``: data report, tokens, config, run info and, last, the plan, published in the output.
+Bad input must fail in seconds, not after loading the weights, and a refused rerun must leave the run dir as it was:
+``prepare_run`` checks places, files, model config, layers and output first, then tokenizes, plans, accepts the
+plan (a held plan resumes only if identical), claims the output and writes the run files, the plan last.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Process plumbing shared by the launcher, the workers and the uploaders: children that die with their parent,
 per-process log files that never hold a credential, and stop signals turned into an exception.
 
-A worker killed with SIGKILL (by a user, the OOM killer or a preempted node) cannot clean up, so its children must
-not outlive it: an orphaned worker would keep its GPU busy, an orphaned uploader would race the rerun's uploader.
-Linux delivers a chosen signal to a child when its parent dies (``PR_SET_PDEATHSIG``), once the child asks for it.
-
-SIGTERM (a scheduler's preemption, ``kill``, ``timeout``) and SIGINT (Ctrl-C) can be handled: ``stop_on_signals``
-makes them raise ``Terminated`` in the main thread, so that the launcher stops its workers and says how to resume,
-and a worker stops its uploader and records that it was stopped, instead of vanishing without a word.
+A worker killed with SIGKILL cannot clean up, so its children ask Linux for a signal when it dies
+(``PR_SET_PDEATHSIG``): an orphaned uploader would race the rerun's. SIGTERM and SIGINT raise ``Terminated`` in the
+main thread, so that a process stops its children and says how it ended instead of vanishing without a word.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ _PR_SET_PDEATHSIG = 1
 
 def exit_now(code: int) -> NoReturn:
     """Exit with ``code`` as the interpreter would, less its teardown of every module: a process that imported
-    torch and transformers spends ~1 s (CPU) on that alone. The exit handlers still run (logging's flush, weakref
+    torch and transformers spends a noticeable share of its CPU on that alone. The exit handlers still run (logging's flush, weakref
     finalizers, multiprocessing's children), and standard streams are flushed; with a non-daemon thread still
     running, this exits the usual way, which waits for it."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):

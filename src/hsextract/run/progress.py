@@ -1,11 +1,8 @@
 """Per-shard progress files: each worker's counters, rates, ETA and state, what ``hsextract status`` shows.
 
-Replaced atomically by the worker's monitor thread (monitor.py) at least every second, so ``updated_at`` is the
-worker's heartbeat: a live worker whose file is older than its ``stall_timeout_s`` is stuck. The worker also
-records when it last heard its uploader and, when it sees a stall itself, which process stalled (stalls.py). The
-done counts are a tally of the completion records the worker found and its uploader wrote: shown, never trusted
-(resume and finalize read the output). A file that does not hold what a worker writes is reported as damaged, never
-a traceback.
+Replaced atomically by the worker's monitor at least every second, so ``updated_at`` is the worker's heartbeat.
+The done counts are a tally, shown and never trusted (resume and finalize read the output). A file that does not
+hold what a worker writes is reported as damaged, never a traceback.
 """
 
 from __future__ import annotations

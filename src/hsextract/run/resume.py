@@ -1,11 +1,8 @@
 """What a shard has left to do when its worker starts: the output decides what is done, staging what to upload.
 
-- ``done_in_output``: a batch is done only if the output's completion record says so for this plan and the object
-  is there as recorded (``records.verified_done``); nothing in the run dir is asked. A record the output does not
-  bear out (the object deleted or damaged behind the run) leaves its batch to recompute.
-- ``recover_staging``: writes cut short (``*.tmp-*``) are deleted, and so is every staged file that is done
-  already (a crash between its record and its deletion), not this plan's, or whose bytes do not match the
-  checksums its writer put in its header; the complete ones left are uploaded, not recomputed.
+A batch is done only if the output's completion record says so and the object is there as recorded; nothing in
+the run dir is asked. Staged files cut short, done already, of another plan or failing their header's checksums
+are deleted; the complete ones left are uploaded, not recomputed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Stalls: a shard's worker or uploader that stops making progress without dying, named, never killed.
 
-Three places watch, each from what it can see, and all judge with the code here:
-- the worker's monitor (``worker_stall``, monitor.py): its uploader sends no heartbeat, or no batch was computed
-  or uploaded for the stall timeout while one was due;
-- the launcher (``StallWatch``): a worker whose progress file is not refreshed for the timeout while it is alive
-  (its monitor refreshes it every second), or what the worker reported in it;
-- ``status`` (``find_stall``): the same from the progress file alone, after the fact or from another process.
-A stall that ends is reported as recovered, once.
+Three places watch, each from what it can see, and all judge with the code here: the worker's monitor
+(``worker_stall``), the launcher (``StallWatch``, from the progress files) and ``status`` (``find_stall``, after
+the fact or from another process). A stall that ends is reported as recovered, once.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The uploader: a separate process (no torch) that moves staged batch files into the output and records each.
 
-A process, not a thread, so that checksums, TLS and boto3 never hold the worker's GIL while it feeds the GPU. Per
-file, in this order, which makes a crash at any point safe to rerun: check that the output's claim still names this
-job; upload (``Sink.put_file``: retried, verified, and checked against the CRC32 the file's writer computed); write
-the batch's completion record into the output, the only record that a batch is done; delete the staged file; tell
-the worker. A crash before the record leaves the file staged (the rerun uploads it); after it, the rerun finds the
-batch done and deletes the staged copy (resume.py).
-
-A permanent failure ends the child with status 1 and a message (``UploaderDied`` in the worker); what it has not
-recorded stays staged. It sends heartbeats every ``HEARTBEAT_S``, ignores SIGINT (its worker decides when it
-stops) and dies with its worker.
+A process, not a thread, so that checksums, TLS and boto3 never hold the worker's GIL. Per file: check the claim,
+upload (verified against the writer's CRC32), write the completion record (the only record that a batch is done),
+delete the staged file, tell the worker; a crash at any point is safe to rerun. It dies with its worker.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What ``hsextract status`` reports, as one document: ``status --json``, ``/api/status``, the page and ``/metrics``
 all read ``status_document``, so they never disagree.
 
-Built on each call from the run directory and one listing of the output's completion records, without torch: one
-row per shard (``rows.shard_status``: done counts from the output, state, stalls, rate, ETA, plus the upload lag
-where staging is on this host), totals, the plan summary, and on a node with NVML each GPU's use matched to its
-shard. ``history`` returns each shard's rate history for the charts, kept out of the document so that ``status
---json`` stays short.
+Built on each call from the run directory and one listing of the output's completion records, without torch.
+``history`` (the shards' rate history for the charts) is kept out of the document so that ``--json`` stays short.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""``hsextract status RUN_DIR --serve``: a page that watches a run, and the same numbers for Prometheus.
+"""``hsextract status RUN_DIR --serve``: a page that watches a run (``/``), its numbers for Prometheus (``/metrics``)
+and as JSON (``/api/status``, ``/api/history``), from the standard library's ``ThreadingHTTPServer``.
 
-One process, the standard library's ``ThreadingHTTPServer``, nothing to build:
-
-- ``/``: the page. Rendered here on every request from ``status.status_document`` and the shards' rate history,
-  charts included (inline SVG), so it needs no script to show; a few lines of inline JavaScript re-fetch it every
-  few seconds and swap the body in place (without JavaScript a meta refresh does the same).
-- ``/metrics``: Prometheus text format through ``prometheus_client``. A custom collector reads the run directory
-  on each scrape, so the numbers are never older than the progress files and the server keeps no state.
-- ``/api/status``: the document ``hsextract status --json`` prints; ``/api/history``: the rate history.
-
-The server only reads the run directory and lists the output's completion records; it can be started, stopped
-and restarted at any time, on a live, crashed or finished run. It has no authentication: it listens on loopback unless ``--host`` says otherwise.
+Every answer is rendered from the run directory on request, so the server keeps no state and can be started and
+stopped at any time on a live, crashed or finished run. No authentication: it listens on loopback unless ``--host``.
 """
 
 from __future__ import annotations

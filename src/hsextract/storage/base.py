@@ -1,12 +1,8 @@
-"""Where output lives: a local directory or an S3 prefix, behind one small interface.
+"""Where output lives: a local directory or an S3 prefix, behind one small interface (``Sink``).
 
-A ``Sink`` stores objects under keys such as ``shard-00000/batch-000123.safetensors``; ``open_sink`` picks
-``LocalSink`` or ``S3Sink`` from the output string, and ``preflight`` checks that the output can be written before
-any model loads. Durability contract: when ``put_file`` returns, the object is complete and verified under its final
-key, and the returned ``StoredObject`` (key, size, CRC32) is what the uploader records. Given the writer's CRC32,
-``put_file`` checks the bytes it sends as it sends them and stores nothing if they differ (``StagedFileChanged``).
-Writing a key again replaces it: a rerun may upload a batch twice, never half of one. No torch here: the light
-uploader process runs it.
+The contract: when ``put_file`` returns, the object is complete and verified under its final key (a rerun may
+upload a batch twice, never half of one), and given the writer's CRC32 it stores nothing if the bytes sent differ.
+No torch here: the light uploader process runs it.
 """
 
 from __future__ import annotations

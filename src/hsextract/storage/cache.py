@@ -1,13 +1,8 @@
 """A bounded local disk cache of an output's batch files, in blocks, for training many epochs from S3.
 
-``CachedSink`` serves the reads of versioned objects (the manifest's batch files and final norm) from blocks of
-``BLOCK_BYTES`` on local disk, fetching the missing blocks of a range in one ranged read per run: the first epoch
-costs the reads it would anyway, later ones read local files, whatever ranges they ask for. A block lives under the
-file's recorded size and CRC32 (a rewritten file never meets old blocks) and carries its own xxh3, so a torn or
-damaged block is fetched again (no fsync needed). The limit is kept by a checksummed byte count that every process
-sharing the cache updates under a file lock; other outputs' blocks go first, least recently used, and what does
-not fit is read through. The cache removes only folders it made (a marker file names each), never follows a link.
-No torch here (storage/ runs in the uploader too). docs/TRAINING.md ("A local disk cache") has the user's side.
+Blocks are keyed by the file's recorded size and CRC32 (a rewritten file never meets old blocks) and carry their
+own hash, so a torn block is fetched again without fsync; processes sharing the cache keep its limit through one
+checksummed byte count under a file lock. No torch here. docs/TRAINING.md ("A local disk cache") has the user's side.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Output on S3 (or an S3-compatible store): the ``S3Sink`` behind base.py's ``Sink`` interface.
 
-Every upload carries the writer's CRC32 (the whole object's, for multipart uploads) and is checked by a HEAD after
-it: the store refuses a body that differs, so an object is durable only as it was written. Every operation runs in
-one retry loop to a deadline (``retry_deadline_s``, 30 min): outages are waited out, while what waiting cannot fix
-(credentials, access, a missing bucket) raises ``HsextractError`` at once. Hand-written on purpose: botocore's own
-retries give up within seconds. No torch here: the light uploader process runs it. The checksums, stores that
-refuse them, the retries and the endpoint: docs/ARCHITECTURE.md ("Uploads to S3").
+Every upload carries the writer's CRC32 and is checked by a HEAD after it. One hand-written retry loop runs to a
+deadline (``retry_deadline_s``), because botocore's own retries give up within seconds: outages are waited out,
+while what waiting cannot fix raises at once. docs/ARCHITECTURE.md ("Uploads to S3") has the details.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Train straight from an output: datasets over its batch files (dataset.py) and each trainer's seam into them.
 
-``StatesDataset`` (iterable, distributed, shuffled, resumable) and ``StatesMapDataset`` (index -> item) yield a
-schema's items (schemas.py): ``raw`` (the reader's dict), ``specforge-dflash``, ``specforge-eagle3``,
-``speculators``, ``modelopt``: what that trainer's own dataset yields. ``StatesDataset(..., follow=True)`` trains
-while the output is still written (follow.py); ``cache_dir=`` keeps what is read on local disk for later epochs
-(storage/cache.py); ``TokenBudgetBatches`` batches the map-style dataset by token budget, grouped by length
-(batching.py); ``pad_collate`` and ``packed_collate`` (collate.py) batch items of different lengths, padded or
-packed with ``cu_seqlens``. A resume state or an argument that does not fit is refused naming it (``StateError``,
-state.py). The trainer seams live in their own modules (``hsextract.training.speculators``, ``.specforge``,
-``.modelopt``), each importing only its trainer.
+The seams (``hsextract.training.speculators``, ``.specforge``, ``.modelopt``) live in their own modules, each
+importing only its trainer; docs/TRAINING.md shows each in use.
 """
 
 from hsextract import lazy_exports

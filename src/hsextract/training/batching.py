@@ -1,13 +1,8 @@
 """Batches by token budget, grouped by length: a DataLoader ``batch_sampler`` over the map-style dataset.
 
-    batches = TokenBudgetBatches(StatesMapDataset(out, "speculators"), max_tokens=8192, seed=0)
-    loader = DataLoader(data, batch_sampler=batches, collate_fn=...); batches.set_epoch(epoch)
-
-What speculators' multipack sampler does, except that every sample is served once per epoch (one longer than the
-budget is refused when the sampler is made), batches hold samples of nearly one length, and reads stay local. Each
-epoch is a pure function of the lengths (from the index: no state is read to plan), the seed and the epoch: batch
-files shuffled and cut into windows as order.py does, each window's samples packed longest first and its batches
-shuffled; the count is made a multiple of ``world_size`` by splitting the fullest batches, as DDP needs equal steps.
+Unlike a multipack sampler, every sample is served once per epoch and reads stay local: an epoch is a pure function
+of the lengths (from the index), the seed and the epoch, cut into windows of files as order.py does; the batch
+count is made a multiple of ``world_size`` because DDP needs equal steps.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Collate functions for the datasets' items, whose lengths differ (torch's default collate refuses them).
 
-A field is per token when its first dimension is the sample's length (``len(input_ids)``); other tensors of one
-shape across the batch are stacked, anything else is kept as a list (``sample_id``, flags). ``pad_collate`` pads the
-per-token fields to the longest sample, for a plain attention mask; ``packed_collate`` concatenates them into one
-row with ``cu_seqlens`` (flash-attention's variable-length form), for ``TokenBudgetBatches``' token-budget batches:
-no padding at all.
+A field is per token when its first dimension is the sample's length: ``pad_collate`` pads those to the longest
+sample, ``packed_collate`` concatenates them into one row with ``cu_seqlens`` (no padding at all).
 """
 
 from __future__ import annotations

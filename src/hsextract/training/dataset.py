@@ -1,13 +1,8 @@
 """Training datasets over an hsextract output (a directory or ``s3://bucket/prefix``), no export needed.
 
-    data = StatesDataset("s3://bucket/run1", schema="specforge-dflash", endpoint_url=URL)
-    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=4); data.set_epoch(epoch)
-
-``StatesDataset`` (iterable) serves every sample once per epoch across ranks and workers in a deterministic order
-(order.py) and resumes mid-epoch from ``state_dict(consumed)``; ``StatesMapDataset`` gives index -> item for
-trainers with their own sampler; ``follow=True`` serves an output still being written (follow.py). Items are the
-schema's (schemas.py): what the trainer's own dataset yields. Reads run ``prefetch`` samples ahead in a bounded
-thread pool, each checked as the reader checks it: damage raises ``CorruptOutputError``, never a silent skip.
+``StatesDataset`` (iterable, deterministic order across ranks and workers, resumable mid-epoch) and
+``StatesMapDataset`` (index -> item) yield a schema's items. Every read is checked as the reader checks it:
+damage raises ``CorruptOutputError``, never a silent skip. docs/TRAINING.md shows them in use.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Training on an output that is still being written: ``StatesDataset(output, follow=True)``.
 
-From its start an output holds the plan (every batch and its sample ids), then a completion record per durable batch,
-and the manifest last; so a followed dataset deals every sample of the job to its rank and DataLoader worker up front,
-as for a finished output, with no coordination: each sample has one owner whatever order batches complete in. Each
-iterating process polls the completion records every ``poll_s``, admits the new files' samples of its own (their
-headers checked against the records) and serves them from a window of files; the manifest ends the epoch, and
-``timeout_s`` without either raises. The order depends on when batches complete, so each process journals what it
-served and ``state_dict(consumed=N)`` replays those journals to record what was handed out. docs/TRAINING.md.
+The plan is in the output from its start, so every sample is dealt to its rank and worker up front with no
+coordination; each process admits samples as their completion records appear and ends the epoch at the manifest.
+The order depends on when batches complete, so each process journals what it served for ``state_dict``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Which samples an output serves to a schema, and reading them from any thread.
 
-``SampleIndex`` is the output's sample index (output/sample_index.py), read once, checked against the manifest's
-checksum and memory-mapped (an S3 output's copied once to /dev/shm), so a node's DataLoader workers share its pages;
-it pickles into a worker as a path and a few small arrays, holds no connection (a boto3 client must not cross a
-fork) and no manifest sample ids. An output without the index, or without a schema's verdicts, is scanned as before
-(two small reads per batch file, logged). ``SampleReader`` keeps a bounded cache of open batch files shared by its
-threads; a sample is one checked ranged read of its rows, dequantized if fp8.
+``SampleIndex`` memory-maps the output's sample index so that a node's DataLoader workers share its pages; it
+pickles as a path and small arrays and holds no connection (a boto3 client must not cross a fork). An output
+without the index is scanned instead. ``SampleReader`` reads a sample in one checked ranged read.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""ModelOpt's seam: a map-style dataset the HF Trainer takes in place of ``OfflineSupervisedDataset``.
+"""ModelOpt's seam: ``OfflineOutputDataset``, a map-style dataset the HF Trainer takes in place of
+``OfflineSupervisedDataset``.
 
-ModelOpt's ``OfflineSupervisedDataset`` reads one ``torch.load`` per path and has no storage seam: its
-``__getitem__`` is the whole reader. ``OfflineOutputDataset`` yields the same dict from an output
-(schemas.ModelOpt.item is that ``__getitem__``, from the record a ``conv_I.pt`` of ``hsextract export --format
-modelopt`` holds), so ModelOpt's ``EagleOfflineDataCollator`` and its HF Trainer (which wraps it in a
-``DistributedSampler``) run unchanged:
-
-    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator
-    from hsextract.training.modelopt import OfflineOutputDataset
-    train = OfflineOutputDataset("s3://bucket/run1", endpoint_url=URL, answer_only_loss=True)
-    trainer = Trainer(model, args, train_dataset=train, data_collator=EagleOfflineDataCollator(train_len))
+ModelOpt's dataset has no storage seam (one ``torch.load`` per path), so this one yields the same dict from an
+output (schemas.ModelOpt.item) and ModelOpt's collator and Trainer run unchanged. docs/TRAINING.md shows it in use.
 """
 
 from __future__ import annotations

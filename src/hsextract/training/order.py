@@ -1,19 +1,8 @@
 """The order samples are served in: a pure function of the index, the seed and the epoch.
 
-Shuffle keeps reads local: the batch files are permuted, cut into windows of ``window_files`` consecutive files,
-and the samples of each window are permuted among themselves. A window's reads touch only its files (a few GB),
-whose headers stay cached; a larger window mixes more. The global order is dealt to ranks round-robin
-(``order[rank::world_size]``: sizes differ by at most one), and a rank's sequence to its DataLoader workers in
-chunks of ``batch_size`` round-robin, which is the order an in-order DataLoader takes batches from its workers:
-the batches a rank's loader delivers are exactly its sequence in order. Resume therefore only needs how many
-samples of its sequence a rank has consumed.
-
-Every DataLoader worker computes the order itself, so it is made with numpy over arrays (~0.1 s and a few MB at 1M
-samples, where a Python shuffle took seconds and ~40 MB per worker). Both permutations sort random keys: the raw
-64-bit output of a PCG64 generator seeded from the seed and the epoch. numpy keeps a bit generator's stream fixed
-across its versions (its distributions and ``permutation`` may change), and a stable sort of given keys has one
-result, so the order depends on nothing that an upgrade of numpy could change. ``ORDER`` names this order in every
-resume state: a state of another order (Python's ``random.shuffle`` before it) cannot be resumed exactly.
+Batch files are permuted and cut into windows whose samples are permuted among themselves, so reads stay local;
+the order is dealt to ranks and then to DataLoader workers in the order an in-order DataLoader takes them, so a
+resume needs only how many samples a rank consumed. Every worker computes the order itself, with numpy.
 """
 
 from __future__ import annotations

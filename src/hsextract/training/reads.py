@@ -1,12 +1,8 @@
 """Reading a sequence of samples ahead of its consumer, several samples of one batch file in one ranged read.
 
-``plan_reads`` cuts a sequence into reads: a sample joins an open read of its file while the read stays under
-``max_bytes``, at most ``1/GAP_RATIO`` of it is rows nobody asked for, and its samples are due within ``horizon``
-positions of each other. Under the epoch's shuffle most reads hold one sample; in file order (export) a read holds
-as many as fit. ``read_ahead`` issues the reads in a pool of ``threads``, keeps at most ``prefetch`` samples read
-ahead, and yields them in order; in a DataLoader worker the states land in shared memory, so they cross to the
-training process as a handle, not a copy. A sample that fails its checksum raises when its turn comes, as a read of
-it alone would.
+``plan_reads`` groups samples of one file that are due close together while little of the read is unwanted rows;
+``read_ahead`` runs the reads in a bounded pool and yields samples in order. A sample that fails its checksum raises
+when its turn comes, as a read of it alone would.
 """
 
 from __future__ import annotations

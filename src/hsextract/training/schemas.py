@@ -1,17 +1,9 @@
 """What one sample of an output becomes for each trainer: the one place that says it.
 
-A schema turns the reader's sample dict (output/reader.py) into two things:
-
-- ``record(s)``: what the trainer's offline file holds for the sample, i.e. what its own file loader returns
-  (``torch.load`` of a SpecForge ``.ckpt`` or a ModelOpt ``.pt``, ``safetensors.load_file`` of a speculators
-  ``hs_I.safetensors``). ``hsextract export`` writes exactly this record (export/formats.py serializes it);
-- ``item(record, ...)``: what the trainer's own dataset yields from that record (``ArrowDataset[i]`` for
-  speculators, ``OfflineSupervisedDataset[i]`` for ModelOpt; SpecForge's store returns the record itself and its
-  normalizer runs in its loader). ``StatesDataset`` yields these.
-
-Export and the training dataset both call these functions, so a sample can never differ between a file of the
-export and an item of the dataset. ``skip_reason`` decides, from the tokens alone, which samples a trainer's loader
-cannot take (SpecForge's DFlash raises on samples without two consecutive supervised tokens); both leave them out.
+``record(s)`` is what the trainer's offline file holds (what ``hsextract export`` writes); ``item(record, ...)``
+is what the trainer's own dataset yields from it (what ``StatesDataset`` yields). Export and training both call
+these, so a file of the export and an item of the dataset never differ; ``skip_reason`` leaves out, for both, the
+samples a trainer's loader cannot take.
 """
 
 from __future__ import annotations

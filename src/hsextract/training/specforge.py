@@ -1,19 +1,8 @@
 """SpecForge's seam: its data plane's ``FeatureStore`` and ``OfflineManifestReader`` over an output.
 
-SpecForge's offline loader is ``FeatureDataLoader(store, refs=reader.read(), per_sample_transform=normalizer,
-collate_fn=collator)``: the reader lists metadata-only ``SampleRef``s, the store's ``get(ref)`` returns the raw
-tensors (``torch.load`` of a ``.ckpt``), the algorithm's normalizer and collator do the rest. ``OutputManifestReader``
-makes the same refs as SpecForge's reader (its own ``_ref_for``, with an ``hsextract://I`` URI), one per sample the
-schema serves, and ``OutputFeatureStore.get`` returns sample I's record exactly as ``data_I.ckpt`` of ``hsextract
-export`` holds it (schemas.SpecForgeDFlash / SpecForgeEagle3):
-
-    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
-    from specforge.algorithms.common.dflash_family_data import build_collator, build_offline_normalizer
-    from hsextract.training.specforge import OutputFeatureStore, OutputManifestReader
-    store = OutputFeatureStore("s3://bucket/run1", "specforge-dflash", endpoint_url=URL)
-    refs = OutputManifestReader(store, strategy="dflash", max_len=4096).read()
-    loader = FeatureDataLoader(store, refs=refs, batch_size=1, strategy="dflash",
-                               per_sample_transform=build_offline_normalizer(4096), collate_fn=build_collator())
+``OutputManifestReader`` makes the refs SpecForge's reader makes, one per sample the schema serves, and
+``OutputFeatureStore.get`` returns a sample's record as ``data_I.ckpt`` of ``hsextract export`` holds it, so
+SpecForge's ``FeatureDataLoader``, normalizer and collator run unchanged. docs/TRAINING.md shows it in use.
 """
 
 from __future__ import annotations

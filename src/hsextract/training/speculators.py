@@ -1,16 +1,8 @@
 """speculators' seam: a ``hs_connectors.HiddenStatesTransfer`` that reads an output's states in place.
 
-speculators' ``ArrowDataset(max_len, datapath, transfer=...)`` takes the samples' table from ``datapath`` and each
-sample's states from ``transfer.get_cached(file_idx)``; ``hsextract export OUTPUT DEST --format speculators
---index-only`` writes that table (row I = sample I of the output, in manifest order), and ``OutputTransfer(OUTPUT)``
-returns sample I's record exactly as ``hs_I.safetensors`` of a full export would hold it (schemas.Speculators):
-
-    from speculators.train.data import ArrowDataset
-    from hsextract.training.speculators import OutputTransfer
-    data = ArrowDataset(max_len, "DEST", transfer=OutputTransfer("s3://bucket/run1", endpoint_url=URL),
-                        on_missing="raise")
-
-Its batches then come from speculators' own sampler and collator unchanged.
+speculators' ``ArrowDataset`` takes the samples' table from ``hsextract export --format speculators --index-only``
+and each sample's states from ``OutputTransfer``, which returns the record ``hs_I.safetensors`` of a full export
+would hold; its sampler and collator run unchanged. docs/TRAINING.md shows it in use.
 """
 
 from __future__ import annotations

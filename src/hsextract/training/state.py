@@ -1,13 +1,8 @@
 """What a training dataset is given, checked: its arguments where it is made, a resume state where it is loaded.
 
-A resume state comes back from a checkpoint file, which anyone can edit and any tool can mangle. Nothing in it is
-trusted: it must be the dict ``state_dict()`` made, with exactly its keys, each of its type and in its range (an
-epoch a non-negative int, a count an int within the rank's share, the rows of a followed state within their file
-and this rank's), the identity fields equal to this dataset's, and its ``checksum`` (a hash of every other field)
-intact, so that even an edit that fits every range (a count lowered by two) is refused rather than serving samples
-twice. A state without a checksum (saved by an hsextract that wrote none) passes on its fields' checks alone, so a
-training job resumes across an upgrade. A state that does not fit raises ``StateError`` naming the field, before
-anything is read.
+A resume state comes back from a checkpoint file anyone can edit, so nothing in it is trusted: exact keys, types,
+ranges, identity and a checksum over the rest (an edit that fits every range is still refused). A state without a
+checksum passes on its fields alone, so a job resumes across an upgrade. A misfit raises ``StateError`` naming it.
 """
 
 from __future__ import annotations
