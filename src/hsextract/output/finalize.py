@@ -2,8 +2,8 @@
 
 Every node (and ``hsextract finalize OUTPUT``) runs the same steps, so whichever finishes last writes the manifest
 and a lost run dir loses nothing: the job files, the completion records, every batch checked against its record
-(a damaged one loses its record, never enters a manifest), then the manifest, built from the plan and the records
-only, so that two nodes finishing at once write the same bytes.
+(a damaged one loses its record, never enters a manifest), then the manifest, built only from the plan and the
+sample ids, so that two nodes finishing at once write the same bytes.
 """
 
 from __future__ import annotations
