@@ -4,18 +4,21 @@ started after the preparation write, bad data must still fail with its message a
 a rerun of a finished job must let its early workers go."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
-from safetensors.numpy import load_file
-from support.cli import e2e_run_args, run_cli
+from safetensors import safe_open
+from support.cli import e2e_run_args, run_cli, write_mixed_dataset
 from support.procs import descendants
 
+from hsextract.model.fastload import FAST_LOAD_ENV
 from hsextract.run.prestart import PRESTART_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EARLY = {PRESTART_ENV: "1"}
+STARTUP_OFF = {PRESTART_ENV: "0", FAST_LOAD_ENV: "0"}
 
 
 def _batch_files(out: Path) -> dict[str, Path]:
@@ -35,26 +38,48 @@ def _leftovers(run_dir: Path) -> list[int]:
     return found
 
 
-def test_early_workers_write_the_same_output_as_workers_started_after_preparing(
-    finished_run, tiny_model, tmp_path
-):
-    ref_root, data, _, _ = finished_run
-    r = run_cli(*e2e_run_args(tmp_path, tiny_model, data), env=EARLY)
-    assert r.returncode == 0, r.stdout + r.stderr
-    for shard in (0, 1):
-        log = (tmp_path / "run" / "logs" / f"shard-0000{shard}.stderr.log").read_text()
-        assert "started early: imports and CUDA in" in log, log
-    ours, theirs = _batch_files(tmp_path / "out"), _batch_files(ref_root / "out")
-    assert ours.keys() == theirs.keys() and ours
-    for name in ours:
-        a, b = load_file(ours[name]), load_file(theirs[name])
-        assert a.keys() == b.keys()
-        for key in a:
-            assert (a[key] == b[key]).all(), (name, key)
-    assert (tmp_path / "out" / "manifest.json").is_file()
-    r = run_cli("verify", tmp_path / "out", check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert not _leftovers(tmp_path / "run")
+def _tensors_and_metadata(path: Path) -> tuple[dict, dict]:
+    """A batch file's tensors (dtype, shape and bytes) and its header's metadata."""
+    with safe_open(path, "numpy") as f:
+        meta = f.metadata()
+        tensors = {k: (str(t.dtype), t.shape, t.tobytes()) for k in f.keys() for t in [f.get_tensor(k)]}
+    return tensors, meta
+
+
+def _without_times(value):
+    """A manifest with its timestamps dropped: the one content two runs of the same job may differ in."""
+    if isinstance(value, dict):
+        return {k: _without_times(v) for k, v in value.items() if not TIMESTAMP.search(k)}
+    if isinstance(value, list):
+        return [_without_times(v) for v in value]
+    return value
+
+
+TIMESTAMP = re.compile(r"(^|_)(at|time|created|started|finished|seconds)$")
+
+
+def test_output_is_byte_identical_with_start_up_disabled_and_enabled(tiny_model, tiny_tokenizer, tmp_path):
+    """The start-up seam only makes the first batch come sooner: with it off (no early workers, no fast load) and
+    on, the batch files hold the same tensors and metadata, and the manifests the same content."""
+    data = write_mixed_dataset(tmp_path / "data.jsonl", tiny_tokenizer)
+    outs = {}
+    for name, env in (("off", STARTUP_OFF), ("on", EARLY)):
+        root = tmp_path / name
+        r = run_cli(*e2e_run_args(root, tiny_model, data), env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        early = (root / "run" / "logs" / "shard-00000.stderr.log").read_text()
+        assert ("started early: imports and CUDA in" in early) == (name == "on"), early
+        outs[name] = root / "out"
+    off, on = _batch_files(outs["off"]), _batch_files(outs["on"])
+    assert off.keys() == on.keys() and off
+    for name in off:
+        assert _tensors_and_metadata(off[name]) == _tensors_and_metadata(on[name]), name
+    manifests = [json.loads((outs[n] / "manifest.json").read_text()) for n in ("off", "on")]
+    assert _without_times(manifests[0]) == _without_times(manifests[1])
+    for out in outs.values():
+        r = run_cli("verify", out, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert not _leftovers(tmp_path / "on" / "run")
 
 
 def test_bad_data_fails_with_its_message_and_the_early_workers_load_nothing_and_exit(tiny_model, tmp_path):
