@@ -34,13 +34,9 @@ from hsextract.model.checkpoint import check_checkpoint
 from hsextract.model.load import final_norm, load_model_config, load_model_for, torch_device
 from hsextract.model.target_topk import TopkAgreement, check_target_topk
 from hsextract.output import (
-    TOPK_IDS,
-    TOPK_LOGPROBS,
     BatchSpec,
     StateLayout,
     dequantize_fp8,
-    estimate_file_bytes,
-    topk_bytes_per_token,
 )
 from hsextract.prepare.chat import marked_text
 from hsextract.prepare.plan import make_plan
@@ -251,7 +247,11 @@ def prove_layers(
             ref = out.hidden_states
             if topk is not None:
                 a, b = cu[row], cu[row + 1]
-                topk.add(captured[TOPK_IDS][a:b], captured[TOPK_LOGPROBS][a:b], out.logits[0])
+                topk.add(
+                    captured[StateLayout.TOPK_IDS][a:b],
+                    captured[StateLayout.TOPK_LOGPROBS][a:b],
+                    out.logits[0],
+                )
             del out
             got_rows = states[cu[row] : cu[row + 1]]
             for j, k in enumerate(slot_layers):
@@ -371,7 +371,7 @@ def estimate(
     )
     token_bytes = layout.bytes_per_token(hidden, DTYPE_BYTES[cfg.dtype])
     total_bytes = job_bytes(plan, token_bytes)
-    topk_bytes = topk_bytes_per_token(layout.target_topk)
+    topk_bytes = layout.topk_bytes
     tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
     return {
         "data": sampled.report.to_json(),
@@ -410,7 +410,7 @@ def estimate(
 def job_bytes(plan, token_bytes: int) -> int:
     """The bytes of every batch file of ``plan`` at ``token_bytes`` per token, headers included."""
     return sum(
-        estimate_file_bytes(b.num_tokens, b.rows, token_bytes)
+        StateLayout.file_bytes(b.num_tokens, b.rows, token_bytes)
         + HEADER_BYTES_FIXED
         + HEADER_BYTES_PER_SAMPLE * b.rows
         for b in plan.batches

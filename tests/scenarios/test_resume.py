@@ -38,7 +38,8 @@ from support.cli import (
 from support.procs import alive, descendants, wait_dead
 
 from hsextract.config import run_staging_dir
-from hsextract.output import SAMPLE_INDEX, Plan, open_output
+from hsextract.output import Plan, open_output
+from hsextract.output.manifest import SAMPLE_INDEX
 from hsextract.output.records import JOB, JOB_FILES, done_key
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir

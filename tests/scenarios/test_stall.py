@@ -33,7 +33,8 @@ from support.cli import (
 from support.procs import descendants, wait_dead
 
 from hsextract.config import run_staging_dir
-from hsextract.output import SAMPLE_INDEX, Plan
+from hsextract.output import Plan
+from hsextract.output.manifest import SAMPLE_INDEX
 from hsextract.output.records import done_key
 from hsextract.run.progress import ShardProgress
 from hsextract.run.rundir import RunDir

@@ -16,7 +16,7 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     from hsextract.container import read_file_head
     from hsextract.model.capture import model_final_norm
     from hsextract.model.load import load_model_for, torch_device
-    from hsextract.output import batch_metadata, write_batch_file, write_final_norm
+    from hsextract.output import batch_metadata, write_batch_file
     from hsextract.output.ledger import RunInfo, stored_record, write_done
     from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.launcher import finish_output
@@ -47,7 +47,7 @@ def write_output(root: Path, model: Path, data: Path, **options) -> Path:
     device = torch_device(cfg)
     lm = load_model_for(cfg, device)
     if info.layout.final_state:
-        write_final_norm(sink, model_final_norm(lm))
+        model_final_norm(lm).write(sink)
     extractor = Extractor(
         lm,
         info.layout.slot_layers,

@@ -17,7 +17,7 @@ from hsextract.errors import HsextractError
 from hsextract.model import qwen3_5 as kernels
 from hsextract.model.load import base_model, decoder_layers, final_norm, output_embeddings
 from hsextract.model.target_topk import logits_chunk_tokens, target_topk_
-from hsextract.output import RULES, FinalNorm, quantize_fp8_
+from hsextract.output import FinalNorm, quantize_fp8_
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def probe_final_norm(norm) -> FinalNorm:
     with torch.no_grad():
         want = norm(probe).float()
     errors = {}
-    for rule in RULES:
+    for rule in FinalNorm.RULES:
         got = FinalNorm(weight=weight, eps=float(eps), rule=rule)(probe).float()
         errors[rule] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     rule = min(errors, key=errors.get)

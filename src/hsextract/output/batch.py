@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import xxhash
 
@@ -50,6 +51,16 @@ CONVENTION = "output_of_decoder_layer"
 """Layer id k is the OUTPUT of decoder layer k (0-based), before the final norm: HF output_hidden_states[k + 1]."""
 
 
+TOPK_IDS = "target_topk_ids"
+
+"""[tokens, K] int32: the target's K most likely next tokens after each token, most likely first."""
+
+
+TOPK_LOGPROBS = "target_topk_logprobs"
+
+"""[tokens, K] float32: their log-probabilities (log-softmax over the full vocabulary)."""
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """What the ``hidden_states`` tensor of every batch file holds, slot by slot, and how its values are stored."""
@@ -63,6 +74,11 @@ class StateLayout:
     """``float8_e4m3fn`` (values with a float32 scale per token per slot), or None: the run dtype."""
     target_topk: int | None = None
     """K of ``target_topk_ids`` / ``target_topk_logprobs`` [tokens, K] beside the states, or None: not stored."""
+
+    # The names a batch file and its manifest give what the layout describes (read by the run, dry-run, status).
+    CONVENTION: ClassVar[str] = CONVENTION
+    TOPK_IDS: ClassVar[str] = TOPK_IDS
+    TOPK_LOGPROBS: ClassVar[str] = TOPK_LOGPROBS
 
     @property
     def slot_layers(self) -> tuple[int, ...]:
@@ -91,7 +107,17 @@ class StateLayout:
             states = bytes_per_token(len(self.slot_layers), hidden, 1, scale_bytes=4)
         else:
             states = bytes_per_token(len(self.slot_layers), hidden, itemsize)
-        return states + topk_bytes_per_token(self.target_topk)
+        return states + self.topk_bytes
+
+    @property
+    def topk_bytes(self) -> int:
+        """Bytes per token of the target's top-k: an int32 id and a float32 log-probability each."""
+        return (self.target_topk or 0) * 8
+
+    @staticmethod
+    def file_bytes(num_tokens: int, num_samples: int, token_bytes: int) -> int:
+        """Bytes of a batch file's tensors for ``token_bytes`` per token (the header adds a few KB)."""
+        return num_tokens * token_bytes + (num_samples + 1) * 8 + num_samples * 8
 
     def file_metadata(self) -> dict[str, str]:
         # target_topk only when stored: the files of runs without it are byte-for-byte as before it existed.
@@ -210,23 +236,3 @@ def header_checksum(head: bytes) -> str:
 def bytes_per_token(num_slots: int, hidden: int, itemsize: int, scale_bytes: int = 0) -> int:
     """States of every slot (and their scales), plus the token id (int32) and its loss-mask byte."""
     return num_slots * (hidden * itemsize + scale_bytes) + 4 + 1
-
-
-TOPK_IDS = "target_topk_ids"
-
-"""[tokens, K] int32: the target's K most likely next tokens after each token, most likely first."""
-
-
-TOPK_LOGPROBS = "target_topk_logprobs"
-
-"""[tokens, K] float32: their log-probabilities (log-softmax over the full vocabulary)."""
-
-
-def topk_bytes_per_token(k: int | None) -> int:
-    """Bytes per token of the target's top-k: an int32 id and a float32 log-probability each."""
-    return (k or 0) * 8
-
-
-def estimate_file_bytes(num_tokens: int, num_samples: int, token_bytes: int) -> int:
-    """Bytes of a batch file's tensors for ``token_bytes`` per token (the header adds a few KB)."""
-    return num_tokens * token_bytes + (num_samples + 1) * 8 + num_samples * 8

@@ -28,7 +28,7 @@ from hsextract.output.batch import (
 )
 from hsextract.output.final_norm import FinalNorm
 from hsextract.output.header import BatchHeader, tensor_bytes
-from hsextract.output.manifest import header_mismatch
+from hsextract.output.manifest import header_expectations, header_mismatch
 
 if TYPE_CHECKING:
     import torch
@@ -158,7 +158,7 @@ class BatchFile:
 
     ``entry`` is the file's batch entry in the manifest (its sample ids, size and header checksum); with ``verify``
     the header, the index tensors and every sample read are checked against their checksums. ``expect`` holds
-    header fields that must match (``manifest.header_expectations``: plan hash, layer ids, batch id, shard)."""
+    header fields that must match (``BatchFile.listed`` takes them from the manifest: plan hash, layer ids, batch id, shard)."""
 
     def __init__(
         self, sink, key: str, entry: dict | None = None, *, verify: bool = True, expect: dict | None = None
@@ -192,6 +192,11 @@ class BatchFile:
         self.metadata, self.tensors, self.sample_ids = h.metadata, h.tensors, h.sample_ids
         self._held_bytes: dict[str, bytes] = {}
         self.cu_seqlens = self._read_held()
+
+    @classmethod
+    def listed(cls, sink, manifest: dict, entry: dict, *, verify: bool = True) -> BatchFile:
+        """The batch file of the manifest's ``entry``, its header held to what the manifest says of the output."""
+        return cls(sink, entry["key"], entry, verify=verify, expect=header_expectations(manifest, entry))
 
     def damaged(self, problem: str) -> CorruptOutputError:
         return CorruptOutputError(self.sink.url, self.key, problem)

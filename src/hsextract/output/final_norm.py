@@ -5,7 +5,7 @@ No torch at import: finalize and the launcher read the file's metadata without i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from hsextract.container import header_json, read_head
 from hsextract.errors import CorruptOutputError, HsextractError
@@ -28,6 +28,8 @@ class FinalNorm:
     """``weight``: ``weight * normed.to(dtype)`` (Llama, Qwen3). ``one_plus_weight``: ``(normed_f32 *
     (1 + weight_f32)).to(dtype)`` (Qwen3.5, Gemma). ``normed`` is ``x_f32 * rsqrt(mean(x_f32^2) + eps)``."""
 
+    RULES: ClassVar[tuple[str, ...]] = RULES
+
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"unknown final-norm rule {self.rule!r}; expected one of {RULES}")
@@ -45,14 +47,26 @@ class FinalNorm:
     def describe(self) -> dict:
         return {"eps": self.eps, "rule": self.rule, "dtype": str(self.weight.dtype).removeprefix("torch.")}
 
+    def write(self, sink) -> None:
+        """``final_norm.safetensors`` in the output: the weight as the model holds it, epsilon and rule as
+        metadata. The same bytes from every shard, so any shard may write it, any number of times."""
+        from safetensors.torch import save
 
-def write_final_norm(sink, norm: FinalNorm) -> None:
-    """``final_norm.safetensors`` in the output: the weight as the model holds it, epsilon and rule as metadata.
-    The same bytes from every shard, so any shard may write it, any number of times."""
-    from safetensors.torch import save
+        meta = {"eps": repr(self.eps), **{k: str(v) for k, v in self.describe().items() if k != "eps"}}
+        sink.put_bytes(FINAL_NORM, save({"weight": self.weight.contiguous()}, metadata=meta))
 
-    meta = {"eps": repr(norm.eps), **{k: str(v) for k, v in norm.describe().items() if k != "eps"}}
-    sink.put_bytes(FINAL_NORM, save({"weight": norm.weight.contiguous()}, metadata=meta))
+    @staticmethod
+    def read_meta(sink) -> dict:
+        """The final norm's description (key, epsilon, rule, dtype) from ``final_norm.safetensors``, with the
+        file's ``size`` and ``xxh3`` that the manifest records (the file is one vector: read whole); read without
+        torch; a clear error if no worker wrote it."""
+        if not sink.exists(FINAL_NORM):
+            raise HsextractError(
+                f"{sink.url} has no {FINAL_NORM}, which every worker of a --final-state run writes when it loads "
+                "the model: rerun the same command to let a worker write it"
+            )
+        data = sink.get_bytes(FINAL_NORM)
+        return {"key": FINAL_NORM, **describe_final_norm(sink, data), "size": len(data), "xxh3": _xxh3(data)}
 
 
 def read_final_norm(sink, recorded: dict, *, verify: bool = True) -> FinalNorm:
@@ -72,19 +86,6 @@ def read_final_norm(sink, recorded: dict, *, verify: bool = True) -> FinalNorm:
 
 
 FINAL_NORM = "final_norm.safetensors"
-
-
-def read_final_norm_meta(sink) -> dict:
-    """The final norm's description (key, epsilon, rule, dtype) from ``final_norm.safetensors``, with the file's
-    ``size`` and ``xxh3`` that the manifest records (the file is one vector: read whole); read without torch; a
-    clear error if no worker wrote it."""
-    if not sink.exists(FINAL_NORM):
-        raise HsextractError(
-            f"{sink.url} has no {FINAL_NORM}, which every worker of a --final-state run writes when it loads the "
-            "model: rerun the same command to let a worker write it"
-        )
-    data = sink.get_bytes(FINAL_NORM)
-    return {"key": FINAL_NORM, **describe_final_norm(sink, data), "size": len(data), "xxh3": _xxh3(data)}
 
 
 def describe_final_norm(sink, data: bytes) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hsextract.container import read_head
 from hsextract.errors import HsextractError
-from hsextract.output.final_norm import read_final_norm_meta
+from hsextract.output.final_norm import FinalNorm
 from hsextract.output.jobfiles import load_job_files
 from hsextract.output.keys import parse_batch_key
 from hsextract.output.manifest import (
@@ -156,7 +156,7 @@ def ready_manifest(sink, echo=print) -> tuple[int, set[str], dict | None]:
         return (*_damaged(sink, problems, len(keys), echo), None)
     # Written even over a manifest already there: built from the plan and the records just checked, it is the
     # same bytes on every node, and one edited or left by an earlier attempt is replaced by one that holds.
-    final_norm = read_final_norm_meta(sink) if info.final_state else None
+    final_norm = FinalNorm.read_meta(sink) if info.final_state else None
     return 0, set(), job_manifest((plan, info, sample_ids, data_report), records, final_norm)
 
 

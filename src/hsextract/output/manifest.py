@@ -48,7 +48,7 @@ def build_manifest(
 
     ``stored`` maps each batch key to what the uploader recorded of the file in its completion record: ``size``,
     ``crc32`` (8 hex), ``header_size`` and ``header_xxh3`` (the checksum of its first ``header_size`` bytes).
-    ``final_norm`` is what ``read_final_norm_meta`` found in the output (with the final state only)."""
+    ``final_norm`` is what ``FinalNorm.read_meta`` found in the output (with the final state only)."""
     layout = info.layout
     final = None
     if layout.final_state:

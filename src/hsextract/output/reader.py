@@ -17,7 +17,7 @@ from hsextract.layers import PRESETS, preset_layer_ids
 from hsextract.output.batch import StateLayout
 from hsextract.output.batchfile import BatchFile, SampleView, plain_memory
 from hsextract.output.final_norm import read_final_norm
-from hsextract.output.manifest import header_expectations, read_manifest, require_checksums
+from hsextract.output.manifest import read_manifest, require_checksums
 from hsextract.storage import open_sink
 
 if TYPE_CHECKING:
@@ -108,12 +108,8 @@ class Output:
             yield f.sample(row, self._view)
 
     def _file(self, key: str) -> BatchFile:
-        f = self._files.pop(key, None) or BatchFile(
-            self.sink,
-            key,
-            self._entries[key],
-            verify=self.verify,
-            expect=header_expectations(self.manifest, self._entries[key]),
+        f = self._files.pop(key, None) or BatchFile.listed(
+            self.sink, self.manifest, self._entries[key], verify=self.verify
         )
         self._files[key] = f
         while len(self._files) > self._cache_files:

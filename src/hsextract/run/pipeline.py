@@ -25,7 +25,7 @@ import torch
 
 from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
-from hsextract.output import TOPK_IDS, TOPK_LOGPROBS, BatchSpec
+from hsextract.output import BatchSpec, StateLayout
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.hostmem import drop_reserved, host_buffer, reserved
 from hsextract.run.procs import Stopped
@@ -239,8 +239,8 @@ class Extractor:
                     if self.scaled:
                         extra["hidden_states_scale"] = slot.host_scale[: n * slots].view(n, slots)
                     if k := self.target_topk:
-                        extra[TOPK_IDS] = slot.host_topk_ids[: n * k].view(n, k)
-                        extra[TOPK_LOGPROBS] = slot.host_topk_logprobs[: n * k].view(n, k)
+                        extra[StateLayout.TOPK_IDS] = slot.host_topk_ids[: n * k].view(n, k)
+                        extra[StateLayout.TOPK_LOGPROBS] = slot.host_topk_logprobs[: n * k].view(n, k)
                     on_batch(
                         batch,
                         {

@@ -25,7 +25,7 @@ from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
 from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
-from hsextract.output import Plan, StateLayout, estimate_file_bytes, run_file_metadata
+from hsextract.output import Plan, StateLayout, run_file_metadata
 from hsextract.output.ledger import RunInfo, publish_job_files, sample_ids_checksum
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
@@ -146,7 +146,7 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     layout = run_layout(cfg, layer_ids, num_layers)
     check_target_topk(cfg.target_topk, text)
     preflight(cfg.output, cfg.s3_endpoint_url)
-    one_file = estimate_file_bytes(
+    one_file = StateLayout.file_bytes(
         cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
     )
     check_staging(cfg.staging_dir, one_file)
@@ -229,7 +229,7 @@ def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
     out = Path(cfg.output)
     token_bytes = model.layout.bytes_per_token(model.text_config.hidden_size, DTYPE_BYTES[cfg.dtype])
     todo = [b for b in plan.batches if not (out / b.key).is_file()]
-    need = sum(estimate_file_bytes(b.num_tokens, b.rows, token_bytes) for b in todo)
+    need = sum(StateLayout.file_bytes(b.num_tokens, b.rows, token_bytes) for b in todo)
     free = shutil.disk_usage(out).free
     if free < need:
         raise HsextractError(

@@ -27,7 +27,7 @@ from hsextract.errors import HsextractError, disk_full, install_redaction, redac
 from hsextract.model import warmup
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
-from hsextract.output import BatchSpec, Plan, write_final_norm
+from hsextract.output import BatchSpec, Plan
 from hsextract.output.ledger import RunInfo, shard_name
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.monitor import ShardMonitor
@@ -171,7 +171,7 @@ class ShardRun:
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.
-            write_final_norm(open_sink(cfg.output, cfg.s3_endpoint_url), model_final_norm(lm))
+            model_final_norm(lm).write(open_sink(cfg.output, cfg.s3_endpoint_url))
         extractor = Extractor(
             lm,
             layout.slot_layers,

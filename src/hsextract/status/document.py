@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.output import CONVENTION, Plan
+from hsextract.output import Plan, StateLayout
 from hsextract.output.ledger import RunInfo, shard_name
 from hsextract.prepare.report import COUNTS
 from hsextract.run.progress import LIVE_STATES, ShardProgress, ShardState
@@ -160,7 +160,7 @@ def plan_summary(run_dir: RunDir, cfg: RunConfig | None = None) -> dict:
         "padding_waste": plan.padding_waste,
         "num_layers": meta.get("num_layers"),
         "hidden_size": meta.get("hidden_size"),
-        "layer_convention": CONVENTION,
+        "layer_convention": StateLayout.CONVENTION,
         "layers": [
             {
                 "id": k,

@@ -23,7 +23,7 @@ from pathlib import Path
 from torch.utils.data import get_worker_info
 
 from hsextract.errors import HsextractError
-from hsextract.output import Output, read_final_norm_meta, read_manifest, served_layers
+from hsextract.output import FinalNorm, Output, read_manifest, served_layers
 from hsextract.output.ledger import STORED_FIELDS, done_in_output, has_manifest, live_manifest, read_done
 from hsextract.storage import open_sink
 from hsextract.training.index import Where, open_where
@@ -307,7 +307,7 @@ class _LiveOutput:
             if self._out is None:
                 final = self.manifest.get("final_state")
                 if final and final.get("norm") is None:  # every worker writes it before its first batch
-                    final["norm"] = read_final_norm_meta(self.sink)
+                    final["norm"] = FinalNorm.read_meta(self.sink)
                 self._out = open_where(self.where, self.manifest, cache_files=self.cache_files)
             return self._out
 

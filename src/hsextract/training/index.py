@@ -22,18 +22,7 @@ import numpy as np
 
 from hsextract.container import map_file
 from hsextract.errors import CorruptOutputError, HsextractError
-from hsextract.output import (
-    SAMPLE_INDEX,
-    SampleTable,
-    checksum,
-    decode,
-    encode,
-    open_output,
-    plain_memory,
-    read_sample_index,
-    remove_copy,
-    table_from_files,
-)
+from hsextract.output import SampleTable, open_output, plain_memory
 from hsextract.training.reads import MAX_READ_BYTES, plan_reads, read_ahead, shared_memory
 from hsextract.training.schemas import SCHEMAS, Schema, get_schema
 from hsextract.training.state import check_where
@@ -104,7 +93,7 @@ def scan_files(open_file, entries: list[dict], schemas: list[Schema], threads: i
                     reasons.append(why)
                 codes.append(reasons.index(why) + 1 if why else 0)
         skips[s.verdicts] = (reasons, codes)
-    table = table_from_files(
+    table = SampleTable.from_files(
         [e["key"] for e in entries],
         [(ids, cu) for ids, cu, _, _ in scanned],
         max((s[3] for s in scanned), default=0),
@@ -117,20 +106,18 @@ def write_sample_index(sink, manifest: dict, threads: int = 16) -> tuple[dict | 
     """Index every batch file the (not yet written) ``manifest`` lists, with the verdicts of every schema that
     leaves samples out, and write the index beside it. Returns the manifest's ``sample_index`` entry, or None and
     ``{key: CorruptOutputError}`` for batch files that could not be read."""
-    from hsextract.output import BatchFile, header_expectations
+    from hsextract.output import BatchFile
 
     schemas = [s for s in SCHEMAS.values() if skips_samples(s)]
     table, problems = scan_files(
-        lambda e: BatchFile(sink, e["key"], e, expect=header_expectations(manifest, e)),
+        lambda e: BatchFile.listed(sink, manifest, e),
         manifest["batches"],
         schemas,
         threads,
     )
     if problems:
         return None, problems
-    data = encode(table)
-    sink.put_bytes(SAMPLE_INDEX, data)
-    return {"key": SAMPLE_INDEX, "size": len(data), "xxh3": checksum(data)}, {}
+    return table.write(sink), {}
 
 
 def _slim(manifest: dict) -> dict:
@@ -178,16 +165,16 @@ class SampleIndex:
         entry = manifest.get("sample_index")
         if entry is None:
             log.info(
-                "%s has no %s (written by an hsextract before it): indexing its %d batch files, 2 reads each",
+                "%s has no sample_index.safetensors (written by an hsextract before it): indexing its %d batch "
+                "files, 2 reads each",
                 where.path,
-                SAMPLE_INDEX,
                 len(manifest["batches"]),
             )
             self.table = self._scan(out, manifest, wanted, threads)
         else:
-            self.table, self.path, copied = read_sample_index(out.sink, entry, where.verify)
+            self.table, self.path, copied = SampleTable.read(out.sink, entry, where.verify)
             if copied:
-                weakref.finalize(self, remove_copy, self.path, os.getpid())
+                weakref.finalize(self, SampleTable.remove_copy, self.path, os.getpid())
             if self.table.keys != [b["key"] for b in manifest["batches"]]:
                 raise CorruptOutputError(
                     out.sink.url,
@@ -195,7 +182,7 @@ class SampleIndex:
                     "lists other batch files than the manifest; the output is damaged",
                 )
             if wanted and schema.verdicts not in self.table.skips:
-                log.info("%s has no verdicts for %s: indexing its batch files", SAMPLE_INDEX, schema.verdicts)
+                log.info("%s has no verdicts for %s: indexing its batch files", entry["key"], schema.verdicts)
                 scanned = self._scan(out, manifest, wanted, threads)
                 self.extra_skips = {
                     schema.verdicts: (scanned.skips[schema.verdicts], scanned.skip_reasons[schema.verdicts])
@@ -251,7 +238,9 @@ class SampleIndex:
     def __setstate__(self, state):
         self.__dict__.update(state)
         if self.table is None:
-            self.table = decode(map_file(self.path), lambda problem: HsextractError(f"{self.path} {problem}"))
+            self.table = SampleTable.decode(
+                map_file(self.path), lambda problem: HsextractError(f"{self.path} {problem}")
+            )
             self._add_skips()
         self._select()
 

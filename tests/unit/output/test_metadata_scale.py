@@ -26,7 +26,7 @@ from hsextract.output.records import (
     sample_ids_checksum,
     write_done,
 )
-from hsextract.output.sample_index import checksum, encode, table_from_files
+from hsextract.output.sample_index import SampleTable, checksum
 from hsextract.prepare.plan import make_plan
 from hsextract.run.launcher import finish_output
 from hsextract.status.rows import output_status
@@ -77,7 +77,7 @@ def metadata_output(root, batches: int, *, done: bool) -> LocalSink:
         ([ids[i] for i in b.sample_indices], np.cumsum([0] + [lengths[i] for i in b.sample_indices]).tolist())
         for b in plan.batches
     ]
-    data = encode(table_from_files([b.key for b in plan.batches], files, token_bytes=16))
+    data = SampleTable.from_files([b.key for b in plan.batches], files, token_bytes=16).encode()
     sink.put_bytes(SAMPLE_INDEX, data)
     manifest["sample_index"] = {"key": SAMPLE_INDEX, "size": len(data), "xxh3": checksum(data)}
     write_manifest(sink, manifest)

@@ -19,8 +19,9 @@ from support.synthetic import make_output
 
 from hsextract.container import map_file
 from hsextract.errors import CorruptOutputError
-from hsextract.output import checksum, decode, encode, verify_output
+from hsextract.output import SampleTable, verify_output
 from hsextract.output.manifest import MANIFEST, SAMPLE_INDEX
+from hsextract.output.sample_index import checksum
 from hsextract.training import StatesMapDataset
 
 pytestmark = pytest.mark.usefixtures("aws_test_env")
@@ -120,12 +121,12 @@ def test_an_index_rewritten_with_its_checksum_still_has_to_agree_with_the_manife
     root, _ = synthetic
     out = tmp_path / "out"
     shutil.copytree(root, out)
-    table = decode(map_file(str(out / SAMPLE_INDEX)), ValueError)
+    table = SampleTable.decode(map_file(str(out / SAMPLE_INDEX)), ValueError)
     first = int(table.file_first[3])  # swap the first two sample ids of file 3 (ids of equal length)
     lo, mid, hi = (int(table.id_offsets[first + k]) for k in range(3))
     ids = table.ids.copy()
     ids[lo:hi] = np.concatenate([table.ids[mid:hi], table.ids[lo:mid]])
-    data = encode(dataclasses.replace(table, ids=ids))
+    data = dataclasses.replace(table, ids=ids).encode()
     (out / SAMPLE_INDEX).write_bytes(data)
     manifest = json.loads((out / MANIFEST).read_text())
     manifest["sample_index"].update(size=len(data), xxh3=checksum(data))
