@@ -11,25 +11,28 @@ from __future__ import annotations
 from hsextract import lazy_exports
 
 _EXPORTS = {
-    "BatchFile": "batchfile",
-    "BatchSpec": "plan",
-    "FinalNorm": "final_norm",
-    "Output": "reader",
-    "Plan": "plan",
-    "SampleTable": "sample_index",
-    "SampleView": "batchfile",
-    "StateLayout": "batch",
-    "batch_metadata": "batch",
-    "dequantize_fp8": "fp8",
+    # open, read and verify an output (a trainer, export, the CLI)
     "open_output": "reader",
-    "plain_memory": "batchfile",
-    "quantize_fp8_": "fp8",
-    "read_manifest": "manifest",
-    "read_metadata": "writer",
-    "run_file_metadata": "batch",
+    "Output": "reader",
     "served_layers": "reader",
+    "read_manifest": "manifest",
+    "BatchFile": "batchfile",
+    "SampleView": "batchfile",
+    "SampleTable": "sample_index",
+    "plain_memory": "batchfile",
+    "dequantize_fp8": "fp8",
     "verify_output": "verify",
+    # the plan: which samples go in which batch file of which shard
+    "Plan": "plan",
+    "BatchSpec": "plan",
+    # what writes a batch file (the run, dry-run, the model's capture)
+    "StateLayout": "batch",
+    "run_file_metadata": "batch",
+    "batch_metadata": "batch",
     "write_batch_file": "writer",
+    "read_metadata": "writer",
+    "FinalNorm": "final_norm",
+    "quantize_fp8_": "fp8",
 }
 
 """Each public name -> the module of this package that defines it."""
