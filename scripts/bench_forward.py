@@ -32,7 +32,7 @@ forward with its CUDA time by kernel family: the measurements that pick what to 
 pass 1 minus pass 2 (``figure NAME VALUE`` lines). ``--device cpu`` is a dry run on the demo's model.
 
 ``pinning``: the pipeline's pinned host buffers made two ways in fresh processes (PyTorch's caching host allocator;
-``hsextract.run.hostmem.pinned_empty``), and a device-to-host copy into them.
+``hsextract.startup.hostmem.pinned_empty``), and a device-to-host copy into them.
 
 ``--json-out`` writes everything, rewritten after each step so that a time limit keeps what was measured.
 """
@@ -258,7 +258,7 @@ def run_variants(args) -> None:
     )
     save()
 
-    from hsextract.model.warmup import tables as tuned
+    from hsextract.startup.warmup import tables as tuned
 
     setup = model_and_batches(args, final_state=False)
     lm, layer_ids, samples, plan = setup.lm, setup.layer_ids, setup.samples, setup.plan
@@ -771,7 +771,7 @@ def modules(args) -> None:
 
 # -- shapes: what a new batch shape costs -------------------------------------------------------------------------
 def prewarm(cfg, plan, work: Path) -> None:
-    """The run's warm-up (``hsextract.model.warmup``) for ``plan``, into a fresh kernel cache this process then
+    """The run's warm-up (``hsextract.startup.warmup``) for ``plan``, into a fresh kernel cache this process then
     uses (set before Triton is imported: the warm-up's kernels are the ones the passes find)."""
     import os
     import shutil
@@ -786,7 +786,7 @@ def prewarm(cfg, plan, work: Path) -> None:
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     t0 = time.perf_counter()
     r = subprocess.run(
-        [sys.executable, "-m", "hsextract.model.warmup", str(work / "warmup.json")],
+        [sys.executable, "-m", "hsextract.startup.warmup", str(work / "warmup.json")],
         capture_output=True,
         text=True,
     )
@@ -799,6 +799,7 @@ def prewarm(cfg, plan, work: Path) -> None:
 def shapes(args) -> None:
     from hsextract.config import RunConfig
     from hsextract.model.load import load_model_config, load_model_for
+    from hsextract.startup import ready
 
     cfg = RunConfig(
         model=args.model,
@@ -820,6 +821,7 @@ def shapes(args) -> None:
         prewarm(cfg, plan, Path(args.work))
     t0 = time.perf_counter()
     lm = load_model_for(cfg, device)
+    ready(device)
     print(f"figure load_s {time.perf_counter() - t0:.1f}", flush=True)
     ext = extractor(lm, layers, plan.batches, device, num_slots=3)
     passes = []
@@ -872,7 +874,7 @@ t0 = time.perf_counter()
 if way == "torch":
     bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
 else:
-    from hsextract.run.hostmem import pinned_empty
+    from hsextract.startup.hostmem import pinned_empty
     bufs = [pinned_empty(nbytes) for _ in range(slots)]
 made = time.perf_counter() - t0
 src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

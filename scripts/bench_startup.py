@@ -10,7 +10,7 @@ durable, each under ``--step-timeout`` seconds:
 
   untuned a new job with an empty kernel cache of its own and no autotune tables (``HSEXTRACT_TUNED=0``): every
           kernel compiled and every candidate config timed, as before the tables; its warm-up records the
-          table that ``--ship-table`` copies into the package (model/warmup/tables.py);
+          table that ``--ship-table`` copies into the package (startup/warmup/tables.py);
   cold    a new job with an empty kernel cache (``--kernel-cache WORK/kernels``, emptied first): a machine that
           never ran hsextract, with the package's shipped autotune table for its GPU;
   warm    a new job (new output and run dir) on the same data, same machine: the kernel cache as cold left it;
@@ -623,7 +623,7 @@ def main():
             else None
         )
         if recorded is not None:
-            # What this machine's first warm-up chose: the table shipped for this GPU (model/warmup/tables.py).
+            # What this machine's first warm-up chose: the table shipped for this GPU (startup/warmup/tables.py).
             Path(args.ship_table).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(recorded, args.ship_table)
             print(f"figure untuned.table {json.dumps(str(args.ship_table))}", flush=True)

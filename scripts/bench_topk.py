@@ -58,7 +58,7 @@ def main():
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(report, indent=1))
 
-    from hsextract.model.warmup import tables as tuned
+    from hsextract.startup.warmup import tables as tuned
 
     setup = model_and_batches(args, final_state=False, device=args.device)
     lm, samples, plan = setup.lm, setup.samples, setup.plan

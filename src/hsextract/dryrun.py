@@ -44,6 +44,7 @@ from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor
 from hsextract.run.preflight import encoding_options, resolve_data, run_layout
 from hsextract.run.rundir import RunDir
+from hsextract.startup import ready
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
@@ -103,6 +104,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
     device = torch_device(cfg)
     if lm is None:
         lm = load_model_for(cfg, device)
+        ready(device)
     norm = model_final_norm(lm) if layout.final_state else None
     proof = prove_layers(
         lm,

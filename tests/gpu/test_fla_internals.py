@@ -1,4 +1,4 @@
-"""The FLA and Triton internals model/warmup/fla_patch.py relies on, read from the installed packages: a new FLA
+"""The FLA and Triton internals startup/warmup/fla_patch.py relies on, read from the installed packages: a new FLA
 release that renames a module, moves the token bucket or keeps its autotune cache elsewhere fails here, not as a
 slower start-up nobody notices. Needs FLA (the GPU machine); the last test runs the kernels on CUDA."""
 
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("fla")
 
-from hsextract.model.warmup import fla_patch, tables  # noqa: E402
+from hsextract.startup.warmup import fla_patch, tables  # noqa: E402
 
 
 def _tuner(module_name: str, name: str):

@@ -162,10 +162,10 @@ def test_fp8_pipeline_on_the_gpu_copies_values_and_scales_through_pinned_buffers
 
 
 def test_host_buffers_made_ahead_are_pinned_exact_size_and_taken_by_size():
-    """run/hostmem.py: buffers reserved in the background are page-locked (an async device-to-host copy into them
+    """startup/hostmem.py: buffers reserved in the background are page-locked (an async device-to-host copy into them
     lands the device's values), of the size asked (no power-of-two rounding), taken smallest-that-fits, and a
     request no reserved buffer fits gets a new pinned one."""
-    from hsextract.run import hostmem
+    from hsextract.startup import hostmem
 
     mb = 1 << 20
     hostmem.reserve(2, 3 * mb + 5)
@@ -198,8 +198,8 @@ TUNED_PROBE = """
 import json, sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from hsextract.model import qwen3_5 as kernels
-from hsextract.model.warmup import fla_patch, tables as tuned
-from hsextract.model.warmup.fla_patch import pin_token_count_autotune
+from hsextract.startup.warmup import fla_patch, tables as tuned
+from hsextract.startup.warmup.fla_patch import pin_token_count_autotune
 cfg = AutoConfig.from_pretrained("configs/qwen3.6-27b").get_text_config()
 cfg.num_hidden_layers = 4
 cfg.layer_types = cfg.layer_types[:4]
@@ -226,13 +226,13 @@ def test_the_shipped_autotune_table_answers_the_real_shapes_without_timing_and_g
     tmp_path,
 ):
     """A fresh process on Qwen3.6-27B's layer shapes answers FLA's autotuners from the table shipped for this GPU
-    (model/warmup/tables.py): none of them times its candidates, and the states equal, to bf16 rounding, those of a
+    (startup/warmup/tables.py): none of them times its candidates, and the states equal, to bf16 rounding, those of a
     process that timed every candidate itself (HSEXTRACT_TUNED=0)."""
     import os
     import subprocess
     import sys
 
-    from hsextract.model.warmup import tables as tuned
+    from hsextract.startup.warmup import tables as tuned
 
     if not (tuned.SHIPPED_DIR / tuned.gpu_file_name(torch.cuda.get_device_name())).is_file():
         pytest.skip(f"no autotune table is shipped for {torch.cuda.get_device_name()}")

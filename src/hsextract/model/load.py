@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.hub import resolve_model
 from hsextract.model.fastload import fast_load_enabled
-from hsextract.model.warmup import ready_kernels
 
 
 def load_model_config(model: str, trust_remote_code: bool = False):
@@ -180,7 +179,7 @@ def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device:
 
 def load_model_for(cfg, device) -> object:
     """The model a run's config names, on ``device`` (a torch.device), with the run's kernels swapped in
-    (qwen3_5.py): what the worker and dry-run load."""
+    (qwen3_5.py): what the worker and dry-run load; on CUDA they then ready its kernels (``hsextract.startup.ready``)."""
     from hsextract.model import qwen3_5 as kernels
 
     if cfg.kernel_mode == "fused" and device.type == "cuda":
@@ -198,9 +197,7 @@ def load_model_for(cfg, device) -> object:
     log.info(
         "kernels: %s (%s), compute %s", cfg.kernel_mode, ", ".join(swapped) or "none swapped", lm.hsx_compute
     )
-    if device.type == "cuda":
-        ready_kernels()
-    else:
+    if device.type != "cuda":
         quiet_cuda_kernel_advice()
     return lm
 

@@ -1,7 +1,7 @@
 """Run the shards of a prepared run (preflight.py) to completion, then finish the output.
 
 One worker process per shard, ``CUDA_VISIBLE_DEVICES`` set before torch is imported there and a parent-death
-signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (model/warmup/) runs beside
+signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (startup/warmup/) runs beside
 their weight load. The output's completion records decide which shards start and, once every worker has exited 0,
 ``finalize`` checks each batch against its record and writes the manifest, last: a batch found missing or damaged
 there sends its shard round once more. Meanwhile a progress bar per shard and ``StallWatch`` read the progress
@@ -20,7 +20,6 @@ from pathlib import Path
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError
-from hsextract.model.warmup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
 from hsextract.output import Plan
 from hsextract.output.ledger import (
     done_in_output,
@@ -33,6 +32,7 @@ from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress, rate_text
 from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import StallWatch
+from hsextract.startup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
 

@@ -27,8 +27,8 @@ from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
 from hsextract.output import BatchSpec, StateLayout
 from hsextract.prepare.tokenfile import TokenizedSamples
-from hsextract.run.hostmem import drop_reserved, host_buffer, reserved
 from hsextract.run.procs import Stopped
+from hsextract.startup import host_buffer, pinned_ahead
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Slot:
         self.host_health: torch.Tensor | None = None
         """The pinned host buffer ``health`` is copied into on CUDA, made at the first checked batch."""
         if device.type == "cuda":
-            self.host_buf = host_buffer(numel, dtype)  # exact size, maybe made ahead (run/hostmem.py)
+            self.host_buf = host_buffer(numel, dtype)  # exact size, maybe made ahead (startup/hostmem.py)
             self.host_scale = torch.empty(scale_numel, dtype=torch.float32, pin_memory=True)
             self.host_topk_ids = torch.empty(topk_numel, dtype=torch.int32, pin_memory=True)
             self.host_topk_logprobs = torch.empty(topk_numel, dtype=torch.float32, pin_memory=True)
@@ -191,9 +191,8 @@ class Extractor:
         self.target_topk = target_topk
         topk_numel = max_tokens * (target_topk or 0)
         t0 = time.perf_counter()
-        ahead, ahead_s = reserved()
-        self.slots = [Slot(numel, self.dtype, device, scale_numel, topk_numel) for _ in range(num_slots)]
-        drop_reserved()
+        with pinned_ahead() as (ahead, ahead_s):
+            self.slots = [Slot(numel, self.dtype, device, scale_numel, topk_numel) for _ in range(num_slots)]
         log.info(
             "%d buffer slots of %.2f GB made in %.1f s%s",
             num_slots,

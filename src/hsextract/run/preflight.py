@@ -24,7 +24,6 @@ from hsextract.model.fp8_load import run_compute
 from hsextract.model.load import load_model_config, load_threads
 from hsextract.model.qwen3_5 import check_shape as check_kernel_shape
 from hsextract.model.target_topk import check_target_topk
-from hsextract.model.warmup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.output import Plan, StateLayout, run_file_metadata
 from hsextract.output.ledger import RunInfo, publish_job_files, sample_ids_checksum
 from hsextract.prepare.plan import make_plan
@@ -40,6 +39,7 @@ from hsextract.prepare.tokenize import (
 from hsextract.prepare.tokenizer_record import RecordedTokenizer, records_dir
 from hsextract.run.accept import accept_plan
 from hsextract.run.rundir import RunDir
+from hsextract.startup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
 

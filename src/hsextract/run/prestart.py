@@ -38,7 +38,7 @@ MODEL_ENV = "HSEXTRACT_PRESTART_MODEL"
 PIN_ENV = "HSEXTRACT_PRESTART_PIN"
 
 """What sizes the pipeline's host buffers (``pin_spec``): the early process pins them while it imports
-(run/hostmem.py)."""
+(startup/hostmem.py)."""
 
 
 ENTRY = "from hsextract.run.procs import exit_now; from hsextract.run.prestart import main; exit_now(main())"
@@ -143,7 +143,7 @@ def _pin_ahead(spec: dict, model: str) -> None:
     """CUDA started, then the host buffers pinned in a thread while the rest is imported."""
     import torch
 
-    from hsextract.run.hostmem import reserve
+    from hsextract.startup.hostmem import reserve
 
     torch.cuda.init()
     torch.empty(1, device="cuda")

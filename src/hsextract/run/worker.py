@@ -24,7 +24,6 @@ import torch
 
 from hsextract.config import RunConfig
 from hsextract.errors import HsextractError, disk_full, install_redaction, redact
-from hsextract.model import warmup
 from hsextract.model.capture import model_final_norm
 from hsextract.model.load import load_model_for, torch_device
 from hsextract.output import BatchSpec, Plan
@@ -38,6 +37,7 @@ from hsextract.run.resume import done_in_output, recover_staging
 from hsextract.run.rundir import RunDir
 from hsextract.run.uploader import Uploader
 from hsextract.run.writer import StagingWriter
+from hsextract.startup import ready
 from hsextract.storage import open_sink
 
 log = logging.getLogger(__name__)
@@ -162,12 +162,7 @@ class ShardRun:
         self.monitor.save("loading")
         lm = load_model_for(cfg, device)
         log.info("model loaded in %.1f s", time.time() - t0)
-        if (
-            warmup.warmup_pending()
-        ):  # the kernel warm-up runs beside the load: its kernels before the first batch
-            self.monitor.save("waiting-for-kernels")
-            warmup.wait_for_warmup()
-            warmup.install_tables()  # what the warm-up chose and recorded
+        ready(device, on_wait=lambda: self.monitor.save("waiting-for-kernels"))
         layout = self.info.layout
         if layout.final_state:
             # Every shard writes the same bytes; the manifest needs the file, and any finished batch implies it.

@@ -37,7 +37,7 @@ import re
 import sys
 from pathlib import Path
 
-from hsextract.model.warmup.fla_patch import (
+from hsextract.startup.warmup.fla_patch import (
     answer_from,
     autotuner_of,
     chosen,

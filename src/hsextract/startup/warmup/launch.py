@@ -1,6 +1,6 @@
 """The launcher's side of the warm-up: the kernel cache a run uses, and the warm-up process started beside the load.
 
-``Warmup.start`` starts ``python -m hsextract.model.warmup SPEC`` on the first GPU unless the cache's stamp already
+``Warmup.start`` starts ``python -m hsextract.startup.warmup SPEC`` on the first GPU unless the cache's stamp already
 lists every token-count bucket and shape class the run's batch shapes need; the launcher starts the workers at the
 same time, so the warm-up compiles (CPU) while they load their weights (I/O). A worker started with
 ``WARMUP_FLAG_ENV`` set waits, after its load and before its first batch, until that file exists
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.errors import HsextractError
-from hsextract.model.warmup import cache
-from hsextract.model.warmup.cache import KernelCache, WarmSet
-from hsextract.model.warmup.fla_patch import fla_available
+from hsextract.startup.warmup import cache
+from hsextract.startup.warmup.cache import KernelCache, WarmSet
+from hsextract.startup.warmup.fla_patch import fla_available
 from hsextract.storage.fileio import atomic_write
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Warmup:
         )
         with open(log_file, "ab") as f:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "hsextract.model.warmup", str(spec_file)],
+                [sys.executable, "-m", "hsextract.startup.warmup", str(spec_file)],
                 env=env,
                 stdout=f,
                 stderr=subprocess.STDOUT,

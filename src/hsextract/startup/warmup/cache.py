@@ -25,7 +25,7 @@ from pathlib import Path
 from typing_extensions import TypedDict
 
 from hsextract.errors import HsextractError
-from hsextract.model.warmup.fla_patch import NB_ROWS, package_version, patch_supported, pin_enabled
+from hsextract.startup.warmup.fla_patch import NB_ROWS, package_version, patch_supported, pin_enabled
 from hsextract.storage.fileio import atomic_write, cache_home
 from hsextract.validation import parse
 
@@ -185,7 +185,7 @@ def fused_source_hash() -> str:
     (the MLP's gate and up joined into one GEMM, say) must not take an older version's stamp as warm."""
     digest = hashlib.sha256()
     for name in FUSED_SOURCES:
-        digest.update((Path(__file__).parent.parent / name).read_bytes())
+        digest.update((Path(__file__).parents[2] / "model" / name).read_bytes())
     return digest.hexdigest()[:16]
 
 

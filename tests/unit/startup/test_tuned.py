@@ -1,4 +1,4 @@
-"""Recorded autotune choices (model/warmup/tables.py): recorded from the autotuners of a process, merged, and handed back
+"""Recorded autotune choices (startup/warmup/tables.py): recorded from the autotuners of a process, merged, and handed back
 to a fresh one so that it times nothing. GPU-free: a stand-in for Triton's ``Autotuner`` whose ``run`` looks its
 cache up as Triton 3.6's does (``key in cache``, then ``cache[key]``, else time every candidate); the real kernels
 are covered on the GPU (tests/gpu/test_gpu.py)."""
@@ -8,7 +8,7 @@ import os
 import sys
 import types
 
-from hsextract.model.warmup import tables as tuned
+from hsextract.startup.warmup import tables as tuned
 
 
 class Config:
@@ -166,7 +166,7 @@ def test_a_table_naming_a_module_outside_the_kernel_packages_imports_nothing(mon
     ):
         table["kernels"][hostile] = legit
     path.write_text(json.dumps(table))
-    with caplog.at_level("WARNING", logger="hsextract.model.warmup.tables"):
+    with caplog.at_level("WARNING", logger="hsextract.startup.warmup.tables"):
         assert tuned.install("NVIDIA H200", str(tmp_path)) == 1
     assert not imported.exists() and "this" not in sys.modules
     assert "probe_not_a_kernel" not in sys.modules and "fla_lookalike" not in sys.modules
@@ -182,13 +182,13 @@ def test_a_table_another_user_could_write_is_not_read(monkeypatch, tmp_path, cap
     for mode, says in ((0o666, "lets others write it"), (0o664, "lets its group write it")):
         path.chmod(mode)
         caplog.clear()
-        with caplog.at_level("WARNING", logger="hsextract.model.warmup.tables"):
+        with caplog.at_level("WARNING", logger="hsextract.startup.warmup.tables"):
             assert tuned.install("NVIDIA H200", str(tmp_path)) == 0
         assert any(str(path) in r.getMessage() and says in r.getMessage() for r in caplog.records)
     path.chmod(0o644)
     if os.geteuid() == 0:  # another owner: only root can make one here
         os.chown(path, 12345, 12345)
-        with caplog.at_level("WARNING", logger="hsextract.model.warmup.tables"):
+        with caplog.at_level("WARNING", logger="hsextract.startup.warmup.tables"):
             assert tuned.install("NVIDIA H200", str(tmp_path)) == 0
         assert any("owned by uid 12345" in r.getMessage() for r in caplog.records)
         os.chown(path, 0, 0)

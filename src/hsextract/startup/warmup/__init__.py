@@ -10,10 +10,10 @@ The worker and the dry run call ``ready_kernels`` after their model is on the GP
 and ``Warmup.start``; nothing else of the package is imported from outside it.
 """
 
-from hsextract.model.warmup.cache import KERNEL_CACHE_ENV, KernelCache, WarmSet, check_writable
-from hsextract.model.warmup.cache import resolve as resolve_kernel_cache
-from hsextract.model.warmup.fla_patch import fla_available, pin_token_count_autotune
-from hsextract.model.warmup.launch import (
+from hsextract.startup.warmup.cache import KERNEL_CACHE_ENV, KernelCache, WarmSet, check_writable
+from hsextract.startup.warmup.cache import resolve as resolve_kernel_cache
+from hsextract.startup.warmup.fla_patch import fla_available, pin_token_count_autotune
+from hsextract.startup.warmup.launch import (
     WARMUP_FLAG_ENV,
     Warmup,
     WarmupSpec,
@@ -21,7 +21,7 @@ from hsextract.model.warmup.launch import (
     wait_for_warmup,
     warmup_pending,
 )
-from hsextract.model.warmup.tables import install_here as install_tables
+from hsextract.startup.warmup.tables import install_here as install_tables
 
 __all__ = [
     "KERNEL_CACHE_ENV",

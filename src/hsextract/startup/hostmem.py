@@ -1,16 +1,9 @@
-"""Pinned host buffers of the size asked for, made fast, and made ahead by an early worker.
+"""Pinned host buffers of exactly the size asked for, made fast, and made ahead by an early worker.
 
-The pipeline's host buffers (one per slot, 2-4 GB each) must be page-locked for the device-to-host copies to run
-beside the forward. ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which
-rounds every block up to the next power of two and has the driver zero and lock the pages in one thread: three
-2.75 GB slots took 12 GB and 6.3 s on an H200 host, on the path to the first batch (docs/PERFORMANCE.md).
-
-``pinned_empty`` instead takes ordinary memory of exactly the size, faults its pages in with torch's threads (a
-parallel ``zero_``), then registers it with ``cudaHostRegister``, which then only locks pages that are already
-there. ``reserve`` does that in a background thread of a process started early (run/prestart.py), while it
-imports; the pipeline's ``host_buffer`` then takes a reserved buffer that is large enough, or makes one.
-A failed registration falls back to the caching allocator, with a warning.
-"""
+The pipeline's host buffers must be page-locked for the device-to-host copies to run beside the forward; torch's
+caching host allocator rounds each up to a power of two and locks it in one thread. ``pinned_empty`` takes memory of
+the exact size, faults it in with torch's threads, then registers it (``cudaHostRegister``); ``reserve`` does that
+in the background of an early worker. A failed registration falls back to the caching allocator, with a warning."""
 
 from __future__ import annotations
 

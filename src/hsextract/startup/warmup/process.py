@@ -1,6 +1,6 @@
 """The warm-up process: compiles FLA's Triton kernels for a run's batch shapes into the kernel cache.
 
-``python -m hsextract.model.warmup SPEC`` (a ``WarmupSpec`` written by ``Warmup.start``) on the first GPU, beside
+``python -m hsextract.startup.warmup SPEC`` (a ``WarmupSpec`` written by ``Warmup.start``) on the first GPU, beside
 the shards' weight load. It builds a shallow random-weight copy of the target (enough layers to hold every layer
 type, so every kernel is met: seconds, not the minutes of real weights) with the run's kernels; runs a forward on a
 spread of the shapes the stamp lacks, largest first (where the pinned kernels tune); then the token-count-keyed norm
@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from hsextract.model.warmup import fla_patch, ready_kernels, tables
-from hsextract.model.warmup.cache import (
+from hsextract.startup.warmup import fla_patch, ready_kernels, tables
+from hsextract.startup.warmup.cache import (
     WarmSet,
     add_to_stamp,
     batch_needs,
@@ -25,8 +25,8 @@ from hsextract.model.warmup.cache import (
     read_stamp,
     token_bucket,
 )
-from hsextract.model.warmup.fla_patch import fla_available
-from hsextract.model.warmup.launch import WarmupSpec
+from hsextract.startup.warmup.fla_patch import fla_available
+from hsextract.startup.warmup.launch import WarmupSpec
 
 BUCKET_BUDGET_ENV = "HSEXTRACT_WARMUP_BUCKET_S"
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from hsextract.config import RunConfig
-from hsextract.model.warmup import cache as kc
-from hsextract.model.warmup import fla_patch, tables
-from hsextract.model.warmup.fla_patch import PIN_ENV, pin_token_count_autotune
-from hsextract.model.warmup.launch import WARMUP_FLAG_ENV, Warmup, wait_for_warmup, warmup_pending
-from hsextract.model.warmup.process import plan_shapes, warm_shapes
 from hsextract.prepare.plan import make_plan
 from hsextract.run.launcher import open_run_kernel_cache as open_kernel_cache
 from hsextract.run.launcher import start_warmup, warmup_spec
+from hsextract.startup.warmup import cache as kc
+from hsextract.startup.warmup import fla_patch, tables
+from hsextract.startup.warmup.fla_patch import PIN_ENV, pin_token_count_autotune
+from hsextract.startup.warmup.launch import WARMUP_FLAG_ENV, Warmup, wait_for_warmup, warmup_pending
+from hsextract.startup.warmup.process import plan_shapes, warm_shapes
 
 H200 = [{"name": "NVIDIA H200", "driver": "580.159.04"}]
 PACKAGES = {"torch": "2.11.0+cu130", "triton": "3.6.0", "fla-core": "0.6.0", "liger-kernel": "0.8.5"}
@@ -225,11 +225,12 @@ def test_a_changed_fused_forward_is_a_new_signature_and_stock_ignores_it(tmp_pat
     import shutil
 
     for name in kc.FUSED_SOURCES:  # the package's files, copied where the test may change them
-        shutil.copy(Path(kc.__file__).parent.parent / name, tmp_path / name)
-    monkeypatch.setattr(kc, "__file__", str(tmp_path / "warmup" / "cache.py"))
+        (tmp_path / "model").mkdir(exist_ok=True)
+        shutil.copy(Path(kc.__file__).parents[2] / "model" / name, tmp_path / "model" / name)
+    monkeypatch.setattr(kc, "__file__", str(tmp_path / "startup" / "warmup" / "cache.py"))
     args = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
     fused, stock = (kc.model_signature(_text(), kernel_mode=m, **args) for m in ("fused", "stock"))
-    with open(tmp_path / kc.FUSED_SOURCES[0], "a") as f:
+    with open(tmp_path / "model" / kc.FUSED_SOURCES[0], "a") as f:
         f.write("\n# another fused forward\n")
     assert kc.model_signature(_text(), kernel_mode="fused", **args) != fused
     assert kc.model_signature(_text(), kernel_mode="stock", **args) == stock
@@ -406,8 +407,8 @@ def test_a_chosen_cache_that_cannot_be_made_fails_before_work_and_the_default_fa
 def test_warm_up_process_agrees_with_the_launcher_on_what_the_stamp_covers(
     finished_run, tmp_path, monkeypatch, capsys
 ):
-    from hsextract.model.warmup import process
     from hsextract.output import Plan
+    from hsextract.startup.warmup import process
 
     run_dir = finished_run[0] / "run"
     cfg = RunConfig.load(run_dir / "config.json")
@@ -432,8 +433,8 @@ def test_start_skips_a_covered_plan_and_otherwise_runs_the_warm_up_process(
 ):
     import dataclasses
 
-    from hsextract.model.warmup import launch
     from hsextract.output import Plan
+    from hsextract.startup.warmup import launch
 
     monkeypatch.setattr(launch, "fla_available", lambda: True)  # as on a GPU machine with FLA installed
     src = finished_run[0] / "run"
