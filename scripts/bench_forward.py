@@ -213,7 +213,7 @@ class Variant:
                 mlp._hsx_gate_up = None
                 self._undo.append(lambda mlp=mlp, j=joined: setattr(mlp, "_hsx_gate_up", j))
         elif self.name == "fused-repeat-qk":
-            lib = kernels._libs()
+            lib = kernels.libs()
             grouped = lib.chunk_gated_delta_rule
 
             def repeated(q, k, v, **kw):
@@ -630,7 +630,7 @@ def modules(args) -> None:
         B, T = x.shape[:2]
         q_, k_ = q_.reshape(B, T, -1, lin.head_k_dim), k_.reshape(B, T, -1, lin.head_k_dim)
         v_ = v_.reshape(B, T, -1, lin.head_v_dim)
-    lib = kernels._libs()
+    lib = kernels.libs()
     rep = lin.num_v_heads // lin.num_k_heads
 
     def conv_stock():

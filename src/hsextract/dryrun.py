@@ -1,14 +1,16 @@
 """``hsextract dry-run``: prove the captured layers are the intended ones, check their health, estimate the job.
 
-The proof runs a few real samples through the production path (the worker's ``Extractor``) and, one at a time,
-through a plain HF forward: each id k must match HF index k+1 within the dtype's tolerance AND be clearly farther from
-k and k+2, so an off-by-one cannot pass. The final state is checked through the norm the reader applies; with fp8
-storage each row also reports the fp8 error against the unquantized capture (the identity proof runs unquantized:
-fp8's error is of the order of adjacent layers' distance). Health per layer: mean, std, absmax, NaN/Inf and all-zero
-vectors. With ``--target-topk K`` the stored top-k is proven against the reference forward's
-``logits.log_softmax(-1)`` (values within tolerance; ids among HF's top K up to that error). The estimate uses the plan ``run`` would make and the throughput measured here, on the whole data's lengths
-when the token cache holds them, else on ~2,000 sampled rows repeated to the data's size (the output says which).
+A few real samples run through the worker's own path and, one at a time, a plain HF forward: id k must match HF
+index k+1 and be clearly farther from k and k+2, so an off-by-one cannot pass. Health per layer (mean, std, absmax, NaN/Inf, zero vectors); top-k and fp8 compute proven against the
+reference; the estimate uses the plan ``run`` would make and the throughput measured here.
 """
+
+# The match is within the dtype's tolerance; the final state is checked through the norm the reader applies. With
+# fp8 storage each row also reports the fp8 error against the unquantized capture (the identity proof runs
+# unquantized: fp8's error is of the order of adjacent layers' distance). The top-k is proven against the reference
+# forward's logits.log_softmax(-1) (values within tolerance; ids among HF's top K up to that error). The estimate
+# runs on the whole data's lengths when the token cache holds them, else on sampled rows repeated to the data's size
+# (the output says which).
 
 from __future__ import annotations
 

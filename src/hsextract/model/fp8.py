@@ -1,20 +1,17 @@
 """fp8 compute as FP8-served targets run (Qwen3.x-FP8 in vLLM and SGLang): the recipe, its linear, the conversion.
 
-The recipe, one formula in both directions (block ``B = 128``):
-
-    weights      s_w[i, j] = amax(W[Bi:Bi+B, Bj:Bj+B]) / 448       Wq = e4m3(W / s_w)     W ~ Wq * s_w
-    activations  s_x[t, j] = amax(x[t, Bj:Bj+B]) / 448             xq = e4m3(x / s_x)    (per token, per B columns)
-    y[t, n]      = sum_j s_x[t, j] * s_w[n // B, j] * (xq[t, Bj:Bj+B] . Wq[n, Bj:Bj+B])   float32 accumulation
-
-``e4m3`` rounds to nearest even and saturates at +-448; an all-zero block has scale 0 and values 0. Qwen's FP8
-checkpoints store ``s_w`` as ``weight_scale_inv`` (the multiplier that dequantizes, despite its name) in bf16; it is
-taken as float32. A linear computes in fp8 exactly when it has such a scale.
-
-``Fp8Linear`` runs the recipe: on a GPU with block-scaled fp8 GEMMs (Hopper) through ``torch._scaled_mm`` with the
-activations' scales computed by a Triton kernel (or handed over already quantized by the fused forward, whose
-producing kernels quantize: fp8_kernels.py); elsewhere emulated in float32 (the activations fake-quantized, the
-weights dequantized), so that the CPU tests run the same numbers.
+One recipe, written once below, in both directions; ``Fp8Linear`` runs it as a block-scaled GEMM on a GPU that has
+them (Hopper), the activations quantized by the kernel that produces them where the fused forward runs
+(fp8_kernels.py), and emulated in float32 elsewhere, so that the CPU tests compute the same numbers.
 """
+
+# The recipe (block B = 128):
+#     weights      s_w[i, j] = amax(W[Bi:Bi+B, Bj:Bj+B]) / 448       Wq = e4m3(W / s_w)     W ~ Wq * s_w
+#     activations  s_x[t, j] = amax(x[t, Bj:Bj+B]) / 448             xq = e4m3(x / s_x)    (per token, per B columns)
+#     y[t, n]      = sum_j s_x[t, j] * s_w[n // B, j] * (xq[t, Bj:Bj+B] . Wq[n, Bj:Bj+B])   float32 accumulation
+# e4m3 rounds to nearest even and saturates at +-448; an all-zero block has scale 0 and values 0. Qwen's FP8
+# checkpoints store s_w as `weight_scale_inv` (the multiplier that dequantizes, despite its name) in bf16; it is
+# taken as float32. A linear computes in fp8 exactly when it has such a scale.
 
 from __future__ import annotations
 

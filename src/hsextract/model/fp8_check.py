@@ -1,10 +1,9 @@
 """The dry run's proof of fp8 compute: stored states held against the served recipe and against its wrong variants.
 
-A correct implementation is nearer the recipe than any plausible mistake in it; so each variant below is run through
-transformers' own forward, its fp8 linears computed in float32 from the model's dtype (as tests/support/fp8ref.py
-does apart from this code), and the capture's distance to each is reported per layer. The weights and scales the
-variants use are first checked against the checkpoint's own files: a load that transposed or inverted them would
-otherwise be the reference too.
+A correct implementation is nearer the recipe than any plausible mistake in it, so each variant runs through
+transformers' own forward (its fp8 linears in float32, as tests/support/fp8ref.py does apart from this code) and the
+capture's distance to each is reported per layer; the weights and scales are first held to the checkpoint's files,
+since a load that transposed or inverted them would otherwise be the reference too.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
-"""Triton kernels that end in the fp8 recipe's activation quantization: each writes e4m3 values and one float32 scale
-per token per 128 columns (``amax / 448``) straight from its float32 result, so no pass over a bf16 activation is
-left between the kernel that produces it and the block-scaled GEMM that reads it (fp8.py has the recipe).
-
-Each returns ``(q [Mp, K] e4m3, scale [Mp, K/128])``, the scale a [K/128, Mp] tensor transposed: the outer-dim-major
-layout ``torch._scaled_mm`` takes for 1x128 blocks; Mp is the M rows rounded up to ``ROW_ALIGN``, the extra rows
-zero. The kernels:
-
-- ``quantize_rows``: any [M, K] activation (the input of a linear whose producer is not fused);
-- ``rms_norm_quant``: Qwen3.5's RMSNorm ``x / rms(x) * (1 + w)``, optionally after ``s = residual + x`` (the sum,
-  rounded to the activation dtype as stock, written too) and optionally the normed bf16 as well (the Gated-DeltaNet's
-  ``in_proj_a``/``in_proj_b`` stay bf16 linears and read it);
-- ``silu_mul_quant``: ``silu(g) * u`` from the joined gate/up GEMM's [M, 2I] output;
-- ``gated_rms_norm_quant``: the Gated-DeltaNet's ``w * o / rms(o) * silu(z)`` per head vector;
-- ``sigmoid_gate_quant``: the attention output times ``sigmoid(gate)``, per head vector.
+"""Triton kernels that end in the fp8 recipe's activation quantization (fp8.py): each writes e4m3 values and one
+float32 scale per token per 128 columns straight from its float32 result, so no pass over a bf16 activation is left
+between the kernel that produces it and the block-scaled GEMM that reads it.
 """
 
-from __future__ import annotations
+# Each returns (q [Mp, K] e4m3, scale [Mp, K/128]), the scale a [K/128, Mp] tensor transposed: the outer-dim-major
+# layout torch._scaled_mm takes for 1x128 blocks; Mp is the M rows rounded up to ROW_ALIGN, the extra rows zero.
+# quantize_rows: any [M, K] activation (the input of a linear whose producer is not fused); rms_norm_quant: Qwen3.5's
+# RMSNorm x / rms(x) * (1 + w), optionally after s = residual + x (the sum, rounded to the activation dtype as stock,
+# written too) and optionally the normed bf16 as well (the Gated-DeltaNet's in_proj_a/in_proj_b stay bf16 linears and
+# read it); silu_mul_quant: silu(g) * u from the joined gate/up GEMM's [M, 2I] output; gated_rms_norm_quant: the
+# Gated-DeltaNet's w * o / rms(o) * silu(z) per head vector; sigmoid_gate_quant: attention output * sigmoid(gate).
 
-import types
+from __future__ import annotations
 
 _K = None
 
@@ -25,19 +19,12 @@ GROUP = 128
 
 
 def _kernels():
+    """fp8_triton.py (its kernels, and ``triton`` for the launch grids), imported at the first call."""
     global _K
     if _K is None:
-        import triton
-
         from hsextract.model import fp8_triton
 
-        _K = types.SimpleNamespace(
-            triton=triton,
-            quantize_rows=fp8_triton.quantize_rows,
-            rms_norm_quant=fp8_triton.rms_norm_quant,
-            silu_mul_quant=fp8_triton.silu_mul_quant,
-            head_quant=fp8_triton.head_quant,
-        )
+        _K = fp8_triton
     return _K
 
 

@@ -1,18 +1,17 @@
 """Loading a target for ``--compute``: an FP8-served checkpoint as it is stored, or a bf16 one quantized on load.
 
-An FP8 checkpoint (Qwen3.x-FP8's layout: ``quantization_config`` with ``quant_method: fp8``, ``weight_block_size:
-[128, 128]``, dynamic activations; e4m3 weights, a ``weight_scale_inv`` per 128x128 tile) loads without
-transformers' FP8 integration (which needs the ``kernels`` Hub package and, on a CPU, dequantizes to bf16): the
-model is built by transformers as an unquantized one, so the e4m3 values land in ``--dtype`` parameters (exactly:
-every e4m3 value is a bf16, fp16 and float32 value), then every linear the checkpoint gives a ``weight_scale_inv``
-becomes an ``Fp8Linear`` of those values cast back to e4m3 (exact) and that scale; nothing else changes
-(``modules_to_not_convert`` is not read: its names are multimodal paths and include parameters). Which checkpoint key
-is which module is transformers' own renaming (``conversion_mapping``), as its loader applies it.
-
-``--compute``: ``auto`` (the checkpoint's own numerics), ``fp8`` (also a bf16 checkpoint, quantized on load by the
-recipe in fp8.py), ``bf16`` (an FP8 checkpoint dequantized on load). On a GPU without block-scaled fp8 GEMMs (before
-Hopper) an FP8 checkpoint is dequantized on load, saying so; on the CPU the recipe runs emulated in float32.
+transformers builds the model as an unquantized one (its FP8 integration needs the ``kernels`` Hub package and
+dequantizes on a CPU), so the e4m3 values land exactly in ``--dtype`` parameters; then every linear the checkpoint
+gives a ``weight_scale_inv`` becomes an ``Fp8Linear`` of those values and that scale, and nothing else changes.
 """
+
+# The FP8 layout read: Qwen3.x-FP8's, quantization_config with quant_method fp8, weight_block_size [128, 128],
+# dynamic activations; e4m3 weights, a weight_scale_inv per 128x128 tile. modules_to_not_convert is not read: its
+# names are multimodal paths and include parameters. Which checkpoint key is which module is transformers' own
+# renaming (conversion_mapping), as its loader applies it.
+# --compute: auto (the checkpoint's own numerics), fp8 (also a bf16 checkpoint, quantized on load by fp8.py's
+# recipe), bf16 (an FP8 checkpoint dequantized on load). On a GPU without block-scaled fp8 GEMMs (before Hopper) an
+# FP8 checkpoint is dequantized on load, saying so; on the CPU the recipe runs emulated in float32.
 
 from __future__ import annotations
 

@@ -16,12 +16,18 @@ def quantize_groups(y, S, row, M, g, mask_g):
 
 
 @triton.jit
-def quantize_rows(X, Q, S, M, K, sx, NG: tl.constexpr):
+def row_groups(K, NG: tl.constexpr):
+    # A program of a (row, group block) grid over [M, K]: its row, its NG groups of 128 columns, their columns and
+    # the columns' mask.
     row = tl.program_id(0).to(tl.int64)
-    g0 = tl.program_id(1) * NG
-    gi = g0 + tl.arange(0, NG)
+    gi = tl.program_id(1) * NG + tl.arange(0, NG)
     c = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
-    m = c < K
+    return row, gi, c, c < K
+
+
+@triton.jit
+def quantize_rows(X, Q, S, M, K, sx, NG: tl.constexpr):
+    row, gi, c, m = row_groups(K, NG)
     y = tl.load(X + row * sx + c, mask=m, other=0.0).to(tl.float32)
     q = quantize_groups(y, S, row, M, gi, gi * 128 < K)
     tl.store(Q + row * K + c, q.to(Q.dtype.element_ty), mask=m)
@@ -54,11 +60,7 @@ def rms_norm_quant(
 
 @triton.jit
 def silu_mul_quant(GU, Q, S, M, N, sgu, NG: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g0 = tl.program_id(1) * NG
-    gi = g0 + tl.arange(0, NG)
-    c = gi[:, None] * 128 + tl.arange(0, 128)[None, :]
-    m = c < N
+    row, gi, c, m = row_groups(N, NG)
     g = tl.load(GU + row * sgu + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(GU + row * sgu + N + c, mask=m, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u

@@ -1,14 +1,8 @@
-"""Fused CUDA kernels for the ``qwen3_5`` decoder, swapped into a loaded model in place of transformers' forwards.
-
-    from hsextract.model import qwen3_5 as kernels
-    kernels.apply(lm, mode="fused")       # what was swapped: [] on CPU, for "stock", or an unknown architecture
-    kernels.restore(lm)                   # transformers' own forwards again (same weights)
-    with kernels.stock_forward(lm): ...   # the same for a block: where a dry run's HF reference must run
-
-Module instances are patched (an instance ``forward``, one pre-hook), never transformers' classes, so another model
-in the process is untouched. Why: the stock forward spends ~40% of an H200's time outside matrix products; each swap
-removes passes over the activations and computes in float32 with one rounding. The swaps, their numerics and what
-they need: docs/ARCHITECTURE.md ("The fused forward").
+"""Fused CUDA kernels for the ``qwen3_5`` decoder, swapped into a loaded model in place of transformers' forwards:
+``apply(lm, mode="fused")`` (what was swapped; [] on CPU, for "stock" or another architecture), ``restore(lm)``,
+``with stock_forward(lm):`` (where a dry run's HF reference runs). Module instances are patched, never transformers'
+classes, so another model in the process is untouched. Each swap removes passes over the activations and computes in
+float32 with one rounding; the swaps, their numerics and what they need: docs/ARCHITECTURE.md ("The fused forward").
 """
 
 from __future__ import annotations
@@ -19,7 +13,8 @@ import types
 
 from hsextract.config import KERNEL_MODES
 from hsextract.errors import HsextractError
-from hsextract.model.triton_kernels import _triton_kernels, qk_norm_rope, sigmoid_gate
+from hsextract.model.qwen3_5_ops import add_rms_norm, attend, delta_rule, joined_weight, libs, rms_norm
+from hsextract.model.triton_kernels import _triton_kernels, sigmoid_gate
 
 log = logging.getLogger(__name__)
 
@@ -43,92 +38,21 @@ SWAPS = (
 )
 
 
-_LIB = None
-
-
-# The oldest releases these calls were checked against: an older FLA may not know ``use_gate_in_kernel`` and would
-# read the raw gate as a log-decay, silently wrong, so it is refused rather than tried.
-_MIN_VERSIONS = {"fla-core": "0.6.0", "liger-kernel": "0.8.5"}
-
-
-def _check_versions() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    for dist, least in _MIN_VERSIONS.items():
-        try:
-            have = version(dist)
-        except PackageNotFoundError:
-            continue  # the import below names what is missing
-        if Version(have) < Version(least):
-            raise HsextractError(
-                f"--kernels fused needs {dist} >= {least}, found {have}: pip install 'hsextract[gpu]' "
-                "or run with --kernels stock"
-            )
-
-
-def _libs():
-    """flash-linear-attention and liger-kernel entry points; a clear error if either is missing or too old."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    _check_versions()
-    try:
-        from fla.modules.convolution import causal_conv1d
-        from fla.modules.fused_norm_gate import rms_norm_gated
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError as e:
-        raise HsextractError(
-            f"--kernels fused needs flash-linear-attention ({e}); install it with pip install 'hsextract[gpu]' "
-            "or run with --kernels stock"
-        ) from None
-    try:
-        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction, LigerSiLUMulFunction
-    except ImportError as e:
-        raise HsextractError(
-            f"--kernels fused needs liger-kernel ({e}); install it with pip install 'hsextract[gpu]' "
-            "or run with --kernels stock"
-        ) from None
-    _LIB = types.SimpleNamespace(
-        causal_conv1d=causal_conv1d,
-        rms_norm_gated=rms_norm_gated,
-        chunk_gated_delta_rule=chunk_gated_delta_rule,
-        rms_norm=LigerRMSNormFunction.apply,
-        add_rms_norm=LigerFusedAddRMSNormFunction.apply,
-        silu_mul=LigerSiLUMulFunction.apply,
-        silu_mul_joined=LigerFusedGateUpSiLUMulFunction.apply,
-    )
-    return _LIB
-
-
-def rms_norm(norm, x):
-    """``Qwen3_5RMSNorm``: x / rms(x) * (1 + w), float32 compute, one rounding."""
-    return _libs().rms_norm(x, norm.weight, norm.eps, 1.0, "gemma", False)
-
-
-def add_rms_norm(x, residual, norm):
-    """``s = residual + x`` (bf16, as stock) and ``rms_norm(s)``; returns (normed, s)."""
-    return _libs().add_rms_norm(x, residual, norm.weight, norm.eps, 1.0, "gemma", False)
-
-
 def _rms_norm_forward(self, hidden_states):
     return rms_norm(self, hidden_states)
 
 
 def _gated_rms_norm_forward(self, hidden_states, gate):
-    return _libs().rms_norm_gated(
+    return libs().rms_norm_gated(
         hidden_states, gate, self.weight, None, activation="silu", eps=self.variance_epsilon
     )
 
 
 def _mlp_act(mlp, x):
-    joined = _joined(mlp, "_hsx_gate_up", mlp.gate_proj)
+    joined = joined_weight(mlp, "_hsx_gate_up", mlp.gate_proj)
     if joined is not None:  # gate and up in one GEMM, SiLU-and-multiply on its two halves
-        return _libs().silu_mul_joined(x @ joined.t())
-    return _libs().silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
+        return libs().silu_mul_joined(x @ joined.t())
+    return libs().silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
 
 
 def _mlp_forward(self, x):
@@ -146,53 +70,13 @@ def _mlp_residual(mlp, x, residual):
 def _gdn_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     if cache_params is not None:
         return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
-    lib = _libs()
     if attention_mask is not None:  # a mask the right-padding hook kept: zero padded inputs, as stock does
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     B, T, _ = hidden_states.shape
-    kd, hv = self.key_dim, self.num_v_heads
-    qkv = self.in_proj_qkv(hidden_states)  # [B, T, 2 kd + vd]; the conv reads its three parts strided
+    o = delta_rule(self, self.in_proj_qkv(hidden_states), hidden_states)
     z = self.in_proj_z(hidden_states)
-    joined = _joined(self, "_hsx_ba", self.in_proj_b)
-    if joined is not None:  # b and a in one GEMM
-        both = hidden_states @ joined.t()
-        b, a = both[..., :hv], both[..., hv:]
-    else:
-        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
-    w = self.conv1d.weight.view(self.conv_dim, -1)
-    q = lib.causal_conv1d(qkv[..., :kd], w[:kd], activation="silu")[0]
-    k = lib.causal_conv1d(qkv[..., kd : 2 * kd], w[kd : 2 * kd], activation="silu")[0]
-    v = lib.causal_conv1d(qkv[..., 2 * kd :], w[2 * kd :], activation="silu")[0]
-    o, _ = lib.chunk_gated_delta_rule(
-        q.view(B, T, self.num_k_heads, self.head_k_dim),
-        k.view(B, T, self.num_k_heads, self.head_k_dim),
-        v.view(B, T, hv, self.head_v_dim),
-        g=a,
-        beta=b,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        A_log=self.A_log,
-        dt_bias=self.dt_bias,
-        use_beta_sigmoid_in_kernel=True,
-    )
     o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(o.view(B, T, -1))
-
-
-def _causal_sdpa(q, k, v, scale):
-    """Causal SDPA on grouped k/v through a fused kernel (flash or cuDNN), never the math fallback, which would
-    materialise [B, H, T, T] scores; repeats k/v (as stock) only where no fused kernel takes the grouped call."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    groups = q.shape[1] // k.shape[1]
-    try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
-    except RuntimeError:
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def _attention_forward(
@@ -202,43 +86,18 @@ def _attention_forward(
         return type(self).forward(
             self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
         )
-    import torch.nn.functional as F
-
     B, T, _ = hidden_states.shape
     D = self.head_dim
-    qg = self.q_proj(hidden_states).view(B, T, -1, 2 * D)  # per head: query, then its output gate
+    qg = self.q_proj(hidden_states).view(B, T, -1, 2 * D)
     k = self.k_proj(hidden_states).view(B, T, -1, D)
     v = self.v_proj(hidden_states).view(B, T, -1, D)
-    cos, sin = position_embeddings
-    q = qk_norm_rope(qg[..., :D], self.q_norm.weight, cos, sin, self.q_norm.eps)
-    k = qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D] views, no copies
-    if attention_mask is None and T > 1:
-        out = _causal_sdpa(q, k, v, self.scaling)
-    else:  # a mask the right-padding hook kept: as stock (k/v repeated, masked kernel)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and T > 1, scale=self.scaling
-        )
-    out = sigmoid_gate(out.transpose(1, 2), qg[..., D:])
-    return self.o_proj(out), None
+    out = attend(self, qg, k, v, position_embeddings, attention_mask)
+    return self.o_proj(sigmoid_gate(out, qg[..., D:])), None
 
 
 def _decoder_layer_forward(
-    self,
-    hidden_states,
-    position_embeddings,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    **kwargs,
+    self, hidden_states, position_embeddings, attention_mask=None, position_ids=None, **kwargs
 ):
-    if past_key_values is not None:
-        return type(self).forward(
-            self, hidden_states, position_embeddings, attention_mask, position_ids, past_key_values, **kwargs
-        )
     h = self.input_layernorm(hidden_states)
     if self.block_type == "linear_attention":
         h = self.linear_attn(hidden_states=h, cache_params=None, attention_mask=attention_mask, **kwargs)
@@ -255,15 +114,35 @@ def _decoder_layer_forward(
     return _mlp_residual(self.mlp, h, residual)
 
 
+def _prefill_only(fused):
+    """A fused decoder-layer forward for whole sequences; with a KV cache (generation) transformers' own runs."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None,
+                past_key_values=None, **kwargs):  # fmt: skip
+        if past_key_values is not None:
+            return type(self).forward(
+                self,
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                position_ids,
+                past_key_values,
+                **kwargs,
+            )
+        return fused(self, hidden_states, position_embeddings, attention_mask, position_ids, **kwargs)
+
+    return forward
+
+
 def _layer_forward(layer):
     """The fused layer forward: the fp8 one where the layer's linears are ``Fp8Linear`` (qwen3_5_fp8.py; None
     where it cannot run them: the layer keeps its stock forward over the swapped modules), else the bf16 one."""
     from hsextract.model import fp8, qwen3_5_fp8
 
     if not any(isinstance(mod, fp8.Fp8Linear) for mod in layer.modules()):
-        return _decoder_layer_forward
-    ops = types.SimpleNamespace(lib=_libs(), joined=_joined, causal_sdpa=_causal_sdpa)
-    return qwen3_5_fp8.layer_forward(layer, ops)
+        return _prefill_only(_decoder_layer_forward)
+    fused = qwen3_5_fp8.layer_forward(layer)
+    return _prefill_only(fused) if fused else None
 
 
 def is_right_padded(mask) -> bool:
@@ -316,14 +195,6 @@ def _join(owner, first, second, attr: str):
     first.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
     second.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
     return joined
-
-
-def _joined(owner, attr: str, first):
-    """``owner``'s joined weight when ``first`` (its first projection) still is a view of it, else None."""
-    joined = getattr(owner, attr, None)
-    if joined is not None and joined.data_ptr() == first.weight.data_ptr():
-        return joined
-    return None
 
 
 def _patch(module, forward, name: str, swapped: set) -> None:
@@ -402,7 +273,7 @@ def apply(lm, mode: str = "fused") -> list[str]:
         )
         return []
     check_shape(text)
-    _libs()
+    libs()
     _triton_kernels()
     swapped: set = set()
     for mod in lm.modules():

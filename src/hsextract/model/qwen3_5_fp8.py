@@ -1,11 +1,8 @@
 """The fused ``qwen3_5`` decoder layer when its linears are ``Fp8Linear`` (``--compute fp8``, fp8.py).
 
-The same forward as qwen3_5.py's fused one, with each activation a linear reads quantized by the kernel that
-produces it (fp8_kernels.py): the input norm (and, for the Gated-DeltaNet's bf16 ``in_proj_a``/``in_proj_b``, its
-bf16 output too), the residual add and post-attention norm, SiLU-and-multiply, the Gated-DeltaNet's gated output
-norm, the attention's output gate. Linears that read one activation run as one block-scaled GEMM: gate and up,
-the Gated-DeltaNet's qkv and z, the attention's q, k and v (their e4m3 weights and tile scales concatenated along the
-outputs, every part a multiple of 128 rows; the modules keep views of them, so the stock forward still runs).
+qwen3_5.py's fused forward, with each activation a linear reads quantized by the kernel that produces it
+(fp8_kernels.py), and the linears that read one activation joined into one block-scaled GEMM (gate and up; qkv and
+z; q, k and v), whose weights and tile scales the modules keep views of, so that the stock forward still runs.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import torch
 
 from hsextract.model import fp8_kernels as fk
 from hsextract.model.fp8 import Fp8Activation, Fp8Linear
-from hsextract.model.triton_kernels import qk_norm_rope
+from hsextract.model.qwen3_5_ops import attend, delta_rule
 
 
 def join(owner, attr: str, *parts) -> Fp8Linear | None:
@@ -41,11 +38,10 @@ def join(owner, attr: str, *parts) -> Fp8Linear | None:
     return joined
 
 
-def layer_forward(layer, ops):
+def layer_forward(layer):
     """The fp8 decoder-layer forward for ``layer`` (its joins made), or None when its linears are not all
     ``Fp8Linear`` on a GPU with block-scaled GEMMs, or a shape the fused kernels cannot take (the bf16 fused
-    forward is used then, its linears quantizing their own inputs). ``ops``: qwen3_5.py's ``lib`` (FLA's and
-    Liger's entry points), ``joined`` and ``causal_sdpa``, kept on the layer."""
+    forward is used then, its linears quantizing their own inputs)."""
     mlp = layer.mlp
     mixer = layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn
     if not isinstance(mlp.down_proj, Fp8Linear) or not mlp.down_proj.gemm_ready:
@@ -60,7 +56,6 @@ def layer_forward(layer, ops):
         ok = mixer.head_dim % 128 == 0 and isinstance(mixer.o_proj, Fp8Linear)
         if not ok or join(mixer, "_hsx_fp8_qkv", mixer.q_proj, mixer.k_proj, mixer.v_proj) is None:
             return None
-    layer._hsx_ops = ops
     return _decoder_layer_forward
 
 
@@ -68,76 +63,30 @@ def _act(qs, shape, dtype) -> Fp8Activation:
     return Fp8Activation(qs[0], qs[1], tuple(shape), dtype)
 
 
-def _gdn(self, ops, qa: Fp8Activation, normed, B: int, T: int):
-    lib = ops.lib
-    kd, hv, dv = self.key_dim, self.num_v_heads, self.head_v_dim
+def _gdn(self, qa: Fp8Activation, normed, B: int, T: int):
+    hv, dv = self.num_v_heads, self.head_v_dim
     qkvz = self._hsx_fp8_qkvz(qa)  # [B, T, conv_dim + vd]
     qkv, z = qkvz[..., : self.conv_dim], qkvz[..., self.conv_dim :]
-    joined = ops.joined(self, "_hsx_ba", self.in_proj_b)
-    if joined is not None:
-        both = normed @ joined.t()
-        b, a = both[..., :hv], both[..., hv:]
-    else:
-        b, a = self.in_proj_b(normed), self.in_proj_a(normed)
-    w = self.conv1d.weight.view(self.conv_dim, -1)
-    q = lib.causal_conv1d(qkv[..., :kd], w[:kd], activation="silu")[0]
-    k = lib.causal_conv1d(qkv[..., kd : 2 * kd], w[kd : 2 * kd], activation="silu")[0]
-    v = lib.causal_conv1d(qkv[..., 2 * kd :], w[2 * kd :], activation="silu")[0]
-    o, _ = lib.chunk_gated_delta_rule(
-        q.view(B, T, self.num_k_heads, self.head_k_dim),
-        k.view(B, T, self.num_k_heads, self.head_k_dim),
-        v.view(B, T, hv, dv),
-        g=a,
-        beta=b,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        A_log=self.A_log,
-        dt_bias=self.dt_bias,
-        use_beta_sigmoid_in_kernel=True,
-    )
+    o = delta_rule(self, qkv, normed)
     qo = fk.gated_rms_norm_quant(o, z.view(B, T, hv, dv), self.norm.weight, self.norm.variance_epsilon)
     return self.out_proj(_act(qo, (B, T, hv * dv), normed.dtype))
 
 
-def _attention(self, ops, qa: Fp8Activation, B: int, T: int, position_embeddings, attention_mask):
-    import torch.nn.functional as F
-
+def _attention(self, qa: Fp8Activation, B: int, T: int, position_embeddings, attention_mask):
     D = self.head_dim
     nq, nk = self.q_proj.out_features, self.k_proj.out_features
     qkv = self._hsx_fp8_qkv(qa)
     qg = qkv[..., :nq].view(B, T, -1, 2 * D)  # per head: query, then its output gate
     k = qkv[..., nq : nq + nk].view(B, T, -1, D)
     v = qkv[..., nq + nk :].view(B, T, -1, D)
-    cos, sin = position_embeddings
-    q = qk_norm_rope(qg[..., :D], self.q_norm.weight, cos, sin, self.q_norm.eps)
-    k = qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if attention_mask is None and T > 1:
-        out = ops.causal_sdpa(q, k, v, self.scaling)
-    else:
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None and T > 1, scale=self.scaling
-        )
-    qo = fk.sigmoid_gate_quant(out.transpose(1, 2), qg[..., D:])
+    out = attend(self, qg, k, v, position_embeddings, attention_mask)
+    qo = fk.sigmoid_gate_quant(out, qg[..., D:])
     return self.o_proj(_act(qo, (B, T, qo[0].shape[-1]), qkv.dtype))
 
 
 def _decoder_layer_forward(
-    self,
-    hidden_states,
-    position_embeddings,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    **kwargs,
+    self, hidden_states, position_embeddings, attention_mask=None, position_ids=None, **kwargs
 ):
-    if past_key_values is not None:
-        return type(self).forward(
-            self, hidden_states, position_embeddings, attention_mask, position_ids, past_key_values, **kwargs
-        )
     B, T, H = hidden_states.shape
     x = hidden_states.reshape(-1, H)
     norm = self.input_layernorm
@@ -147,10 +96,10 @@ def _decoder_layer_forward(
         if attention_mask is not None:  # a mask the right-padding hook kept: padded inputs zeroed, as stock
             normed = (normed.view(B, T, H) * attention_mask[:, :, None]).to(dtype).view(-1, H)
             q, s = fk.quantize_rows(normed)
-        h = _gdn(self.linear_attn, self._hsx_ops, _act((q, s), (B, T, H), dtype), normed.view(B, T, H), B, T)
+        h = _gdn(self.linear_attn, _act((q, s), (B, T, H), dtype), normed.view(B, T, H), B, T)
     else:
         qa = _act(fk.rms_norm_quant(x, norm.weight, norm.eps), (B, T, H), dtype)
-        h = _attention(self.self_attn, self._hsx_ops, qa, B, T, position_embeddings, attention_mask)
+        h = _attention(self.self_attn, qa, B, T, position_embeddings, attention_mask)
     post = self.post_attention_layernorm
     q, s, residual = fk.rms_norm_quant(h.reshape(-1, H), post.weight, post.eps, residual=x)
     mlp = self.mlp

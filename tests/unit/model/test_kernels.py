@@ -59,7 +59,9 @@ def test_two_projections_joined_into_one_gemm_keep_their_weights_and_outputs():
     assert joined.shape == (8, 8)
     assert owner.gate.weight.data_ptr() == joined.data_ptr()
     assert owner.up.weight.data_ptr() == joined[5:].data_ptr()
-    both = x @ kernels._joined(owner, "_joined", owner.gate).t()  # one GEMM: rounding may differ from two
+    both = (
+        x @ kernels.joined_weight(owner, "_joined", owner.gate).t()
+    )  # one GEMM: rounding may differ from two
     torch.testing.assert_close(both[..., :5], want_gate, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(both[..., 5:], want_up, rtol=1e-6, atol=1e-6)
     assert torch.equal(owner.gate(x), want_gate) and torch.equal(owner.up(x), want_up)  # stock path on views
@@ -69,7 +71,7 @@ def test_two_projections_joined_into_one_gemm_keep_their_weights_and_outputs():
     assert torch.equal(joined[:5], torch.ones(5, 8)) and torch.equal(joined[5:], torch.zeros(3, 8))
     # A weight replaced by a new tensor is no longer a view of the joined one: the separate GEMMs again.
     owner.gate.weight = torch.nn.Parameter(torch.randn(5, 8))
-    assert kernels._joined(owner, "_joined", owner.gate) is None
+    assert kernels.joined_weight(owner, "_joined", owner.gate) is None
 
 
 def test_projections_with_a_bias_are_not_joined():
