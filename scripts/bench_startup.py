@@ -490,6 +490,7 @@ def main():
     ap.add_argument("--layers", default="dflash")
     ap.add_argument("--max-tokens-per-batch", type=int)
     ap.add_argument("--max-length", type=int)
+    ap.add_argument("--compute", choices=["auto", "fp8", "bf16"], help="the jobs' --compute (default: theirs)")
     ap.add_argument(
         "--output-root", help="where outputs and staging go (default /dev/shm on CUDA, --work on CPU)"
     )
@@ -581,6 +582,8 @@ def main():
         argv += ["--staging-max-gb", args.staging_max_gb, "--shards", shards]
         if gpus and not cpu:
             argv += ["--gpus", gpus]
+        if args.compute:
+            argv += ["--compute", args.compute]
         return argv, run_dir, output
 
     # the job each step runs

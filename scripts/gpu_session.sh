@@ -19,6 +19,9 @@
 #   shards     N shards on the GPUs there are (GPUS=0,0,0,0 shares one), kill + resume bench_startup.py --steps shards 8
 #   fp8compute --compute fp8: the GPU tests of its kernels, GEMM and fused forward       tests/gpu/test_fp8_gpu.py,    9
 #              against the recipe, then the forward bf16 fused against fp8 fused       bench_forward.py variants
+#   fp8steady  the real command to its end on the 27B shape in the served FP8 layout  bench_startup.py             7
+#              (FP8CKPT, written alone: the disk holds one 27B checkpoint), --compute
+#              fp8 then bf16 (the same weights dequantized on load): steady real tok/s
 #
 # Each suite runs under a time limit (seconds, SUITE_S) and writes its raw output under $OUT. flash-linear-attention
 # and liger-kernel come from wheels in .whl/ when the machine lacks them (docs/DEVELOPMENT.md says how to fetch them).
@@ -118,6 +121,23 @@ case "$suite" in
     timeout "${SUITE_S:-400}" python3 scripts/bench_forward.py variants --tokens "${FORWARD_TOKENS:-120000}" --repeat 2 \
       --variants fused,fused-fp8 --profile fused-fp8 --json-out "$OUT/fp8_forward.json" 2>&1 | grep -v Warning \
       | tee "$OUT/fp8_forward.log"
+    ;;
+  fp8steady)
+    rm -rf "$CKPT"
+    FP8CKPT=${FP8CKPT:-/tmp/hsextract-ckpt-27b-fp8}
+    if [[ ! -f "$FP8CKPT/.complete" ]]; then
+      rm -rf "$FP8CKPT"
+      timeout 240 python3 scripts/make_checkpoint.py configs/qwen3.6-27b "$FP8CKPT" --fp8-only > "$OUT/ckpt-fp8.json" 2>&1 \
+        && touch "$FP8CKPT/.complete"
+      tail -n 1 "$OUT/ckpt-fp8.json"
+    fi
+    for mode in fp8 bf16; do
+      timeout "${STEADY_S:-200}" python3 scripts/bench_startup.py --model "$FP8CKPT" --work "/tmp/hsextract-steady-$mode" \
+        --tokens "${STEADY_TOKENS:-400000}" --steps steady --step-timeout "$(( ${STEADY_S:-200} - 20 ))" --compute "$mode" \
+        --json-out "$OUT/steady-$mode.json" > "$OUT/steady-$mode.log" 2>&1
+      grep -E "^figure (setup|steady\.(first_durable|wall|steady|batches|tokens_written|upload))" "$OUT/steady-$mode.log" \
+        | sed "s/^/$mode /"
+    done
     ;;
   *)
     echo "unknown suite: $suite (see the table at the top of $0)" >&2

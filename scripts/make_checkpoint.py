@@ -1,12 +1,13 @@
 """Save a random-weight checkpoint of a config's architecture (no download), for GPU runs of `hsextract run`.
 
     python scripts/make_checkpoint.py configs/qwen3.6-27b /data/qwen3.6-27b-random [--layers 8] [--tokenizer DIR]
-        [--fp8 /data/qwen3.6-27b-random-fp8]
+        [--fp8 /data/qwen3.6-27b-random-fp8 | --fp8-only]
 
 The weights are random (bf16, built on the GPU when there is one); the tokenizer is the demo BPE unless given.
 Token ids of the data must be below the tokenizer's size, which is far below the real vocab: fine for timing.
 ``--fp8 DIR`` also saves the same weights in the served FP8 layout (Qwen3.x-FP8's: e4m3 weights and a bf16
-``weight_scale_inv`` per 128x128 tile, ``quantization_config`` fp8; hsextract.model.fp8_load.write_fp8_checkpoint).
+``weight_scale_inv`` per 128x128 tile, ``quantization_config`` fp8; hsextract.model.fp8_load.write_fp8_checkpoint);
+``--fp8-only`` writes only that layout, in ``out`` (half the bytes: where the disk cannot hold both).
 """
 
 import argparse
@@ -29,6 +30,7 @@ def main():
     ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
     ap.add_argument("--tokenizer")
     ap.add_argument("--fp8", help="also write the served FP8 layout of the same weights here")
+    ap.add_argument("--fp8-only", action="store_true", help="write only the served FP8 layout, in OUT")
     args = ap.parse_args()
     out = Path(args.out)
     t0 = time.time()
@@ -39,7 +41,12 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    lm.save_pretrained(out, max_shard_size="10GB")
+    if args.fp8_only:
+        from hsextract.model.fp8_load import write_fp8_checkpoint
+
+        write_fp8_checkpoint(lm, out)
+    else:
+        lm.save_pretrained(out, max_shard_size="10GB")
     if args.tokenizer:
         from transformers import AutoTokenizer
 

@@ -222,8 +222,9 @@ def write_fp8_checkpoint(lm, out_dir, max_shard_size: str = "10GB") -> list[str]
             continue
         if fp8.convertible(name, mod):
             q, scale = fp8.quantize_weight(mod.weight.detach(), scale_dtype=torch.bfloat16)
-            state[f"{name}.weight"] = q
-            state[f"{name}{SCALE_SUFFIX}"] = scale.to(torch.bfloat16)
+            # held on the host: a model on the GPU keeps its bf16 weights there beside them
+            state[f"{name}.weight"] = q.cpu()
+            state[f"{name}{SCALE_SUFFIX}"] = scale.to(torch.bfloat16).cpu()
             converted.append(name)
         else:
             kept.append(name)

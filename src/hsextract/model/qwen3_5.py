@@ -8,6 +8,7 @@ float32 with one rounding; the swaps, their numerics and what they need: docs/AR
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 
@@ -117,6 +118,7 @@ def _decoder_layer_forward(
 def _prefill_only(fused):
     """A fused decoder-layer forward for whole sequences; with a KV cache (generation) transformers' own runs."""
 
+    @functools.wraps(fused)
     def forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None,
                 past_key_values=None, **kwargs):  # fmt: skip
         if past_key_values is not None:
