@@ -490,7 +490,9 @@ def main():
     ap.add_argument("--layers", default="dflash")
     ap.add_argument("--max-tokens-per-batch", type=int)
     ap.add_argument("--max-length", type=int)
-    ap.add_argument("--compute", choices=["auto", "fp8", "bf16"], help="the jobs' --compute (default: theirs)")
+    ap.add_argument(
+        "--compute", choices=["auto", "fp8", "bf16"], help="the jobs' --compute (default: theirs)"
+    )
     ap.add_argument(
         "--output-root", help="where outputs and staging go (default /dev/shm on CUDA, --work on CPU)"
     )
