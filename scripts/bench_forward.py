@@ -777,7 +777,7 @@ def prewarm(cfg, plan, work: Path) -> None:
     import shutil
     import subprocess
 
-    from hsextract.run.launcher import warmup_spec
+    from hsextract.startup.begin import warmup_spec
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -799,7 +799,7 @@ def prewarm(cfg, plan, work: Path) -> None:
 def shapes(args) -> None:
     from hsextract.config import RunConfig
     from hsextract.model.load import load_model_config, load_model_for
-    from hsextract.startup import ready
+    from hsextract.startup import fast_load, ready
 
     cfg = RunConfig(
         model=args.model,
@@ -820,7 +820,7 @@ def shapes(args) -> None:
     if args.prewarm:
         prewarm(cfg, plan, Path(args.work))
     t0 = time.perf_counter()
-    lm = load_model_for(cfg, device)
+    lm = load_model_for(cfg, device, fast_load)
     ready(device)
     print(f"figure load_s {time.perf_counter() - t0:.1f}", flush=True)
     ext = extractor(lm, layers, plan.batches, device, num_slots=3)

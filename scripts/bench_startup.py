@@ -374,6 +374,7 @@ import cProfile, io, json, logging, os, pstats, sys, time
 t_start = time.perf_counter()
 import torch, transformers
 from hsextract.model.load import load_model
+from hsextract.startup import fast_load
 t_imports = time.perf_counter() - t_start
 seen = []
 handler = logging.Handler()
@@ -384,7 +385,7 @@ profile = cProfile.Profile() if os.environ.get("BENCH_LOAD_PROFILE") else None
 t0 = time.perf_counter()
 if profile:
     profile.enable()
-lm = load_model(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3])
+lm = load_model(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3], fast_load=fast_load)
 if sys.argv[3] != "cpu":
     torch.cuda.synchronize()
 s = round(time.perf_counter() - t0, 2)
@@ -401,7 +402,7 @@ print(json.dumps({"s": s, "imports_s": round(t_imports, 2), "fast": fast[0] if f
 
 def time_loads(model: Path, device: str, dtype: str, variants: list[str], timeout: float, env: dict) -> dict:
     """Seconds ``load_model`` takes in a fresh process per variant: a number of reader threads
-    (HSEXTRACT_LOAD_THREADS), or ``fast`` (HSEXTRACT_FAST_LOAD=1: model/fastload.py; its log line says whether it
+    (HSEXTRACT_LOAD_THREADS), or ``fast`` (HSEXTRACT_FAST_LOAD=1: startup/fastload.py; its log line says whether it
     was used or fell back)."""
     out: dict = {}
     t0 = time.time()

@@ -1,5 +1,5 @@
 """The safetensors container, written and read: the one codec of the batch files, the sample index, the token file
-and the checkpoint reader (model/fastload.py). A file is an 8-byte little-endian header length, a JSON header (each
+and the checkpoint reader (startup/fastload.py). A file is an 8-byte little-endian header length, a JSON header (each
 tensor's dtype, shape and byte range in the data section; ``__metadata__``: strings), then the tensors back to back.
 
 numpy only, and only where arrays are made: the uploader parses headers without loading numpy or torch.

@@ -46,7 +46,7 @@ from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
 from hsextract.run.pipeline import Extractor
 from hsextract.run.preflight import encoding_options, resolve_data, run_layout
 from hsextract.run.rundir import RunDir
-from hsextract.startup import ready
+from hsextract.startup import fast_load, ready
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
@@ -105,7 +105,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
     samples = sampled.samples
     device = torch_device(cfg)
     if lm is None:
-        lm = load_model_for(cfg, device)
+        lm = load_model_for(cfg, device, fast_load)
         ready(device)
     norm = model_final_norm(lm) if layout.final_state else None
     proof = prove_layers(

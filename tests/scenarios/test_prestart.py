@@ -1,4 +1,4 @@
-"""Workers started while the launcher prepares (run/prestart.py), in real processes. On CUDA that is the default;
+"""Workers started while the launcher prepares (startup/early.py), in real processes. On CUDA that is the default;
 ``HSEXTRACT_PRESTART=1`` runs the same mechanism on CPU: the early workers must write exactly what workers
 started after the preparation write, bad data must still fail with its message and leave no process behind, and
 a rerun of a finished job must let its early workers go."""
@@ -12,8 +12,8 @@ from safetensors import safe_open
 from support.cli import e2e_run_args, run_cli, write_mixed_dataset
 from support.procs import descendants
 
-from hsextract.model.fastload import FAST_LOAD_ENV
-from hsextract.run.prestart import PRESTART_ENV
+from hsextract.startup.early import PRESTART_ENV
+from hsextract.startup.fastload import FAST_LOAD_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

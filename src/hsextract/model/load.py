@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from contextlib import contextmanager
 
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.hub import resolve_model
-from hsextract.model.fastload import fast_load_enabled
 
 
 def load_model_config(model: str, trust_remote_code: bool = False):
@@ -72,10 +70,13 @@ def load_model(
     random_weights=False,
     trust_remote_code: bool = False,
     compute: str = "auto",
+    fast_load=None,
 ):
     """The causal LM in eval mode on ``device``. For a multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration)
     transformers maps AutoModelForCausalLM to the text-only class and skips the vision tower's weights.
-    ``compute``: its linears' numerics (fp8_load.py); ``lm.hsx_compute`` says what that resolved to."""
+    ``compute``: its linears' numerics (fp8_load.py); ``lm.hsx_compute`` says what that resolved to. ``fast_load``:
+    a faster way to the same weights on a GPU, tried first (``hsextract.startup.fast_load``; None from it, or none
+    given: transformers' reader)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,7 +92,9 @@ def load_model(
             lm = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
         with fp8_load.scales_expected(fp8_checkpoint):
-            lm = _from_pretrained(model, torch_dtype, attn_implementation, device, trust_remote_code, given)
+            lm = _from_pretrained(
+                model, torch_dtype, attn_implementation, device, trust_remote_code, given, fast_load
+            )
     lm.eval()
     lm.requires_grad_(False)
     lm.hsx_compute = fp8_load.apply_compute(
@@ -106,15 +109,15 @@ def load_model(
 
 
 def _from_pretrained(
-    model: str, torch_dtype, attn_implementation: str, device: str, trust_remote_code, given
+    model: str, torch_dtype, attn_implementation: str, device: str, trust_remote_code, given, fast_load
 ):
     from transformers import AutoModelForCausalLM
 
     # device_map loads the weights straight onto the GPU, never staging 54 GB in host memory first.
     placement = {} if device == "cpu" else {"device_map": {"": device}}
     lm = None
-    if device != "cpu" and fast_load_enabled() and not trust_remote_code:
-        lm = fast_from_pretrained(
+    if fast_load is not None and device != "cpu" and not trust_remote_code:
+        lm = fast_load(
             model, dtype=torch_dtype, attn_implementation=attn_implementation, device=device, **given
         )
     if lm is None:
@@ -130,56 +133,9 @@ def _from_pretrained(
     return lm
 
 
-def fast_from_pretrained(model: str, *, dtype, attn_implementation: str, device: str, config=None):
-    """The model built by transformers from a state dict read by fastload.py (straight to ``device``); None when
-    the checkpoint has no safetensors files or anything fails (the caller then loads it the usual way)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.auto_factory import _get_model_class
-
-    from hsextract.model.fastload import checkpoint_files, no_allocator_warmup, read_state_dict
-
-    files = checkpoint_files(model)
-    if not files:
-        return None
-    state = None
-    try:
-        t0 = time.perf_counter()
-        state = read_state_dict(files, device)
-        t_read = time.perf_counter() - t0
-        config = config if config is not None else AutoConfig.from_pretrained(model)
-        # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.
-        model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
-        t_class = time.perf_counter() - t0 - t_read
-        with no_allocator_warmup():
-            lm = model_class.from_pretrained(
-                None,
-                config=config,
-                state_dict=state,
-                dtype=dtype,
-                attn_implementation=attn_implementation,
-                device_map={"": device},
-            )
-        size = sum(t.numel() * t.element_size() for t in state.values())
-        log.info(
-            "fast load: %.1f GB read in %.1f s, model class in %.1f s, model built in %.1f s",
-            size / 1e9,
-            t_read,
-            t_class,
-            time.perf_counter() - t0 - t_read - t_class,
-        )
-        return lm
-    except Exception as e:  # any failure: transformers' own reader, as without the option
-        log.warning("fast load failed (%r); loading with transformers' reader", e)
-        state = None
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
-        return None
-
-
-def load_model_for(cfg, device) -> object:
+def load_model_for(cfg, device, fast_load=None) -> object:
     """The model a run's config names, on ``device`` (a torch.device), with the run's kernels swapped in
-    (qwen3_5.py): what the worker and dry-run load; on CUDA they then ready its kernels (``hsextract.startup.ready``)."""
+    (qwen3_5.py): what the worker and dry-run load (``fast_load``: see ``load_model``)."""
     from hsextract.model import qwen3_5 as kernels
 
     if cfg.kernel_mode == "fused" and device.type == "cuda":
@@ -192,6 +148,7 @@ def load_model_for(cfg, device) -> object:
         random_weights=cfg.random_weights,
         trust_remote_code=cfg.trust_remote_code,
         compute=cfg.compute,
+        fast_load=fast_load,
     )
     swapped = kernels.apply(lm, cfg.kernel_mode)
     log.info(

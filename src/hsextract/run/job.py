@@ -1,15 +1,14 @@
-"""One ``hsextract run`` on this node, in order: the places and files checked (preflight.py), the early workers
-started so that their imports and CUDA start-up overlap the rest of the preflight (prestart.py), the preflight's
-data, plan and acceptance, then the shards and, last, the manifest (launcher.py)."""
+"""One ``hsextract run`` on this node, in order: the places and files checked (preflight.py), start-up begun (the
+early workers' imports and CUDA start-up overlap the rest of the preflight), the preflight's data, plan and
+acceptance, then the shards and, last, the manifest (launcher.py)."""
 
 from __future__ import annotations
 
 import time
 
 from hsextract.config import RunConfig
-from hsextract.run.launcher import launch
+from hsextract.run.launcher import begin_startup, launch
 from hsextract.run.preflight import check_places_and_files, prepare_checked
-from hsextract.run.prestart import Prestarted
 from hsextract.run.rundir import RunDir
 
 
@@ -25,13 +24,15 @@ def run_job(
     """Prepare and run this node's shards; returns the exit code (``launch``'s). ``confirm(question)``: whether a
     ``restart`` may delete a finished output (None: it may not)."""
     t0 = time.time()
-    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart), Prestarted(cfg) as early:
+    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart):
         check_places_and_files(cfg)
-        early.start()  # on CUDA: the workers import and start CUDA while the data is prepared
-        plan = prepare_checked(cfg, restart=restart, echo=echo, show_progress=show_progress, confirm=confirm)
-        echo(
-            f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
-        )
-        return launch(
-            cfg, plan, only_shards=only_shards, show_progress=show_progress, echo=echo, prestarted=early
-        )
+        with begin_startup(cfg) as startup:
+            plan = prepare_checked(
+                cfg, restart=restart, echo=echo, show_progress=show_progress, confirm=confirm
+            )
+            echo(
+                f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
+            )
+            return launch(
+                cfg, plan, only_shards=only_shards, show_progress=show_progress, echo=echo, startup=startup
+            )

@@ -1,11 +1,9 @@
 """Run the shards of a prepared run (preflight.py) to completion, then finish the output.
 
-One worker process per shard, ``CUDA_VISIBLE_DEVICES`` set before torch is imported there and a parent-death
-signal so that a killed launcher takes its workers with it; on GPUs the kernel warm-up (startup/warmup/) runs beside
-their weight load. The output's completion records decide which shards start and, once every worker has exited 0,
-``finalize`` checks each batch against its record and writes the manifest, last: a batch found missing or damaged
-there sends its shard round once more. Meanwhile a progress bar per shard and ``StallWatch`` read the progress
-files. SIGTERM or SIGINT stop every worker (SIGKILL after ``STOP_GRACE_S``) and exit with 128 + the signal.
+One worker process per shard, started by start-up (hsextract/startup/) to die with the launcher. The output's
+completion records decide which shards start; once every worker has exited 0, ``finalize`` checks each batch against
+its record and writes the manifest, last: a batch found missing or damaged there sends its shard round once more.
+SIGTERM or SIGINT stop every worker (SIGKILL after ``STOP_GRACE_S``) and exit with 128 + the signal.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from hsextract.run.procs import Terminated, die_with_parent, wait_or_kill
 from hsextract.run.progress import ShardProgress, rate_text
 from hsextract.run.rundir import RunDir
 from hsextract.run.stalls import StallWatch
-from hsextract.startup import KernelCache, Warmup, WarmupSpec, open_kernel_cache
+from hsextract.startup import Startup, begin
 from hsextract.storage import open_sink
 from hsextract.storage.fileio import atomic_write
 
@@ -53,78 +51,14 @@ def _die_with_launcher():
     return functools.partial(die_with_parent, os.getpid())
 
 
-def open_run_kernel_cache(cfg: RunConfig) -> KernelCache:
-    """The run's kernel cache, and the run dir's pointer naming it."""
-    run_dir = RunDir(cfg.run_dir)
-    return open_kernel_cache(cfg.kernel_cache, cfg.device, run_dir.root, run_dir.kernel_cache_pointer)
-
-
-def warmup_spec(cfg: RunConfig, plan: Plan) -> WarmupSpec:
-    """What the kernel warm-up compiles for: the run's model and kernels, the plan's batch shapes, its first GPU."""
-    return WarmupSpec(
-        model=str(cfg.model_path),
-        kernel_mode=cfg.kernel_mode,
-        dtype=cfg.dtype,
-        attn_implementation=cfg.attn_implementation,
-        shapes=tuple((b.rows, b.padded_length) for b in plan.batches),
-        gpu=(cfg.gpus or (0,))[0],
-    )
-
-
-def start_warmup(cfg: RunConfig, plan: Plan, kc: KernelCache, echo=print) -> Warmup | None:
-    """The kernel warm-up beside the workers' load, or None when the kernel cache covers the plan."""
-    run_dir = RunDir(cfg.run_dir)
-    return Warmup.start(
-        warmup_spec(cfg, plan),
-        kc,
-        spec_file=run_dir.warmup_spec_file,
-        flag=run_dir.warmup_done_file,
-        log_file=run_dir.log_file(0, "warmup"),
-        echo=echo,
-        preexec_fn=_die_with_launcher(),
-    )
-
-
-def start_worker(
-    cfg: RunConfig,
-    shard: int,
-    kernel_dir: Path | None = None,
-    extra_env: dict | None = None,
-    entry: str = WORKER_ENTRY,
-) -> subprocess.Popen:
-    """The worker of ``shard``; ``kernel_dir`` is the run's kernel cache (Triton's cache directory), and
-    ``extra_env`` what else it needs (the warm-up's flag). ``entry`` is the program (run/prestart.py starts the
-    worker before the plan is ready with its own)."""
-    run_dir = RunDir(cfg.run_dir)
-    env = {**os.environ, **cfg.child_env(), **(extra_env or {})}
-    if cfg.device == "cuda":
-        gpus = cfg.gpus or tuple(range(cfg.shards))
-        env["CUDA_VISIBLE_DEVICES"] = str(gpus[shard - cfg.local_shards[0]])
-    else:
-        # CPU shards share the host's cores. Each torch would start one OpenMP thread per core, and more threads
-        # than cores make every small op wait on spinning threads (measured: a 300-token forward of the tiny model
-        # 0.02 s with 1 thread, 0.05-2.5 s with 2 threads per process on 2 cores).
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // cfg.shards)))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # One Triton cache for every process of every job on the machine: kernels compiled once serve all shards.
-    if kernel_dir is not None:
-        env["TRITON_CACHE_DIR"] = str(kernel_dir)
-        env.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # a kernel no table answers is timed once per machine
-    out = run_dir.log_file(shard, "stderr")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "ab") as f:
-        return subprocess.Popen(
-            [sys.executable, "-c", entry, str(run_dir.root), str(shard)],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_launcher(),
-        )
+def begin_startup(cfg: RunConfig) -> Startup:
+    """Start-up for this node's shards (hsextract/startup/), begun once the places are checked: on CUDA the early
+    workers start now, so that their imports overlap the preparation."""
+    return begin(cfg, RunDir(cfg.run_dir).startup, program=WORKER_ENTRY, preexec_fn=_die_with_launcher())
 
 
 def launch(
-    cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print, prestarted=None
+    cfg: RunConfig, plan: Plan, *, only_shards=None, show_progress: bool = True, echo=print, startup=None
 ) -> int:
     """Run the shards to completion and finish the output; returns the process exit code: 0 only once every batch
     of this node's shards is checked in the output and, if the whole job is done, the manifest is written (on one
@@ -135,19 +69,17 @@ def launch(
     found missing or damaged by ``finalize`` (deleted or damaged behind the run's back) loses its record, and its
     shard is run once more, which recomputes exactly those batches.
 
-    ``prestarted`` (run/prestart.py) holds workers started before the plan was ready; the first round takes
-    them, and those of shards with nothing to do are told to exit."""
+    ``startup`` (``begin_startup``) starts the workers, taking those started before the plan was ready; one is
+    begun here if none is given."""
     local = cfg.local_shards
     shards = sorted(only_shards) if only_shards else local
     bad = [s for s in shards if s not in local]
     if bad:
         raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
+    startup = startup or begin_startup(cfg)
     try:
         for attempt in range(2):
-            code = _run_shards(
-                cfg, plan, shards, show_progress=show_progress, echo=echo, prestarted=prestarted
-            )
-            prestarted = None  # _run_shards took or let go every early worker
+            code = _run_shards(cfg, plan, shards, startup, show_progress=show_progress, echo=echo)
             if code:
                 return code
             code, missing = finalize(cfg, plan, echo=echo)
@@ -162,11 +94,12 @@ def launch(
         echo("the output still lacks batches after recomputing them; see the messages above")
         return 1
     finally:  # failed or stopped too: what a resume needs is in files, and a directory holding one stays
+        startup.close()
         remove_empty_staging(cfg, plan.shards)
 
 
 def _run_shards(
-    cfg: RunConfig, plan: Plan, shards: list[int], *, show_progress: bool, echo, prestarted=None
+    cfg: RunConfig, plan: Plan, shards: list[int], startup: Startup, *, show_progress: bool, echo
 ) -> int:
     run_dir = RunDir(cfg.run_dir)
     # One listing of the completion records picks the shards to start; each worker checks its own records against
@@ -185,24 +118,14 @@ def _run_shards(
         echo(f"shards already complete: {complete}")
     if todo:
         run_dir.check_space()  # after the token cache and run files took theirs
-    kc = open_run_kernel_cache(cfg)
-    warm = None
-    if todo and cfg.device == "cuda" and cfg.prewarm:
-        warm = start_warmup(cfg, plan, kc, echo=echo)
-    extra = warm.worker_env() if warm else {}
-    early = {s: prestarted.take(s, extra) for s in todo} if prestarted is not None else {}
-    if prestarted is not None:
-        prestarted.release()  # shards with nothing to do
-    procs = {s: early.get(s) or start_worker(cfg, s, kc.dir, extra) for s in todo}
+    procs = startup.start_workers(plan, todo, echo=echo)
     bars = _Bars(run_dir, plan, todo, enabled=show_progress)
-    stalls = StallWatch(run_dir, cfg.stall_timeout_s, echo=bars.write_with(echo))
-    if warm:
-        warm.echo = bars.write_with(echo)
+    say = bars.write_with(echo)
+    stalls = StallWatch(run_dir, cfg.stall_timeout_s, echo=say)
     failed: dict[int, int] = {}
     try:
         while procs:
-            if warm:
-                warm.poll()
+            startup.poll(echo=say)  # the kernel warm-up's end, for the workers waiting on it
             for s, p in list(procs.items()):
                 rc = p.poll()
                 if rc is not None:
@@ -217,8 +140,7 @@ def _run_shards(
             bars.update(progress)
             time.sleep(0.25)
     except Terminated as e:
-        if warm:
-            warm.stop()
+        startup.stop_warmup()
         _stop_workers(procs, e.signum)
         bars.close()
         stopped = sorted(procs)
@@ -231,8 +153,7 @@ def _run_shards(
         )
         return e.exit_code
     finally:
-        if warm:
-            warm.stop()
+        startup.stop_warmup()
         bars.close()
     for s, rc in sorted(failed.items()):
         echo(failure_message(run_dir, s, rc))

@@ -1,16 +1,16 @@
 """The GPU pipeline: padded batches through the hooked model, copies overlapped with compute, a writer thread.
 
-The GPU never waits for host work: the main thread builds a padded batch and runs the forward, whose hooks
-(model/capture.py) gather the captured layers' valid tokens into a device buffer laid out as the file stores them
-(fp8 with its scales when the run stores fp8); a side CUDA stream copies that buffer once into a reused pinned host
-buffer while the next forward starts; the pipeline's writer thread waits for the copy and hands the host tensors
-to ``on_batch`` (the worker's ``StagingWriter``; the dry run's capture). A fixed set of buffer slots bounds memory
-and how far the GPU runs ahead: a slow ``on_batch`` (staging over its budget) holds the slots, and the GPU waits.
-With ``check_states`` each batch's states are checked on the device (``state_health``, a few counts riding the
-same copy) and a bad batch is refused (``BadStatesError``) before anything is written. With ``target_topk`` the
-slot holds the batch's top-k ids and log-probabilities too (model/capture.py computes them on the device), copied
-with the states: K values a token cross to the host, never the logits.
+The GPU never waits for host work: the forward's hooks (model/capture.py) gather the captured layers' valid tokens
+into a device buffer laid out as the file stores them; a side stream copies it once into a reused pinned host buffer
+while the next forward starts, and the writer thread hands the host tensors to ``on_batch``. A fixed set of slots
+bounds memory and how far the GPU runs ahead: a slow ``on_batch`` holds the slots, and the GPU waits.
 """
+
+# The device buffer holds fp8 with its scales when the run stores fp8; ``on_batch`` is the worker's StagingWriter, or
+# the dry run's capture. With ``check_states`` each batch's states are checked on the device (``state_health``, a few
+# counts riding the same copy) and a bad batch is refused (``BadStatesError``) before anything is written. With
+# ``target_topk`` the slot holds the batch's top-k ids and log-probabilities too (model/capture.py computes them on
+# the device), copied with the states: K values a token cross to the host, never the logits.
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hsextract import startup
 from hsextract.config import DTYPE_BYTES, RunConfig
 from hsextract.devices import check_device
 from hsextract.errors import HsextractError
@@ -39,7 +39,6 @@ from hsextract.prepare.tokenize import (
 from hsextract.prepare.tokenizer_record import RecordedTokenizer, records_dir
 from hsextract.run.accept import accept_plan
 from hsextract.run.rundir import RunDir
-from hsextract.startup import KERNEL_CACHE_ENV, check_writable, resolve_kernel_cache
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
 
@@ -70,7 +69,7 @@ def prepare_run(
 
 def check_places_and_files(cfg: RunConfig) -> None:
     """Step 1: the places and the model's files (a tokenizer, every weight file), no import; then the run dir made.
-    Once this holds the launcher may start its early workers (run/job.py): the model's config, read next, imports
+    Once this holds the launcher may begin start-up (run/job.py): the model's config, read next, imports
     transformers."""
     check_places(cfg)
     check_checkpoint(cfg.model_path, weights=not cfg.random_weights)
@@ -120,17 +119,15 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
 
 
 def check_places(cfg: RunConfig) -> None:
-    """The run dir (a directory, with room) serves this output, staging lies apart, and on CUDA the kernel cache
-    the user chose can be written: no import, nothing written."""
+    """The run dir (a directory, with room) serves this output, staging lies apart, and what start-up needs holds:
+    no import, nothing written."""
     RunDir(cfg.run_dir).check_is_dir()
     RunDir(cfg.run_dir).check_space()
     check_same_output(cfg)
     check_no_overlap(cfg)
     if cfg.device == "cuda":
         load_threads()  # a bad HSEXTRACT_LOAD_THREADS fails here, not after tokenizing
-        # A kernel cache the user chose must be writable (the default one falls back to the run dir).
-        if cfg.kernel_cache or os.environ.get(KERNEL_CACHE_ENV):
-            check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
+    startup.check(cfg)  # a kernel cache the user chose can be written
     check_device(cfg)  # no CUDA, too few GPUs, a GPU already full: said now, not by a worker after preparing
 
 

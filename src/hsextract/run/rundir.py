@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hsextract.errors import HsextractError, free_bytes
 from hsextract.output.ledger import shard_name
+from hsextract.startup.files import StartupFiles
 
 RUN_DIR_MIN_FREE_BYTES = 16 << 20
 
@@ -44,7 +45,7 @@ def default_run_dir(output: str, node_rank: int | None = None) -> Path:
 
 @dataclass(frozen=True)
 class RunDir:
-    """Every path in a run directory. Nothing else in hsextract spells these names."""
+    """Every path in a run directory; start-up names its own (startup/files.py). Nothing else spells them."""
 
     root: Path
 
@@ -95,20 +96,9 @@ class RunDir:
         return self.root / "locks"
 
     @property
-    def kernel_cache_pointer(self) -> Path:
-        return self.root / "kernel-cache.json"
-
-    @property
-    def warmup_spec_file(self) -> Path:
-        return self.root / "warmup.json"
-
-    @property
-    def warmup_done_file(self) -> Path:
-        return self.root / "warmup.done"
-
-    def prestart_file(self, shard: int) -> Path:
-        """The go (or stop) of a worker started before the plan was ready (run/prestart.py)."""
-        return self.root / "prestart" / f"{shard_name(shard)}.json"
+    def startup(self) -> StartupFiles:
+        """Start-up's files (the kernel cache's pointer, the warm-up's, the early workers' go files)."""
+        return StartupFiles(self.root, shard_name, self.log_file)
 
     def progress_file(self, shard: int) -> Path:
         return self.progress_dir / f"{shard_name(shard)}.json"

@@ -1,13 +1,14 @@
 """The per-shard worker: what is left, the model, the pipeline, the uploader process.
 
-One process per shard (``main`` with RUN_DIR SHARD), started by the launcher with ``CUDA_VISIBLE_DEVICES`` already
-set. ``ShardRun`` locks the shard, works out what is left (resume.py: done is what the output records and bears
-out; complete staged files are uploaded, not recomputed), starts the uploader (uploader.py) and the monitor
-(monitor.py: ticks, stalls, the progress file), loads the model and runs the pipeline (pipeline.py) over the
-remaining batches, whose writer thread stages each file within the budget and hands it to the uploader
-(writer.StagingWriter). SIGTERM or SIGINT stop the shard: the uploader is killed (what it has not recorded stays
-staged), the progress file says ``stopped``, and the process exits with 128 + the signal number.
+One process per shard (``main`` with RUN_DIR SHARD). ``ShardRun`` locks the shard, works out what is left
+(resume.py: done is what the output records and bears out), starts the uploader and the monitor, loads the model
+and runs the pipeline over the remaining batches, whose writer thread stages each file within the budget for the
+uploader. SIGTERM or SIGINT stop the shard: what is not recorded stays staged, and it exits with 128 + the signal.
 """
+
+# Complete staged files are uploaded, not recomputed (resume.py). The monitor (monitor.py) ticks, names stalls and
+# rewrites the progress file; the writer is writer.StagingWriter. On a stop the uploader is killed (what it has not
+# recorded stays staged) and the progress file says ``stopped``.
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from hsextract.run.resume import done_in_output, recover_staging
 from hsextract.run.rundir import RunDir
 from hsextract.run.uploader import Uploader
 from hsextract.run.writer import StagingWriter
-from hsextract.startup import ready
+from hsextract.startup import arrive, fast_load, ready
 from hsextract.storage import open_sink
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class ShardRun:
             torch.cuda.set_device(device)
         t0 = time.time()
         self.monitor.save("loading")
-        lm = load_model_for(cfg, device)
+        lm = load_model_for(cfg, device, fast_load)
         log.info("model loaded in %.1f s", time.time() - t0)
         ready(device, on_wait=lambda: self.monitor.save("waiting-for-kernels"))
         layout = self.info.layout
@@ -184,6 +185,8 @@ class ShardRun:
 
 
 def main(argv=None) -> int:
+    if not arrive():  # an early worker whose shard had nothing to do
+        return 0
     install_redaction()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, shard = Path(argv[0]), int(argv[1])

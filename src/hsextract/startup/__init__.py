@@ -1,21 +1,23 @@
 """What makes start-up fast, in one room: nothing here changes what a run computes or writes, only how soon its
-first batch comes (kernels compiled and tuned ahead, workers started early, host memory pinned ahead).
+first batch comes (kernels compiled and tuned ahead, workers started early, weights read fast, memory pinned ahead).
 
-The launcher reaches it through ``begin`` (the kernel cache and the warm-up beside the load), the worker through
-``ready`` (once its model is on the device) and the pipeline through ``host_buffer`` and ``pinned_ahead``; nothing here imports run/.
+The launcher calls ``begin`` (-> ``Startup``: kernel cache, early workers, warm-up, every worker process started one
+way) and its preflight ``check``; a worker ``arrive``, ``fast_load`` and ``ready``; the pipeline ``host_buffer`` and
+``pinned_ahead``. Nothing here imports run/.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
+from hsextract.startup.begin import Startup, begin
+from hsextract.startup.early import arrive
+from hsextract.startup.fastload import fast_load
+from hsextract.startup.files import StartupFiles
 from hsextract.startup.warmup import (
     KERNEL_CACHE_ENV,
-    KernelCache,
-    Warmup,
-    WarmupSpec,
     check_writable,
-    open_kernel_cache,
     ready_kernels,
     resolve_kernel_cache,
     wait_for_warmup,
@@ -24,17 +26,23 @@ from hsextract.startup.warmup import (
 from hsextract.startup.warmup import install_tables as _install_tables
 
 __all__ = [
-    "KERNEL_CACHE_ENV",
-    "KernelCache",
-    "Warmup",
-    "WarmupSpec",
-    "check_writable",
+    "Startup",
+    "StartupFiles",
+    "arrive",
+    "begin",
+    "check",
+    "fast_load",
     "host_buffer",
-    "open_kernel_cache",
     "pinned_ahead",
     "ready",
-    "resolve_kernel_cache",
 ]
+
+
+def check(cfg) -> None:
+    """Before anything is written: on CUDA, a kernel cache the user chose (``--kernel-cache``,
+    ``$HSEXTRACT_KERNEL_CACHE``) can be written (the default one falls back to the run dir's)."""
+    if cfg.device == "cuda" and (cfg.kernel_cache or os.environ.get(KERNEL_CACHE_ENV)):
+        check_writable(resolve_kernel_cache(cfg.kernel_cache, cfg.device))
 
 
 def ready(device, on_wait=None) -> None:

@@ -52,7 +52,7 @@ def test_cpu_load_leaves_the_reader_as_it_is(tiny_model, monkeypatch):
 def test_fast_reader_gives_every_tensor_of_the_file_byte_for_byte(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hsextract.model.fastload import checkpoint_files, read_state_dict
+    from hsextract.startup.fastload import checkpoint_files, read_state_dict
 
     files = checkpoint_files(tiny_model)
     assert files == [tiny_model / "model.safetensors"]
@@ -79,12 +79,10 @@ def test_fast_load_builds_the_same_model_and_falls_back_on_a_bad_file(tiny_model
 
     from transformers import AutoModelForCausalLM, modeling_utils
 
-    from hsextract.model.load import fast_from_pretrained
+    from hsextract.startup import fast_load
 
     warmup = modeling_utils.caching_allocator_warmup
-    fast = fast_from_pretrained(
-        str(tiny_model), dtype=torch.float32, attn_implementation="sdpa", device="cpu"
-    )
+    fast = fast_load(str(tiny_model), dtype=torch.float32, attn_implementation="sdpa", device="cpu")
     assert modeling_utils.caching_allocator_warmup is warmup  # restored
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     a, b = fast.state_dict(), plain.state_dict()
@@ -93,7 +91,4 @@ def test_fast_load_builds_the_same_model_and_falls_back_on_a_bad_file(tiny_model
     shutil.copytree(tiny_model, broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # cut short
-    assert (
-        fast_from_pretrained(str(broken), dtype=torch.float32, attn_implementation="sdpa", device="cpu")
-        is None
-    )
+    assert fast_load(str(broken), dtype=torch.float32, attn_implementation="sdpa", device="cpu") is None

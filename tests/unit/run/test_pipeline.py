@@ -55,13 +55,13 @@ def test_non_finite_target_topk_is_counted_and_refused_by_name():
 
 @pytest.mark.parametrize("storage", [None, "float8_e4m3fn"])
 def test_the_early_workers_host_buffers_hold_the_pipelines_largest_batch(tiny_model, tmp_path, storage):
-    """What an early worker pins while it imports (run/prestart.py's slot_bytes, from the config and the model's
+    """What an early worker pins while it imports (startup/early.py's slot_bytes, from the config and the model's
     config alone) is exactly a pipeline slot for the largest batch the config allows, so the pipeline takes it."""
     from hsextract.config import RunConfig
     from hsextract.model.load import load_model
     from hsextract.run.pipeline import Extractor
     from hsextract.run.preflight import check_inputs
-    from hsextract.run.prestart import pin_spec, slot_bytes
+    from hsextract.startup.early import pin_spec, slot_bytes
 
     cfg = RunConfig(
         model=str(tiny_model),

@@ -13,13 +13,24 @@ import pytest
 
 from hsextract.config import RunConfig
 from hsextract.prepare.plan import make_plan
-from hsextract.run.launcher import open_run_kernel_cache as open_kernel_cache
-from hsextract.run.launcher import start_warmup, warmup_spec
+from hsextract.run.rundir import RunDir
+from hsextract.startup.begin import Startup, warmup_spec
+from hsextract.startup.begin import start_warmup as start_warmup_in
 from hsextract.startup.warmup import cache as kc
 from hsextract.startup.warmup import fla_patch, tables
 from hsextract.startup.warmup.fla_patch import PIN_ENV, pin_token_count_autotune
 from hsextract.startup.warmup.launch import WARMUP_FLAG_ENV, Warmup, wait_for_warmup, warmup_pending
 from hsextract.startup.warmup.process import plan_shapes, warm_shapes
+
+
+def open_kernel_cache(cfg: RunConfig):
+    """The run's kernel cache, as the launcher's start-up opens it."""
+    return Startup(cfg, RunDir(cfg.run_dir).startup, program="").kernel_cache()
+
+
+def start_warmup(cfg: RunConfig, plan, cache, echo):
+    return start_warmup_in(cfg, plan, cache, RunDir(cfg.run_dir).startup, echo=echo)
+
 
 H200 = [{"name": "NVIDIA H200", "driver": "580.159.04"}]
 PACKAGES = {"torch": "2.11.0+cu130", "triton": "3.6.0", "fla-core": "0.6.0", "liger-kernel": "0.8.5"}

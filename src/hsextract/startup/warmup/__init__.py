@@ -1,13 +1,9 @@
 """Kernel warm-up: what makes a process's first batches run without compiling or autotuning FLA's kernels.
 
-- cache.py: the per-user kernel cache (Triton's compiled kernels) and its stamps of what is warm (no torch);
-- tables.py: autotune choices recorded per GPU model, handed to every later process;
-- fla_patch.py: every reach into FLA's and Triton's internals, for the FLA version it was written for;
-- launch.py: the launcher's side (the cache a run uses, the warm-up process beside the load, the worker's wait);
-- process.py: the warm-up process itself.
-
-The worker and the dry run call ``ready_kernels`` after their model is on the GPU, the launcher ``open_kernel_cache``
-and ``Warmup.start``; nothing else of the package is imported from outside it.
+cache.py the per-user kernel cache and its stamps of what is warm (no torch); tables.py autotune choices recorded
+per GPU model; fla_patch.py every reach into FLA's and Triton's internals; launch.py the launcher's side (the
+cache a run uses, the warm-up process beside the load, the worker's wait); process.py the warm-up process itself.
+Outside this package only hsextract.startup imports it.
 """
 
 from hsextract.startup.warmup.cache import KERNEL_CACHE_ENV, KernelCache, WarmSet, check_writable

@@ -1,13 +1,15 @@
 """The kernel cache: Triton's compiled kernels and autotune results, shared by every job of a user on a machine.
 
-Compiling and autotuning FLA's kernels costs one to two minutes and is the same for every job with the same GPU and
-software, so it lives per user, not per run: ``<root>/<key>/`` is every process's ``TRITON_CACHE_DIR``, with
-``key.json`` and the stamps ``hsextract-warm/<model signature>.json``. ``root`` is ``--kernel-cache``, else
-``$HSEXTRACT_KERNEL_CACHE``, else ``~/.cache/hsextract/triton``; ``key`` names the GPUs, driver and the versions of
-torch, Triton and FLA (``cpu`` on CPU); a ``TRITON_CACHE_DIR`` already set is used as it is. A stamp lists the
-token-count buckets (FLA's ``NB`` of the norm kernels' rows, fla_patch.py) and Triton's integer shape classes the
-warm-ups have run: a job whose plan needs nothing more skips the warm-up. No torch: the launcher uses it.
+Compiling and autotuning FLA's kernels is the same for every job with the same GPU and software, so it lives per
+user, not per run: ``<root>/<key>/`` is every process's ``TRITON_CACHE_DIR``, with ``key.json`` and the stamps of
+what the warm-ups have run, so that a job whose plan needs nothing more skips the warm-up. No torch: the launcher
+uses it.
 """
+
+# ``root`` is ``--kernel-cache``, else ``$HSEXTRACT_KERNEL_CACHE``, else ``~/.cache/hsextract/triton``; ``key`` names
+# the GPUs, driver and the versions of torch, Triton and FLA (``cpu`` on CPU); a ``TRITON_CACHE_DIR`` already set is
+# used as it is. A stamp, ``hsextract-warm/<model signature>.json``, lists the token-count buckets (FLA's ``NB`` of
+# the norm kernels' rows, fla_patch.py) and Triton's integer shape classes the warm-ups have run.
 
 from __future__ import annotations
 

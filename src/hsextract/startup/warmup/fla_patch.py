@@ -1,16 +1,16 @@
 """Every reach into flash-linear-attention's and Triton's internals, for the FLA version it was written for.
 
-Two patches, both results-neutral (any config computes the same normalisation of each row, the same states):
-- ``pin_token_count_autotune``: FLA keys the autotuning of ``l2norm_fwd_kernel`` and ``layer_norm_gated_fwd_kernel``
-  on ``NB = cdiv(rows, NB_ROWS)``, a bucket the kernels never read but the tuner times again (9.6 s and 3.2 s on an
-  H200, docs/PERFORMANCE.md). Dropped from their ``Autotuner.keys``, the first tuning serves every token count.
-- ``answer_from``: an autotuner's ``cache`` (Triton asks ``key in cache``, then ``cache[key]``) answered from recorded
-  choices (tables.py), so that no process times candidates a table holds.
-
-On an FLA other than ``WRITTEN_FOR`` both are skipped with one logged line: FLA then autotunes as it ships.
-tests/gpu/test_fla_internals.py fails when the names, keys and attributes used here change. No torch, no Triton
-at module import.
+Two results-neutral patches: ``pin_token_count_autotune`` drops the token-count bucket from the norm kernels'
+autotune keys, so the first tuning serves every token count; ``answer_from`` answers an autotuner from recorded
+choices (tables.py). On another FLA both are skipped with one logged line; tests/gpu/test_fla_internals.py fails when
+what is used here changes. No torch, no Triton at module import.
 """
+
+# ``pin_token_count_autotune``: FLA keys the autotuning of ``l2norm_fwd_kernel`` and ``layer_norm_gated_fwd_kernel``
+# on ``NB = cdiv(rows, NB_ROWS)``, a bucket the kernels never read but the tuner times again (its cost:
+# docs/PERFORMANCE.md); dropped from their ``Autotuner.keys``. ``answer_from``: an autotuner's ``cache`` (Triton asks
+# ``key in cache``, then ``cache[key]``) answered from recorded choices. Any config computes the same normalisation
+# of each row, the same states. On an FLA other than ``WRITTEN_FOR`` FLA autotunes as it ships.
 
 from __future__ import annotations
 

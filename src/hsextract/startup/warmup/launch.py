@@ -1,11 +1,9 @@
 """The launcher's side of the warm-up: the kernel cache a run uses, and the warm-up process started beside the load.
 
-``Warmup.start`` starts ``python -m hsextract.startup.warmup SPEC`` on the first GPU unless the cache's stamp already
-lists every token-count bucket and shape class the run's batch shapes need; the launcher starts the workers at the
-same time, so the warm-up compiles (CPU) while they load their weights (I/O). A worker started with
-``WARMUP_FLAG_ENV`` set waits, after its load and before its first batch, until that file exists
-(``wait_for_warmup``): the launcher writes it when the warm-up process ends, however it ends, so shards never
-compile the same kernels at once and never wait for a warm-up that is gone.
+``Warmup.start`` starts ``python -m hsextract.startup.warmup SPEC`` on the first GPU unless the cache's stamp lists
+all the run's batch shapes need, so that it compiles (CPU) while the workers load their weights (I/O). A worker
+started with ``WARMUP_FLAG_ENV`` waits, before its first batch, for that flag file, which the launcher writes when
+the warm-up process ends however it ends: shards never compile the same kernels at once nor wait for a gone warm-up.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The warm-up process: compiles FLA's Triton kernels for a run's batch shapes into the kernel cache.
 
 ``python -m hsextract.startup.warmup SPEC`` (a ``WarmupSpec`` written by ``Warmup.start``) on the first GPU, beside
-the shards' weight load. It builds a shallow random-weight copy of the target (enough layers to hold every layer
-type, so every kernel is met: seconds, not the minutes of real weights) with the run's kernels; runs a forward on a
-spread of the shapes the stamp lacks, largest first (where the pinned kernels tune); then the token-count-keyed norm
-kernels alone for each bucket still missing, until ``HSEXTRACT_WARMUP_BUCKET_S`` have passed; and adds what it
-warmed to the stamp and its autotune choices to the cache's table.
+the shards' weight load, on a shallow random-weight copy of the target (every layer type, so every kernel is met,
+in seconds): forwards on the shapes the stamp lacks, then the token-count-keyed norm kernels alone per missing
+bucket; it adds what it warmed to the stamp and its autotune choices to the cache's table.
 """
+
+# The forwards run on a spread of the shapes the stamp lacks, largest first (where the pinned kernels tune); the
+# norm kernels alone for each bucket still missing, until ``HSEXTRACT_WARMUP_BUCKET_S`` have passed.
 
 from __future__ import annotations
 

@@ -1,30 +1,26 @@
 """Autotune choices recorded once per GPU model, so that no run times a kernel's candidate configs again.
 
-flash-linear-attention autotunes most of its Triton kernels: on the first call with a new key, every candidate
-config is compiled and timed (up to 90 per kernel), and the fastest kept in the process's ``Autotuner.cache``.
-On a machine that never ran hsextract that is most of the cold warm-up's ~100 s; in every later process it is
-the timing again, since the choice lives only in memory. The choice depends on the GPU model and the kernel, not
-on the weights or the data. So:
-
-- ``record(path)`` writes, for every autotuned kernel of the process that has chosen a config, the choice per
-  key: ``{"module:name": {"src": hash of its source, "entries": [[key, config], ...]}}``. The warm-up records
-  into the kernel cache (``<TRITON_CACHE_DIR>/hsextract-tuned.json``) after its forwards.
-- ``install()`` fills each autotuner's cache from the tables before the first forward: the kernel cache's,
-  then the one shipped with hsextract for this GPU model and Triton version (``autotune_tables/<gpu>.json`` beside this module,
-  made on that GPU by ``scripts/gpu_session.sh startup``). A key the table lacks takes the entry of the same kernel
-  whose key differs only in numbers the table saw vary (token counts), nearest in log scale; a number the table
-  never saw vary (a head dim, a head count) must match exactly, and a kernel whose source changed is not used.
-  Triton then compiles the one chosen config instead of every candidate, and times nothing.
-
-A table chooses configs, never code: ``install`` imports only modules of the kernel packages (``KERNEL_PACKAGES``:
-FLA, liger, hsextract's own kernels) named as plain dotted identifiers, so a table naming ``os`` or ``this`` is
-ignored for that entry (a warning). A table file another user could write (not owned by this user or root, or
-writable by group or others: the rule ssh applies to its keys) is not read at all; ``record`` writes it 0644.
-
-Results do not depend on the config beyond float rounding of the reductions' order (the GPU tests compare the
-states with an HF forward either way). ``HSEXTRACT_TUNED=0`` leaves every autotuner as FLA made it; the autotuners
-themselves are reached through fla_patch.py. No torch or Triton at module import; it runs only on CUDA.
+FLA autotunes most of its Triton kernels on the first call with a new key, and keeps the choice only in the
+process's memory; the choice depends on the GPU model and the kernel, not on the weights or the data. ``record``
+writes the choices of a process (the warm-up's), ``install`` fills every autotuner from the tables before the first
+forward: Triton then compiles the one chosen config and times nothing. No torch or Triton at module import.
 """
+
+# - ``record(path)`` writes, for every autotuned kernel of the process that has chosen a config, the choice per key:
+#   ``{"module:name": {"src": hash of its source, "entries": [[key, config], ...]}}``. The warm-up records into the
+#   kernel cache (``<TRITON_CACHE_DIR>/hsextract-tuned.json``) after its forwards.
+# - ``install()`` reads the kernel cache's table, then the one shipped with hsextract for this GPU model and Triton
+#   version (``autotune_tables/<gpu>.json`` beside this module, made on that GPU by ``scripts/gpu_session.sh
+#   startup``). A key the table lacks takes the entry of the same kernel whose key differs only in numbers the table
+#   saw vary (token counts), nearest in log scale; a number the table never saw vary (a head dim, a head count) must
+#   match exactly, and a kernel whose source changed is not used.
+# A table chooses configs, never code: ``install`` imports only modules of the kernel packages (``KERNEL_PACKAGES``:
+# FLA, liger, hsextract's own kernels) named as plain dotted identifiers, so a table naming ``os`` or ``this`` is
+# ignored for that entry (a warning). A table file another user could write (not owned by this user or root, or
+# writable by group or others: the rule ssh applies to its keys) is not read at all; ``record`` writes it 0644.
+# Results do not depend on the config beyond float rounding of the reductions' order (the GPU tests compare the
+# states with an HF forward either way). ``HSEXTRACT_TUNED=0`` leaves every autotuner as FLA made it; the autotuners
+# themselves are reached through fla_patch.py; this runs only on CUDA.
 
 from __future__ import annotations
 

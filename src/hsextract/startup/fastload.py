@@ -1,11 +1,9 @@
-"""Reading a safetensors checkpoint straight onto a GPU: large parallel reads into pinned buffers, async copies.
+"""The checkpoint read straight onto the GPU: large parallel reads into pinned buffers, then async copies.
 
-transformers 5.17 copies each tensor from the file's mmap into fresh pageable memory and then to the GPU, in 4
-threads (~2 GB/s from the page cache). ``read_state_dict`` reads each file in ``CHUNK`` pieces with ``os.preadv``
-into pinned buffers (one per thread, reused) and copies them on with non-blocking copies on the thread's own
-stream; transformers then builds the model from that state dict, so the bytes that land are the file's either way.
-The default on CUDA (19.0 s against 24.1 s for Qwen3.6-27B's 54 GB on an H200, ``scripts/bench_startup.py --steps
-load``); ``HSEXTRACT_FAST_LOAD=0``, or any failure, uses transformers' reader (model/load.py).
+transformers copies each tensor from the file's mmap into pageable memory, then to the GPU, in a few threads; here
+each file is read in ``CHUNK`` pieces by ``THREADS`` threads into reused pinned buffers, and transformers builds the
+model from that state dict, so the bytes that land are the file's either way. On CUDA by default (timed in
+docs/PERFORMANCE.md); ``HSEXTRACT_FAST_LOAD=0``, or any failure, leaves the load to transformers' reader.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +35,7 @@ THREADS = 8
 
 
 def fast_load_enabled(env=None) -> bool:
+    """Unless ``HSEXTRACT_FAST_LOAD=0``."""
     return (os.environ if env is None else env).get(FAST_LOAD_ENV, "1") != "0"
 
 
@@ -144,3 +144,51 @@ def no_allocator_warmup():
         yield
     finally:
         modeling_utils.caching_allocator_warmup = original
+
+
+def fast_load(model: str, *, dtype, attn_implementation: str, device: str, config=None):
+    """The model built by transformers from a state dict read here (straight to ``device``), what model/load.py's
+    ``load_model`` is handed as its ``fast_load``; None when ``HSEXTRACT_FAST_LOAD=0``, the checkpoint has no
+    safetensors files, or anything fails (the caller then loads it the usual way)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    if not fast_load_enabled():
+        return None
+    files = checkpoint_files(model)
+    if not files:
+        return None
+    state = None
+    try:
+        t0 = time.perf_counter()
+        state = read_state_dict(files, device)
+        t_read = time.perf_counter() - t0
+        config = config if config is not None else AutoConfig.from_pretrained(model)
+        # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.
+        model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+        t_class = time.perf_counter() - t0 - t_read
+        with no_allocator_warmup():
+            lm = model_class.from_pretrained(
+                None,
+                config=config,
+                state_dict=state,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                device_map={"": device},
+            )
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        log.info(
+            "fast load: %.1f GB read in %.1f s, model class in %.1f s, model built in %.1f s",
+            size / 1e9,
+            t_read,
+            t_class,
+            time.perf_counter() - t0 - t_read - t_class,
+        )
+        return lm
+    except Exception as e:  # any failure: transformers' own reader, as without the option
+        log.warning("fast load failed (%r); loading with transformers' reader", e)
+        state = None
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        return None
