@@ -149,6 +149,7 @@ def fp8_runs(checkpoints, tmp_path_factory):
     return outs, refs, samples
 
 
+@pytest.mark.slow  # two in-process runs and the reference forwards: the fast tier is at its budget
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_stored_states_are_nearer_the_recipe_than_every_wrong_variant(fp8_runs, dtype):
     """Against the references in the run's own dtype: in bf16 a correct run cannot be told from an unquantized one
@@ -170,6 +171,7 @@ def test_stored_states_are_nearer_the_recipe_than_every_wrong_variant(fp8_runs, 
 
 
 # -- the dry run's fp8 proof (model/fp8_check.py) ---------------------------------------------------------------------
+@pytest.mark.slow  # two in-process runs and the reference forwards: the fast tier is at its budget
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_recipe_distances_agree_with_the_independent_reference(fp8_runs, checkpoints, dtype):
     """The dry run's distances of a run's stored states from the recipe and each wrong variant are those measured
