@@ -14,7 +14,15 @@ import types
 
 from hsextract.config import KERNEL_MODES
 from hsextract.errors import HsextractError
-from hsextract.model.qwen3_5_ops import add_rms_norm, attend, delta_rule, joined_weight, libs, rms_norm
+from hsextract.model.qwen3_5_ops import (
+    add_rms_norm,
+    attend,
+    delta_rule,
+    join_weights,
+    joined_weight,
+    libs,
+    rms_norm,
+)
 from hsextract.model.triton_kernels import _triton_kernels, sigmoid_gate
 
 log = logging.getLogger(__name__)
@@ -180,25 +188,6 @@ def _is_cuda(lm) -> bool:
     return p is not None and p.device.type == "cuda"
 
 
-def _join(owner, first, second, attr: str):
-    """One [n1 + n2, in] tensor holding two projections' weights, which become views of it, so that both run as one
-    GEMM; kept on ``owner`` as ``attr``, and reused by a later ``apply`` while the weights are still its views.
-    None (the two GEMMs stay) unless both are plain bias-free ``nn.Linear`` layers."""
-    import torch
-
-    if not all(type(p) is torch.nn.Linear and p.bias is None for p in (first, second)):
-        return None
-    w1, w2 = first.weight, second.weight
-    joined = getattr(owner, attr, None)
-    n = w1.shape[0]
-    if joined is not None and w1.data_ptr() == joined.data_ptr() and w2.data_ptr() == joined[n:].data_ptr():
-        return joined
-    joined = torch.cat([w1.detach(), w2.detach()])
-    first.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
-    second.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
-    return joined
-
-
 def _patch(module, forward, name: str, swapped: set) -> None:
     module.forward = types.MethodType(forward, module)
     setattr(module, _TAG, name)
@@ -284,10 +273,10 @@ def apply(lm, mode: str = "fused") -> list[str]:
         elif isinstance(mod, m.Qwen3_5RMSNormGated):
             _patch(mod, _gated_rms_norm_forward, "gated_rms_norm", swapped)
         elif isinstance(mod, m.Qwen3_5MLP) and getattr(mod.config, "hidden_act", "silu") in ("silu", "swish"):
-            mod._hsx_gate_up = _join(mod, mod.gate_proj, mod.up_proj, "_hsx_gate_up")
+            mod._hsx_gate_up = join_weights(mod, mod.gate_proj, mod.up_proj, "_hsx_gate_up")
             _patch(mod, _mlp_forward, "silu_mul", swapped)
         elif isinstance(mod, m.Qwen3_5GatedDeltaNet) and mod.activation in ("silu", "swish"):
-            mod._hsx_ba = _join(mod, mod.in_proj_b, mod.in_proj_a, "_hsx_ba")
+            mod._hsx_ba = join_weights(mod, mod.in_proj_b, mod.in_proj_a, "_hsx_ba")
             _patch(mod, _gdn_forward, "gated_delta_rule", swapped)
             swapped.add("causal_conv1d")
         elif isinstance(mod, m.Qwen3_5Attention):

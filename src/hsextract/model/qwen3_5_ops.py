@@ -80,6 +80,25 @@ def add_rms_norm(x, residual, norm):
     return libs().add_rms_norm(x, residual, norm.weight, norm.eps, 1.0, "gemma", False)
 
 
+def join_weights(owner, first, second, attr: str):
+    """One [n1 + n2, in] tensor holding two projections' weights, which become views of it, so that both run as one
+    GEMM; kept on ``owner`` as ``attr``, and reused by a later ``apply`` while the weights are still its views.
+    None (the two GEMMs stay) unless both are plain bias-free ``nn.Linear`` layers."""
+    import torch
+
+    if not all(type(p) is torch.nn.Linear and p.bias is None for p in (first, second)):
+        return None
+    w1, w2 = first.weight, second.weight
+    joined = getattr(owner, attr, None)
+    n = w1.shape[0]
+    if joined is not None and w1.data_ptr() == joined.data_ptr() and w2.data_ptr() == joined[n:].data_ptr():
+        return joined
+    joined = torch.cat([w1.detach(), w2.detach()])
+    first.weight = torch.nn.Parameter(joined[:n], requires_grad=False)
+    second.weight = torch.nn.Parameter(joined[n:], requires_grad=False)
+    return joined
+
+
 def joined_weight(owner, attr: str, first):
     """``owner``'s joined weight when ``first`` (its first projection) still is a view of it, else None."""
     joined = getattr(owner, attr, None)

@@ -54,7 +54,7 @@ def test_two_projections_joined_into_one_gemm_keep_their_weights_and_outputs():
     owner.gate, owner.up = torch.nn.Linear(8, 5, bias=False), torch.nn.Linear(8, 3, bias=False)
     x = torch.randn(2, 4, 8)
     want_gate, want_up = owner.gate(x), owner.up(x)
-    joined = kernels._join(owner, owner.gate, owner.up, "_joined")
+    joined = kernels.join_weights(owner, owner.gate, owner.up, "_joined")
     owner._joined = joined
     assert joined.shape == (8, 8)
     assert owner.gate.weight.data_ptr() == joined.data_ptr()
@@ -65,7 +65,7 @@ def test_two_projections_joined_into_one_gemm_keep_their_weights_and_outputs():
     torch.testing.assert_close(both[..., :5], want_gate, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(both[..., 5:], want_up, rtol=1e-6, atol=1e-6)
     assert torch.equal(owner.gate(x), want_gate) and torch.equal(owner.up(x), want_up)  # stock path on views
-    assert kernels._join(owner, owner.gate, owner.up, "_joined") is joined  # a second apply reuses it
+    assert kernels.join_weights(owner, owner.gate, owner.up, "_joined") is joined  # a second apply reuses it
     with torch.no_grad():  # weights loaded in place (load_state_dict) land in the joined tensor too
         owner.load_state_dict({"gate.weight": torch.ones(5, 8), "up.weight": torch.zeros(3, 8)})
     assert torch.equal(joined[:5], torch.ones(5, 8)) and torch.equal(joined[5:], torch.zeros(3, 8))
@@ -78,5 +78,5 @@ def test_projections_with_a_bias_are_not_joined():
     owner = torch.nn.Module()
     owner.gate, owner.up = torch.nn.Linear(8, 5, bias=True), torch.nn.Linear(8, 3, bias=False)
     weight = owner.gate.weight
-    assert kernels._join(owner, owner.gate, owner.up, "_joined") is None
+    assert kernels.join_weights(owner, owner.gate, owner.up, "_joined") is None
     assert owner.gate.weight is weight
