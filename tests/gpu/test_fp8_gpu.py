@@ -184,33 +184,15 @@ def test_block_scaled_gemm_row_counts():
 def test_dry_run_proves_the_fused_fp8_compute_on_the_gpu(tmp_path):
     """The dry run's fp8 proof on the path a GPU run takes (bf16 activations, the fused fp8 layer): every layer
     nearest the served recipe, the weights and scales identical to the checkpoint's files."""
-    from support.cli import TINY_LIMITS
-    from support.fp8ref import write_checkpoints
+    from support.fp8ref import dry_run_config, write_checkpoints
 
-    from hsextract.config import RunConfig
     from hsextract.dryrun import dry_run, format_report
     from hsextract.model import qwen3_5 as kernels
     from hsextract.model.load import load_model
 
     _, fp8_dir = write_checkpoints(tmp_path, wide=True)
-    g = torch.Generator().manual_seed(5)
-    rows = [
-        {"id": f"s{i}", "input_ids": torch.randint(1, 200, (n,), generator=g).tolist()}
-        for i, n in enumerate((40, 129, 300, 64))
-    ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = RunConfig(
-        model=str(fp8_dir),
-        data=str(data),
-        output=str(tmp_path / "o"),
-        run_dir=str(tmp_path / "r"),
-        layers=(0, 1, 3),
-        device="cuda",
-        dtype="bfloat16",
-        kernels="fused",
-        **TINY_LIMITS,
-        num_proc=1,
+    cfg = dry_run_config(
+        fp8_dir, tmp_path, (40, 129, 300, 64), device="cuda", dtype="bfloat16", kernels="fused"
     )
     lm = load_model(str(fp8_dir), dtype="bfloat16", device="cuda")
     assert "residual_add_rms_norm" in kernels.apply(lm, "fused")

@@ -57,6 +57,33 @@ def write_checkpoints(root, wide: bool = False):
     return bf16_dir, fp8_dir
 
 
+def dry_run_config(fp8_dir, root, lengths, **run):
+    """A dry run's config on ``fp8_dir`` (layers 0, 1 and 3): one row of random ids per length, written under
+    ``root``; ``run``: the device, dtype and other fields of the run."""
+    import json
+
+    from hsextract.config import RunConfig
+    from support.cli import TINY_LIMITS
+
+    g = torch.Generator().manual_seed(5)
+    rows = [
+        {"id": f"s{i}", "input_ids": torch.randint(1, 200, (n,), generator=g).tolist()}
+        for i, n in enumerate(lengths)
+    ]
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return RunConfig(
+        model=str(fp8_dir),
+        data=str(data),
+        output=str(root / "o"),
+        run_dir=str(root / "r"),
+        layers=(0, 1, 3),
+        **TINY_LIMITS,
+        num_proc=1,
+        **run,
+    )
+
+
 def _fake_quant(x, group):
     """Quantize-dequantize ``x`` [..., K] with one scale (amax / 448) per ``group`` columns, written here apart from
     fp8.py."""

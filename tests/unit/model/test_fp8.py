@@ -206,31 +206,13 @@ def test_recipe_distances_agree_with_the_independent_reference(fp8_runs, checkpo
 
 
 def test_dry_run_proves_fp8_compute_and_catches_a_load_that_transposed_scales(checkpoints, tmp_path):
-    from support.cli import TINY_LIMITS
+    from support.fp8ref import dry_run_config
 
-    from hsextract.config import RunConfig
     from hsextract.dryrun import dry_run, format_report
     from hsextract.model.load import load_model
 
     _, fp8_dir = checkpoints
-    g = torch.Generator().manual_seed(5)
-    rows = [
-        {"id": f"s{i}", "input_ids": torch.randint(1, 200, (n,), generator=g).tolist()}
-        for i, n in enumerate((40, 90, 150, 64))
-    ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = RunConfig(
-        model=str(fp8_dir),
-        data=str(data),
-        output=str(tmp_path / "o"),
-        run_dir=str(tmp_path / "r"),
-        layers=(0, 1, 3),
-        device="cpu",
-        dtype="float32",
-        **TINY_LIMITS,
-        num_proc=1,
-    )
+    cfg = dry_run_config(fp8_dir, tmp_path, (40, 90, 150, 64), device="cpu", dtype="float32")
     result = dry_run(cfg, num_samples=4)
     check = result.report["fp8_check"]
     text = format_report(result.report)
