@@ -119,6 +119,9 @@ class Fp8Linear(nn.Module):
     """A linear layer of e4m3 weights with a float32 scale per 128x128 tile, computing the recipe (module
     docstring). ``forward`` takes a tensor [..., K] (quantized here) or an ``Fp8Activation``."""
 
+    joins = 0
+    """How many of the checkpoint's linears this one computes at once (qwen3_5_fp8.join); 0: it is one of them."""
+
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape

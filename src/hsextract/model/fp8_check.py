@@ -137,14 +137,15 @@ def verdict(table: dict) -> list[str]:
 
 # -- the checkpoint's own files --------------------------------------------------------------------------------------
 class CheckpointLinears:
-    """The checkpoint's tensors of each ``Fp8Linear`` of ``lm``, read from its files on demand (memory-mapped)."""
+    """The checkpoint's tensors of each ``Fp8Linear`` of ``lm``, read from its files on demand (memory-mapped). A
+    joined linear of the fused forward is not one of them: its parts, the checkpoint's, are views of it."""
 
     def __init__(self, lm, model: str):
         from safetensors import safe_open
 
         from hsextract.model.fp8_load import module_keys, weight_files
 
-        self.modules = {n: m for n, m in lm.named_modules() if isinstance(m, Fp8Linear)}
+        self.modules = {n: m for n, m in lm.named_modules() if isinstance(m, Fp8Linear) and not m.joins}
         self.names = {id(m): n for n, m in self.modules.items()}
         self.where = {}
         for path in weight_files(model):

@@ -34,6 +34,7 @@ def join(owner, attr: str, *parts) -> Fp8Linear | None:
         p.weight = torch.nn.Parameter(joined.weight[row : row + n], requires_grad=False)
         p.weight_scale_inv = joined.weight_scale_inv[row // 128 : (row + n) // 128]
         row += n
+    joined.joins = len(parts)
     setattr(owner, attr, joined)
     return joined
 

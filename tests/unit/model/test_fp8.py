@@ -75,6 +75,25 @@ def test_fp8_checkpoint_loads_e4m3_linears_exactly_where_it_has_scales(checkpoin
     assert lm.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_the_files_check_holds_a_joined_linear_by_its_parts(checkpoints):
+    """The fused fp8 forward joins gate and up (and the Gated-DeltaNet's qkv and z) into one linear whose parts
+    become views of it: the load is checked against the files through the parts, and a changed byte of the joined
+    weight shows in the part it belongs to."""
+    from hsextract.model.fp8_check import CheckpointLinears
+    from hsextract.model.load import load_model
+    from hsextract.model.qwen3_5_fp8 import join
+
+    _, fp8_dir = checkpoints
+    lm = load_model(str(fp8_dir), dtype="bfloat16", device="cpu")
+    mlp, gdn = lm.model.layers[1].mlp, lm.model.layers[0].linear_attn
+    joined = join(mlp, "_hsx_fp8_gate_up", mlp.gate_proj, mlp.up_proj)
+    assert join(gdn, "_hsx_fp8_qkvz", gdn.in_proj_qkv, gdn.in_proj_z) is not None
+    files = CheckpointLinears(lm, str(fp8_dir))
+    assert len(files.modules) == 3 * 6 + 7 and files.mismatches() == []
+    joined.weight.view(torch.uint8)[mlp.gate_proj.out_features] ^= 1  # the first row of up_proj
+    assert files.mismatches() == ["model.layers.1.mlp.up_proj"]
+
+
 def test_compute_bf16_dequantizes_and_a_bf16_checkpoint_stays_as_before(checkpoints):
     from hsextract.model.load import load_model
 
