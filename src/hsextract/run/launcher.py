@@ -40,9 +40,15 @@ STOP_GRACE_S = 30.0
 
 
 # Not `-m hsextract.run.worker`: the worker starts its uploader with `spawn`, which re-imports the parent's __main__
-# module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import.
+# module in the child, and that module imports torch. A `-c` program leaves the child nothing to re-import. Start-up's
+# `arrive` comes before the worker's imports: an early worker pins its host buffers in a thread beside them.
 WORKER_ENTRY = (
-    "from hsextract.run.procs import exit_now; from hsextract.run.worker import main; exit_now(main())"
+    "from hsextract.run.procs import exit_now\n"
+    "from hsextract.startup import arrive\n"
+    "if not arrive(program='hsextract.run.worker'):\n"
+    "    exit_now(0)\n"
+    "from hsextract.run.worker import main\n"
+    "exit_now(main())\n"
 )
 
 

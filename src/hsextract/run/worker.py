@@ -38,7 +38,7 @@ from hsextract.run.resume import done_in_output, recover_staging
 from hsextract.run.rundir import RunDir
 from hsextract.run.uploader import Uploader
 from hsextract.run.writer import StagingWriter
-from hsextract.startup import arrive, fast_load, ready
+from hsextract.startup import fast_load, ready
 from hsextract.storage import open_sink
 
 log = logging.getLogger(__name__)
@@ -185,8 +185,6 @@ class ShardRun:
 
 
 def main(argv=None) -> int:
-    if not arrive():  # an early worker whose shard had nothing to do
-        return 0
     install_redaction()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, shard = Path(argv[0]), int(argv[1])

@@ -97,9 +97,12 @@ def _pin_ahead(spec: dict, model: str) -> None:
     reserve(spec["count"], nbytes)
 
 
-def _warm_imports(model: str, pin: dict | None = None) -> None:
-    """What the worker would import in its model load, the model's class included. With ``pin`` (``pin_spec``),
-    CUDA starts first and the host buffers are pinned in a thread beside the other imports."""
+def _warm_imports(model: str, pin: dict | None = None, program: str | None = None) -> None:
+    """What the worker would import in its model load, the model's class included, and the module ``program``
+    (the worker's own). With ``pin`` (``pin_spec``), CUDA starts first and the host buffers are pinned in a thread
+    beside the other imports."""
+    import importlib
+
     import torch
 
     if pin and torch.cuda.is_available():
@@ -109,6 +112,9 @@ def _warm_imports(model: str, pin: dict | None = None) -> None:
 
     import hsextract.model.load  # noqa: F401
     import hsextract.model.qwen3_5  # noqa: F401  (the fused kernels, Triton)
+
+    if program:
+        importlib.import_module(program)
 
     try:
         _get_model_class(AutoConfig.from_pretrained(model), AutoModelForCausalLM._model_mapping)
@@ -127,16 +133,17 @@ def wait_for_go(go: Path, poll_s: float = POLL_S) -> dict:
             time.sleep(poll_s)
 
 
-def arrive(env=None) -> bool:
-    """First thing in a worker process. An early one (a go file in its environment) imports and starts CUDA,
-    waits for its go and takes the go's environment; returns False if told not to run. Any other: True at once."""
+def arrive(env=None, program: str | None = None) -> bool:
+    """First thing in a worker process, before its own imports. An early one (a go file in its environment) starts
+    CUDA, pins its host buffers and imports (``program``: the worker's module too), waits for its go and takes the
+    go's environment; returns False if told not to run. Any other: True at once."""
     env = os.environ if env is None else env
     go_file = env.get(GO_FILE_ENV)
     if not go_file:
         return True
     t0 = _process_started_at()
     pin = env.get(PIN_ENV)
-    _warm_imports(env[MODEL_ENV], json.loads(pin) if pin else None)
+    _warm_imports(env[MODEL_ENV], json.loads(pin) if pin else None, program)
     t_ready = time.time()
     go = wait_for_go(Path(go_file))
     if not go.get("run"):
