@@ -251,7 +251,6 @@ def prove_layers(
         norm = final_norm(lm)  # the last layer captured without --final-state: HF's own norm module
     errors = {k: {"match": [], "prev": [], "next": []} for k in slot_layers}
     topk = TopkAgreement() if layout.target_topk else None
-    # The reference runs transformers' own modules, never the fused ones the capture may use.
     with torch.inference_mode(), contextlib.nullcontext() if same_forward else kernels.stock_forward(lm):
         for row, i in enumerate(order):
             ids, _ = samples.sample(i)
