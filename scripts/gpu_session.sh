@@ -22,6 +22,7 @@
 #   fp8steady  the real command to its end on the 27B shape in the served FP8 layout  bench_startup.py             7
 #              (FP8CKPT, written alone: the disk holds one 27B checkpoint), --compute
 #              fp8 then bf16 (the same weights dequantized on load): steady real tok/s
+#              (STEADY_S per job; STEADY_MODES picks the jobs)
 #
 # Each suite runs under a time limit (seconds, SUITE_S) and writes its raw output under $OUT. flash-linear-attention
 # and liger-kernel come from wheels in .whl/ when the machine lacks them (docs/DEVELOPMENT.md says how to fetch them).
@@ -131,7 +132,7 @@ case "$suite" in
         && touch "$FP8CKPT/.complete"
       tail -n 1 "$OUT/ckpt-fp8.json"
     fi
-    for mode in fp8 bf16; do
+    for mode in ${STEADY_MODES:-fp8 bf16}; do  # STEADY_MODES=fp8, then =bf16: one job per call
       timeout "${STEADY_S:-200}" python3 scripts/bench_startup.py --model "$FP8CKPT" --work "/tmp/hsextract-steady-$mode" \
         --tokens "${STEADY_TOKENS:-400000}" --steps steady --step-timeout "$(( ${STEADY_S:-200} - 20 ))" --compute "$mode" \
         --json-out "$OUT/steady-$mode.json" > "$OUT/steady-$mode.log" 2>&1
