@@ -124,6 +124,14 @@ def read_state_dict(files, device, *, threads: int = THREADS, chunk: int = CHUNK
     return state
 
 
+def widen_fp8(state: dict, dtype) -> None:
+    """An FP8 checkpoint's e4m3 tensors cast to ``dtype`` in ``state``, one at a time (exact: every e4m3 value is a
+    bf16 value). transformers casts each into a new tensor while the dict still holds the old: both sizes at once."""
+    for name, t in state.items():
+        if t.is_floating_point() and t.element_size() == 1 and t.dtype != dtype:
+            state[name] = t.to(dtype)  # the old one goes with the loop's next step
+
+
 @contextmanager
 def _nothing():
     yield
@@ -163,6 +171,7 @@ def fast_load(model: str, *, dtype, attn_implementation: str, device: str, confi
     try:
         t0 = time.perf_counter()
         state = read_state_dict(files, device)
+        widen_fp8(state, dtype)
         t_read = time.perf_counter() - t0
         config = config if config is not None else AutoConfig.from_pretrained(model)
         # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.

@@ -94,6 +94,37 @@ def test_the_files_check_holds_a_joined_linear_by_its_parts(checkpoints):
     assert files.mismatches() == ["model.layers.1.mlp.up_proj"]
 
 
+def test_the_fast_load_of_an_fp8_checkpoint_holds_one_copy_of_its_weights(checkpoints):
+    """startup/fastload.py on the served FP8 layout: the same model as transformers' reader, and its e4m3 tensors
+    widened in the read state dict, so that transformers builds the model on them rather than beside them (on a
+    GPU the e4m3 weights and their bf16 copies were held at once)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    from hsextract.startup import fast_load
+    from hsextract.startup.fastload import checkpoint_files, no_allocator_warmup, read_state_dict, widen_fp8
+
+    _, fp8_dir = checkpoints
+    config = fp8_load.unquantized_config(str(fp8_dir))
+    fast = fast_load(
+        str(fp8_dir), dtype=torch.bfloat16, attn_implementation="sdpa", device="cpu", config=config
+    )
+    plain = AutoModelForCausalLM.from_pretrained(str(fp8_dir), config=config, dtype=torch.bfloat16)
+    a, b = fast.state_dict(), plain.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+    state = read_state_dict(checkpoint_files(fp8_dir), "cpu")
+    assert sum(t.dtype == fp8.FP8 for t in state.values()) == 3 * 6 + 7
+    widen_fp8(state, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in state.values())
+    with no_allocator_warmup():
+        lm = _get_model_class(config, AutoModelForCausalLM._model_mapping).from_pretrained(
+            None, config=config, state_dict=state, dtype=torch.bfloat16, device_map={"": "cpu"}
+        )
+    held = {t.data_ptr() for t in state.values()}
+    assert all(p.data_ptr() in held for p in lm.parameters())  # built on the widened tensors, no second copy
+
+
 def test_compute_bf16_dequantizes_and_a_bf16_checkpoint_stays_as_before(checkpoints):
     from hsextract.model.load import load_model
 
