@@ -165,9 +165,6 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
             "tokens": proof.num_tokens,
             "dtype": cfg.dtype,
             "tolerance": TOLERANCE[cfg.dtype],
-            "reference": "the capture's own layer forwards (fp8 compute)"
-            if compute.startswith("fp8")
-            else "transformers' own modules",
             "fp8_tolerance": FP8_TOLERANCE if layout.scaled else None,
             "first_batch_s": proof.seconds,
         },

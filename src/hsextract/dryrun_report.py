@@ -47,16 +47,16 @@ def format_report(report: dict) -> str:
         lines.append("first sample as the target sees it, «loss-masked tokens» (what the drafter learns):")
         lines.append(chat["first_sample"])
     p = report["proof"]
+    compute = report.get("compute", "bf16")
     lines.append(
         f"proof: {p['samples']} samples, {p['tokens']} tokens, {p['dtype']}, relative tolerance {p['tolerance']:.0e}"
         + (f"; fp8 storage within {p['fp8_tolerance']:.0e} of the unquantized capture" if fp8 else "")
         + (
             "; the HF reference runs the capture's own fp8 layer forwards (the fp8 recipe check proves them)"
-            if p.get("reference", "").startswith("the capture's")
+            if compute.startswith("fp8")
             else ""
         )
     )
-    compute = report.get("compute", "bf16")
     lines.append(
         f"compute: {compute}"
         + {
