@@ -171,12 +171,13 @@ def fast_load(model: str, *, dtype, attn_implementation: str, device: str, confi
     try:
         t0 = time.perf_counter()
         state = read_state_dict(files, device)
-        widen_fp8(state, dtype)
         t_read = time.perf_counter() - t0
+        size = sum(t.numel() * t.element_size() for t in state.values())
         config = config if config is not None else AutoConfig.from_pretrained(model)
         # The class AutoModelForCausalLM picks for this config; it takes a state dict only without a checkpoint path.
         model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
         t_class = time.perf_counter() - t0 - t_read
+        widen_fp8(state, dtype)  # in "model built": where transformers' own cast of them was
         with no_allocator_warmup():
             lm = model_class.from_pretrained(
                 None,
@@ -186,7 +187,6 @@ def fast_load(model: str, *, dtype, attn_implementation: str, device: str, confi
                 attn_implementation=attn_implementation,
                 device_map={"": device},
             )
-        size = sum(t.numel() * t.element_size() for t in state.values())
         log.info(
             "fast load: %.1f GB read in %.1f s, model class in %.1f s, model built in %.1f s",
             size / 1e9,
