@@ -1,8 +1,8 @@
 """Peak memory of the fast load (startup/fastload.py) of an FP8 checkpoint, with its e4m3 tensors widened in the read
 state dict (as run) and left as read (as before): on a CUDA host the peak allocated on the GPU, else peak host RSS.
 
-    python scripts/bench_fp8_load.py make DIR                  # the 27B's layer shape: 4 layers, a 2,048 vocabulary
-    python scripts/bench_fp8_load.py measure DIR [--as-before]  # one load in this process; run each mode apart
+    python scripts/make_checkpoint.py configs/qwen3.6-27b DIR --layers 4 --vocab 2048 --fp8-only  # the layers dominate
+    python scripts/bench_fp8_load.py DIR [--as-before]  # one load in this process; run each mode apart
 """
 
 import argparse
@@ -15,20 +15,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-
-def make(out: Path, config_dir: str, layers: int) -> None:
-    from transformers import AutoConfig, Qwen3_5ForCausalLM
-
-    from hsextract.model import fp8_load
-
-    cfg = AutoConfig.from_pretrained(config_dir).get_text_config()
-    cfg.num_hidden_layers, cfg.vocab_size = layers, 2048  # the layers' weights, not the embeddings, dominate
-    cfg.layer_types = cfg.layer_types[:layers]
-    torch.manual_seed(0)
-    lm = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
-    fp8_load.write_fp8_checkpoint(lm, out)
-    print(json.dumps({"out": str(out), "params": sum(p.numel() for p in lm.parameters())}))
 
 
 def measure(model: Path, as_before: bool) -> None:
@@ -69,16 +55,10 @@ def measure(model: Path, as_before: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["make", "measure"])
-    ap.add_argument("dir", type=Path)
-    ap.add_argument("--config", default="configs/qwen3.6-27b")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("dir", type=Path, help="an FP8 checkpoint (scripts/make_checkpoint.py --fp8-only)")
     ap.add_argument("--as-before", action="store_true")
     args = ap.parse_args()
-    if args.step == "make":
-        make(args.dir, args.config, args.layers)
-    else:
-        measure(args.dir, args.as_before)
+    measure(args.dir, args.as_before)
 
 
 if __name__ == "__main__":

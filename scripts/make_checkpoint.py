@@ -1,7 +1,7 @@
 """Save a random-weight checkpoint of a config's architecture (no download), for GPU runs of `hsextract run`.
 
-    python scripts/make_checkpoint.py configs/qwen3.6-27b /data/qwen3.6-27b-random [--layers 8] [--tokenizer DIR]
-        [--fp8 /data/qwen3.6-27b-random-fp8 | --fp8-only]
+    python scripts/make_checkpoint.py configs/qwen3.6-27b /data/qwen3.6-27b-random [--layers 8] [--vocab N]
+        [--tokenizer DIR] [--fp8 /data/qwen3.6-27b-random-fp8 | --fp8-only]
 
 The weights are random (bf16, built on the GPU when there is one); the tokenizer is the demo BPE unless given.
 Token ids of the data must be below the tokenizer's size, which is far below the real vocab: fine for timing.
@@ -28,6 +28,9 @@ def main():
     ap.add_argument("config")
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    ap.add_argument(
+        "--vocab", type=int, help="an embedding and head of N tokens (the demo tokenizer's fit in 2,048)"
+    )
     ap.add_argument("--tokenizer")
     ap.add_argument("--fp8", help="also write the served FP8 layout of the same weights here")
     ap.add_argument("--fp8-only", action="store_true", help="write only the served FP8 layout, in OUT")
@@ -38,6 +41,8 @@ def main():
     if args.layers:
         cfg.num_hidden_layers = args.layers
         cfg.layer_types = cfg.layer_types[: args.layers]
+    if args.vocab:
+        cfg.vocab_size = args.vocab
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
