@@ -127,7 +127,9 @@ def test_records_of_two_warm_ups_merge_and_the_newer_choice_wins():
 
 def test_the_shipped_tables_are_named_by_gpu_and_hold_their_triton_version():
     assert tuned.gpu_file_name("NVIDIA H200") == "NVIDIA_H200.json"
-    assert (tuned.SHIPPED_DIR / "NVIDIA_H200.json").is_file()  # shipped with the package
+    assert tuned.gpu_file_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+    for name in ("NVIDIA_H200.json", "NVIDIA_H100_80GB_HBM3.json"):  # shipped with the package
+        assert (tuned.SHIPPED_DIR / name).is_file()
     for path in sorted(tuned.SHIPPED_DIR.glob("*.json")):
         table = json.loads(path.read_text())
         assert path.name == tuned.gpu_file_name(table["gpu"]) and table["triton"] and table["kernels"]
