@@ -60,6 +60,12 @@ TOPK_TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
 
 FP8_TOLERANCE = 5e-2  # relative L2 of the fp8 states against the unquantized capture (measured ~2.6%)
 
+# Under fp8 compute the batched capture and the unbatched reference run the same layers, but padding changes the
+# float rounding of a few activations enough to flip their e4m3 rounding: the layer-id proof allows bf16's tolerance
+# in every dtype (still far under the neighbour layers' distance, which it must also beat), and the recipe check
+# proves the numerics.
+FP8_COMPUTE_TOLERANCE = 3e-2
+
 
 __all__ = ["DryRunResult", "dry_run", "format_report"]
 
@@ -119,7 +125,9 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         pad_token_id=tokenizer.pad_token_id,
         norm=norm,
     )
-    layers_report, warnings = layer_health(proof, layout, layer_types(text), TOLERANCE[cfg.dtype], cfg.dtype)
+    compute = getattr(lm, "hsx_compute", "bf16")
+    tol = max(TOLERANCE[cfg.dtype], FP8_COMPUTE_TOLERANCE) if compute.startswith("fp8") else TOLERANCE[cfg.dtype]
+    layers_report, warnings = layer_health(proof, layout, layer_types(text), tol, cfg.dtype)
     topk_report = None
     if proof.topk is not None:
         topk_report = {**proof.topk, "tolerance": TOPK_TOLERANCE[cfg.dtype]}
@@ -138,7 +146,6 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
             f"{n} of {sampled.report.kept} sampled rows carry {what} that the chat template does not render: "
             "their tokens leave it out (--chat-template, --chat-template-kwargs give the server's rendering)"
         )
-    compute = getattr(lm, "hsx_compute", "bf16")
     fp8_check = None
     if compute.startswith("fp8"):
         fp8_check = check_fp8(lm, cfg, layout, proof, samples, device)
@@ -164,7 +171,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
             "samples": proof.num_samples,
             "tokens": proof.num_tokens,
             "dtype": cfg.dtype,
-            "tolerance": TOLERANCE[cfg.dtype],
+            "tolerance": tol,
             "fp8_tolerance": FP8_TOLERANCE if layout.scaled else None,
             "first_batch_s": proof.seconds,
         },

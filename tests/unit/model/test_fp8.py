@@ -268,8 +268,10 @@ def test_dry_run_proves_fp8_compute_and_catches_a_load_that_transposed_scales(ch
     text = format_report(result.report)
     assert result.ok and check["ok"], text
     assert check["checked_against_files"] and not check["mismatched_linears"] and check["samples"] == 2
+    # The check's reference runs unbatched in float32: a few activations land on the other side of an e4m3 rounding
+    # (one such flip measured 8.7e-5 at layer 3); every wrong variant is over 0.03 away.
     for layer, dist in check["layers"].items():
-        assert dist["recipe"] < 1e-6, (layer, dist)
+        assert dist["recipe"] < 1e-3, (layer, dist)
         assert all(d > 0.03 for v, d in dist.items() if v != "recipe"), (layer, dist)
     assert "fp8 recipe check: 2 samples" in text and "identical to the checkpoint's files" in text
 
