@@ -126,7 +126,11 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         norm=norm,
     )
     compute = getattr(lm, "hsx_compute", "bf16")
-    tol = max(TOLERANCE[cfg.dtype], FP8_COMPUTE_TOLERANCE) if compute.startswith("fp8") else TOLERANCE[cfg.dtype]
+    tol = (
+        max(TOLERANCE[cfg.dtype], FP8_COMPUTE_TOLERANCE)
+        if compute.startswith("fp8")
+        else TOLERANCE[cfg.dtype]
+    )
     layers_report, warnings = layer_health(proof, layout, layer_types(text), tol, cfg.dtype)
     topk_report = None
     if proof.topk is not None:
