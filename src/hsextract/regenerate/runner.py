@@ -35,6 +35,7 @@ from hsextract.regenerate.turns import Conversation
 from hsextract.storage.fileio import user_cache_dir
 
 PROGRESS_EVERY_S = 0.5
+NOTES_SHOWN = 5
 
 
 @dataclass
@@ -146,6 +147,10 @@ def regenerate(
     sources = mix.describe()
     record = ledger.check_settings(settings, sources, restart=restart)
     done = ledger.done()
+    for note in done.notes[:NOTES_SHOWN]:
+        echo(f"output: {note}")
+    if len(done.notes) > NOTES_SHOWN:
+        echo(f"output: ... and {len(done.notes) - NOTES_SHOWN} more chunks like these")
     selection = select(mix, cfg.turns, cfg.dedupe, done)
     echo(f"data: {selection.summary()}")
     for example in selection.examples:

@@ -196,3 +196,22 @@ def test_an_s3_output_is_written_resumed_and_read_as_its_chunks(server, data, tm
     mix = resolve_sources(out, cache_dir=tmp_path / "cache", s3_endpoint_url=s3.url)
     assert sorted(r["id"] for _, _, r in mix.rows()) == sorted(f"c{i}" for i in range(23))  # records not read
     assert mix.describe()[0]["identity"]["regenerated"]["settings"]["served_model"] == "org/model"
+
+
+def test_a_rerun_redoes_a_damaged_chunk_says_so_and_every_row_is_there_once(server, data, tmp_path):
+    from hsextract.prepare.sources import resolve_sources
+
+    out = tmp_path / "out"
+    args = _args(server, data, out, "--chunk-rows", "10")
+    assert _regenerate(*args).exit_code == 0 and server.requests == 23
+    chunk = out / "chunk-000001.jsonl.zst"
+    chunk.write_bytes(chunk.read_bytes()[:-7])  # cut short: only regenerate's check can tell before run
+    again = _regenerate(*args)
+    assert again.exit_code == 0, again.output
+    assert (
+        "output: chunk-000001.jsonl.zst: its 199 bytes are not the 206" in again.output
+        and "set aside" in again.output
+    )
+    assert "13 already in the output" in again.output and server.requests == 33
+    ids = [r["id"] for _, _, r in resolve_sources(str(out)).rows()]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(23))
