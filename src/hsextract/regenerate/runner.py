@@ -198,7 +198,7 @@ class _Job:
                 await asyncio.to_thread(self.ledger.write_settings, *write_record, served)
             if not self.selection.todo:
                 return
-            pool = EndpointPool.of(cfg.endpoint, cfg.endpoint_down_s)
+            pool = EndpointPool.of(cfg.endpoint, cfg.endpoint_down_s, listed)
             client = ChatClient(
                 session,
                 pool,

@@ -215,3 +215,27 @@ def test_a_rerun_redoes_a_damaged_chunk_says_so_and_every_row_is_there_once(serv
     assert "13 already in the output" in again.output and server.requests == 33
     ids = [r["id"] for _, _, r in resolve_sources(str(out)).rows()]
     assert sorted(ids) == sorted(f"c{i}" for i in range(23))
+
+
+def test_a_reply_not_to_store_fails_its_row_with_the_reason_and_the_rerun_asks_it_again(
+    server, data, tmp_path
+):
+    from support.chat_servers import FaultProxy
+
+    from hsextract.prepare.sources import resolve_sources
+
+    proxy = FaultProxy(server.url)
+    try:
+        proxy.plant("reply", None, match='"q3"', message={"role": "user"})
+        args = _args(proxy, data, tmp_path / "out", "--max-retries", "1")
+        result = _regenerate(*args)
+        assert result.exit_code == 1, result.output
+        assert "failed: 1 rows (1 bad reply (reply of role 'user', not assistant) (2 tries))" in result.output
+        ids = {r["id"] for _, _, r in resolve_sources(str(tmp_path / "out")).rows()}
+        assert ids == {f"c{i}" for i in range(23)} - {"c3"}
+        proxy.clear()
+        again = _regenerate(*args)
+        assert again.exit_code == 0 and "22 already in the output" in again.output, again.output
+        assert proxy.seen == ["q3"]
+    finally:
+        proxy.stop()
