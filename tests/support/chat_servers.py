@@ -281,8 +281,10 @@ class InstantServer(_LoopThread):
         finally:
             self.in_flight -= 1
         status = self.chat_status or self.status
-        if status != 200:
-            return web.json_response({"error": {"message": "refused"}}, status=status)
+        if status != 200:  # a refusal quoting the request's Authorization header, as some servers do
+            auth = request.headers.get("Authorization")
+            message = "refused" + (f" (Authorization: {auth})" if auth else "")
+            return web.json_response({"error": {"message": message}}, status=status)
         reply = {**REPLY, "content": f"re: {first_user_message(json.loads(data))}"} if self.echo else REPLY
         body = {
             "id": f"chatcmpl-{self.requests}",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, redact
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.regenerate.client import (
     ChatClient,
@@ -139,6 +139,7 @@ def regenerate(
 ) -> int:
     """Run the job; 0 when every row is in the output, 1 when some failed. ``totals`` (given) is filled."""
     key = cfg.api_key()
+    echo = _redacting(echo)
     mix = resolve_sources(
         cfg.data, seed=cfg.data_seed, cache_dir=_cache_dir(), s3_endpoint_url=cfg.s3_endpoint_url
     )
@@ -308,6 +309,15 @@ class _Job:
             else:
                 await chunks.add(row=conv.output_row(replies))
             bar.update(1)
+
+
+def _redacting(echo: Callable) -> Callable:
+    """``echo`` of each line redacted: a server's words (a refusal, say) may hold the key (errors.hide)."""
+
+    def say(line) -> None:
+        echo(redact(str(line)))
+
+    return say
 
 
 def _cache_dir() -> Path:

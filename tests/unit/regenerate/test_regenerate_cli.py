@@ -239,3 +239,34 @@ def test_a_reply_not_to_store_fails_its_row_with_the_reason_and_the_rerun_asks_i
         assert proxy.seen == ["q3"]
     finally:
         proxy.stop()
+
+
+KEY = "sk-proj-Zq81x0PLk2"
+
+
+def test_a_refusal_that_echoes_the_key_is_printed_without_it(server, data, tmp_path):
+    server.chat_status = 400
+    result = _regenerate(
+        *_args(server, data, tmp_path / "out", "--api-key-env", "HSX_KEY"), env={"HSX_KEY": KEY}
+    )
+    assert result.exit_code == 2, result.output
+    assert "refused the first 20 requests (HTTP 400: refused (Authorization: Bearer ***))" in result.output
+    assert KEY not in result.output and "Zq81x0" not in result.output
+
+
+@pytest.mark.parametrize("given", ["sk_live_Zq81x0PLk2", "ABCDEF0123456789ABCDEF", "Zq81x0PLk2Zq81x0PLk2"])
+def test_the_key_given_as_the_variables_name_is_refused_without_showing_it(server, data, tmp_path, given):
+    result = _regenerate(*_args(server, data, tmp_path / "out", "--api-key-env", given))
+    assert result.exit_code == 2 and "NAME of an environment variable" in result.output, result.output
+    assert given not in result.output and "may be the key itself" in result.output
+    assert server.requests == 0
+
+
+@pytest.mark.parametrize("key", [KEY + "\n", "sk-\r\nX-Other: 1", KEY + "\x1b"])
+def test_a_key_with_a_line_break_is_one_message_without_the_key(server, data, tmp_path, key):
+    result = _regenerate(
+        *_args(server, data, tmp_path / "out", "--api-key-env", "HSX_KEY"), env={"HSX_KEY": key}
+    )
+    assert result.exit_code == 2, result.output
+    assert "the key in $HSX_KEY holds a" in result.output and "Traceback" not in result.output
+    assert key.strip() not in result.output and not (tmp_path / "out").exists()
