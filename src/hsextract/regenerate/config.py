@@ -130,7 +130,7 @@ class RegenerateConfig:
             object.__setattr__(self, "data", str(self.data))
         elif isinstance(self.data, list):
             object.__setattr__(self, "data", tuple(self.data))
-        parse_sources(self.data)
+        _check_apart(self.output, parse_sources(self.data))
         object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.turns not in TURNS:
             raise HsextractError(f"--turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
@@ -219,6 +219,43 @@ class RegenerateConfig:
             "data_seed": self.data_seed,
             "compression": self.compression,
         }
+
+
+def _check_apart(output: str, specs) -> None:
+    """The output is neither a data source, nor inside one, nor around one: the chunks written would be read as
+    the data, and ``--restart`` would delete the data's files named like chunks."""
+    out = _place(output)
+    for spec in specs:
+        place = _place(spec.location)
+        if place is None or out is None or place[0] != out[0]:
+            continue
+        base = place[1]
+        glob_at = next((i for i, part in enumerate(base) if any(c in part for c in "*?[")), None)
+        recursive = glob_at is not None and "**" in base[glob_at:]
+        if glob_at is not None:
+            base = base[:glob_at]
+        if out[1] == base:
+            relation = "is the place of"
+        elif out[1][: len(base)] == base and (glob_at is None or recursive):
+            relation = "is inside"
+        elif base[: len(out[1])] == out[1]:
+            relation = "holds"
+        else:
+            continue
+        raise HsextractError(
+            f"--output {redact(output)} {relation} --data {redact(spec.location)}: regenerate would read its own "
+            "chunks as data (and --restart delete files there); give an --output apart from every --data"
+        )
+
+
+def _place(location: str) -> tuple[str, tuple[str, ...]] | None:
+    """Where a location is, as comparable parts: ``("s3", (bucket, *key parts))`` or ``("file", parts of its real
+    path)``; None for a Hub dataset."""
+    if location.startswith("hf:"):
+        return None
+    if location.startswith("s3://"):
+        return "s3", tuple(p for p in location[len("s3://") :].split("/") if p)
+    return "file", Path(os.path.realpath(os.path.expanduser(location))).parts
 
 
 def _looks_like_a_name(name: str) -> bool:

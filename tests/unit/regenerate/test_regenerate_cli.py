@@ -270,3 +270,49 @@ def test_a_key_with_a_line_break_is_one_message_without_the_key(server, data, tm
     assert result.exit_code == 2, result.output
     assert "the key in $HSX_KEY holds a" in result.output and "Traceback" not in result.output
     assert key.strip() not in result.output and not (tmp_path / "out").exists()
+
+
+def _data_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.jsonl").write_text(
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "q"}]})
+    )
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+
+
+@pytest.mark.parametrize(
+    "data_at, output_at, relation",
+    [
+        ("d", "d", "is the place of"),
+        ("d", "d/regen", "is inside"),
+        ("d/x.jsonl", "d", "holds"),
+        ("d/*.jsonl", "d", "is the place of"),
+        ("d/**/*.jsonl.gz", "d/sub/regen", "is inside"),
+        ("d/../d/x.jsonl", "d/.", "holds"),
+        ("link", "d/regen", "is inside"),  # the data through a symbolic link to d
+        ("s3://b/mix", "s3://b/mix/regen", "is inside"),
+    ],
+)
+def test_an_output_overlapping_the_data_is_refused_before_any_request(
+    server, tmp_path, monkeypatch, data_at, output_at, relation
+):
+    _data_dir(tmp_path, monkeypatch)
+    result = _regenerate(*_args(server, data_at, output_at, "--restart"))
+    assert result.exit_code == 2, result.output
+    assert f"--output {output_at} {relation} --data {data_at}: regenerate would read its own" in result.output
+    assert server.requests == 0 and (tmp_path / "d" / "x.jsonl").exists() and result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "data_at, output_at",
+    [("d/*.jsonl", "d/regen"), ("d", "e"), ("s3://b/mix", "s3://b/mixed"), ("hf:org/name", "d")],
+)
+def test_an_output_apart_from_the_data_is_taken(tmp_path, monkeypatch, data_at, output_at):
+    from hsextract.regenerate.config import RegenerateConfig
+
+    _data_dir(
+        tmp_path, monkeypatch
+    )  # a glob that does not recurse does not reach the output beside its files
+    cfg = RegenerateConfig(endpoint="http://h", served_model="m", data=data_at, output=output_at)
+    assert cfg.output == output_at
