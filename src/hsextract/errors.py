@@ -13,8 +13,24 @@ from pathlib import Path
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
 
 
+_SECRETS: list[str] = []
+
+"""Values this process holds that no message may show (an API key), longest first (``hide``)."""
+
+
+def hide(secret: str) -> None:
+    """From now on ``redact`` replaces ``secret`` wherever it appears, whatever put it in the text (a server echoing
+    a header, an option given the key instead of its variable's name)."""
+    if secret and secret not in _SECRETS:
+        _SECRETS.append(secret)
+        _SECRETS.sort(key=len, reverse=True)
+
+
 def redact(text: str) -> str:
-    """``text`` with the credentials of every URL in it (``scheme://user:password@host``) replaced by ``***``."""
+    """``text`` with the credentials of every URL in it (``scheme://user:password@host``) and every value passed to
+    ``hide`` replaced by ``***``."""
+    for secret in _SECRETS:
+        text = text.replace(secret, "***")
     return _USERINFO.sub(r"\1***@", text)
 
 

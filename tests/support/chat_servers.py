@@ -3,7 +3,8 @@
 - ``start_transformers_serve``: transformers' own ``transformers serve`` over a tiny model laid out as a Hub
   snapshot in a Hugging Face cache of its own (served offline, on the CPU, under the Hub id it is asked for).
 - ``FaultProxy``: forwards to an upstream server and plants faults the tests choose (5xx answers, stalls,
-  connections closed without an answer, a refused key), logging the first user message of every request it sees.
+  connections closed without an answer, a refused key, a reply edited, another model's name, an answer written
+  twice on the connection), logging the first user message of every request it sees.
 - ``InstantServer``: answers every chat request at once (or after ``delay_s``) with a fixed reply: the client's
   own cost is measured against it (scripts/bench_regenerate.py), in a thread or in a process of its own
   (``python tests/support/chat_servers.py PORT [DELAY_S]``).
@@ -146,12 +147,31 @@ class FaultProxy(_LoopThread):
         super().__init__(app)
 
     def plant(
-        self, kind: str, times: int | None = None, *, match: str | None = None, status: int = 500
+        self,
+        kind: str,
+        times: int | None = None,
+        *,
+        match: str | None = None,
+        status: int = 500,
+        message: dict | None = None,
+        model: str | None = None,
     ) -> None:
         """``kind``: ``status`` (answer ``status``), ``stall`` (never answer), ``drop`` (close the connection
-        unanswered); on the next ``times`` chat requests (None: all) whose body holds ``match`` (None: any)."""
+        unanswered), ``reply`` (the upstream's reply with ``message``'s fields put in, ``DELETE`` removing one),
+        ``model`` (the response names ``model``), ``twice`` (the response written twice on its keep-alive
+        connection, as a broken proxy does); on the next ``times`` chat requests (None: all) whose body holds
+        ``match`` (None: any)."""
         with self.lock:
-            self.faults.append({"kind": kind, "times": times, "match": match, "status": status})
+            self.faults.append(
+                {
+                    "kind": kind,
+                    "times": times,
+                    "match": match,
+                    "status": status,
+                    "message": message,
+                    "model": model,
+                }
+            )
 
     def clear(self) -> None:
         with self.lock:
@@ -174,6 +194,7 @@ class FaultProxy(_LoopThread):
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         data = await request.read()
+        fault = None
         if request.path.endswith("/chat/completions"):
             text = data.decode(errors="replace")
             with self.lock:
@@ -195,8 +216,26 @@ class FaultProxy(_LoopThread):
         async with self.session.request(
             request.method, self.upstream + request.path[len("/v1") :], data=data, headers=headers
         ) as upstream:
-            body = await upstream.read()
-            return web.Response(body=body, status=upstream.status, content_type=upstream.content_type)
+            body, status, content_type = await upstream.read(), upstream.status, upstream.content_type
+        if fault is not None and fault["kind"] in ("reply", "model") and status == 200:
+            answer = json.loads(body)
+            if fault["kind"] == "model":
+                answer["model"] = fault["model"]
+            else:
+                message = {**answer["choices"][0]["message"], **fault["message"]}
+                answer["choices"][0]["message"] = {k: v for k, v in message.items() if v is not DELETE}
+            body = json.dumps(answer).encode()  # ensure_ascii: half a surrogate pair travels as its escape
+        if fault is not None and fault["kind"] == "twice":
+            head = (
+                f"HTTP/1.1 {status} OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            request.transport.write(head.encode() + body)  # then aiohttp writes the same answer once more
+        return web.Response(body=body, status=status, content_type=content_type)
+
+
+DELETE = object()
+
+"""In a planted ``reply`` fault's ``message``: remove that field."""
 
 
 REPLY = {"role": "assistant", "content": "an instant reply", "reasoning_content": None, "tool_calls": None}
@@ -205,8 +244,17 @@ REPLY = {"role": "assistant", "content": "an instant reply", "reasoning_content"
 class InstantServer(_LoopThread):
     """``/v1/models`` lists ``model``; every chat request is answered ``REPLY`` after ``delay_s``, or ``status``."""
 
-    def __init__(self, model: str = "instant", delay_s: float = 0.0, port: int = 0, status: int = 200):
-        self.model, self.delay_s, self.status = model, delay_s, status
+    def __init__(
+        self,
+        model: str = "instant",
+        delay_s: float = 0.0,
+        port: int = 0,
+        status: int = 200,
+        echo: bool = False,
+    ):
+        """``echo``: the reply's content is ``re: `` and the request's first user message, so that a test can
+        tell which request a stored reply answers."""
+        self.model, self.delay_s, self.status, self.echo = model, delay_s, status, echo
         self.chat_status: int | None = None
         """Chat requests' answer when not 200 (``status`` answers ``/v1/models`` too)."""
         self.requests = 0
@@ -223,7 +271,7 @@ class InstantServer(_LoopThread):
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
-        await request.read()
+        data = await request.read()
         self.requests += 1
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -233,13 +281,16 @@ class InstantServer(_LoopThread):
         finally:
             self.in_flight -= 1
         status = self.chat_status or self.status
-        if status != 200:
-            return web.json_response({"error": {"message": "refused"}}, status=status)
+        if status != 200:  # a refusal quoting the request's Authorization header, as some servers do
+            auth = request.headers.get("Authorization")
+            message = "refused" + (f" (Authorization: {auth})" if auth else "")
+            return web.json_response({"error": {"message": message}}, status=status)
+        reply = {**REPLY, "content": f"re: {first_user_message(json.loads(data))}"} if self.echo else REPLY
         body = {
-            "id": "x",
+            "id": f"chatcmpl-{self.requests}",
             "object": "chat.completion",
             "model": self.model,
-            "choices": [{"index": 0, "message": REPLY, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
         }
         return web.json_response(body)

@@ -19,29 +19,84 @@ from typing import Any, NamedTuple
 from hsextract.errors import HsextractError
 from hsextract.prepare.chat import UnreadableRow
 from hsextract.storage.fileio import write_json
+from hsextract.validation import unseal
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
 
 
 REGENERATE_SETTINGS = "regenerate.json"
 
-"""The settings record of an ``hsextract regenerate`` output; the rows of a directory that holds one are its chunk
-files only (``REGENERATED_CHUNK``), never its records."""
+"""The settings record of an ``hsextract regenerate`` output; the rows of a directory that holds one (or any of its
+bookkeeping files) are its chunk files only (``REGENERATED_CHUNK``), never its records."""
 
 
 REGENERATED_CHUNK = re.compile(r"^chunk-(\d{6,})\.jsonl\.(zst|gz)$")
 
 
-def regenerated_summary(data: bytes, where: str) -> dict:
-    """What a data report shows of a regenerate output's record: its settings, the served model, its inputs."""
+REGENERATE_BOOKKEEPING = re.compile(r"^chunk-\d{6,}\.(record|rows\.json|jsonl\.(zst|gz)\.rejected)$")
+
+"""A chunk's record, an older hsextract's row list, or a chunk set aside as damaged: never rows."""
+
+
+REGENERATE_FORMATS = ("hsextract-regenerate/2", "hsextract-regenerate/1")
+
+"""The settings record's formats, newest first; /1 (unsealed, row lists beside the chunks) is still read."""
+
+
+def is_regenerate_output(names) -> bool:
+    """Whether a directory whose files are ``names`` (relative to it) was written by ``hsextract regenerate``."""
+    return any(n == REGENERATE_SETTINGS or REGENERATE_BOOKKEEPING.match(n) for n in names)
+
+
+def read_regenerate_record(data: bytes, where: str) -> dict:
+    """The settings record of a regenerate output, proving itself (sealed, from /2 on) and typed; one that does not
+    is one message naming the file and what is wrong."""
+
+    def damaged(problem: str) -> HsextractError:
+        return HsextractError(
+            f"{where} is damaged ({problem}): restore it, or rerun hsextract regenerate with --restart to start "
+            "that output over"
+        )
+
     try:
         record = json.loads(data)
-    except ValueError as e:
-        raise HsextractError(f"{where} is damaged ({e}): rerun hsextract regenerate on it") from None
+    except (ValueError, RecursionError) as e:
+        raise damaged(f"not JSON: {e}") from None
     if not isinstance(record, dict):
-        raise HsextractError(f"{where} is damaged (not an object): rerun hsextract regenerate on it")
-    inputs = [{"name": s.get("name"), "source": s.get("source")} for s in record.get("sources") or []]
-    return {"settings": record.get("settings"), "served": record.get("served"), "inputs": inputs}
+        raise damaged(f"not a JSON object but {type(record).__name__}")
+    if record.get("format") not in REGENERATE_FORMATS:
+        raise damaged(f"format {record.get('format')!r:.40} is none of {', '.join(REGENERATE_FORMATS)}")
+    record = unseal(record, damaged, required=record["format"] != REGENERATE_FORMATS[-1])
+    settings, served, sources = record.get("settings"), record.get("served"), record.get("sources")
+    problems = []
+    if not isinstance(settings, dict):
+        problems.append("settings: not an object")
+    else:
+        problems += [
+            f"settings.{k}: not a string" for k in ("served_model", "turns") if not _str(settings.get(k))
+        ]
+        if not isinstance(settings.get("request"), dict):
+            problems.append("settings.request: not an object")
+    if not isinstance(served, dict):
+        problems.append("served: not an object")
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict) and _str(s.get("name"), True) and _str(s.get("source"), True) for s in sources
+    ):
+        problems.append("sources: not a list of {name, source} objects")
+    if problems:
+        raise damaged("; ".join(problems))
+    return record
+
+
+def _str(value, none_too: bool = False) -> bool:
+    return isinstance(value, str) or (none_too and value is None)
+
+
+def regenerated_summary(data: bytes, where: str) -> dict:
+    """What a data report shows of a regenerate output's record: its settings, the served model, its inputs."""
+    record = read_regenerate_record(data, where)
+    inputs = [{"name": s.get("name"), "source": s.get("source")} for s in record["sources"]]
+    return {"settings": record["settings"], "served": record["served"], "inputs": inputs}
 
 
 ACCEPTED_FORMATS = (

@@ -19,6 +19,7 @@ from hsextract.prepare.rows import (
     REGENERATE_SETTINGS,
     REGENERATED_CHUNK,
     file_format,
+    is_regenerate_output,
     regenerated_summary,
 )
 from hsextract.storage.fileio import write_json
@@ -72,10 +73,9 @@ def _data_keys(sink, key: str) -> list[str]:
     if key and file_format(Path(key)) and sink.object_info(key) is not None:
         return [key]
     prefix = key if not key or key.endswith("/") else key + "/"
-    keys = [k for k in sink.list_keys(prefix) if file_format(Path(k))]
-    if (
-        prefix + REGENERATE_SETTINGS in keys
-    ):  # an ``hsextract regenerate`` output: its chunks, not its records
+    listed = sink.list_keys(prefix)
+    keys = [k for k in listed if file_format(Path(k))]
+    if is_regenerate_output(k[len(prefix) :] for k in listed):  # its chunks, never its records
         keys = [k for k in keys if REGENERATED_CHUNK.match(k[len(prefix) :])]
     return keys
 

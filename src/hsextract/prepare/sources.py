@@ -291,7 +291,7 @@ def _resolve(spec: SourceSpec, name: str, label: str, cache_dir: Path | None, en
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and rowio.file_format(p))
         regenerated = _regenerated(path)
-        if regenerated is not None:  # an ``hsextract regenerate`` output: its chunks, not its records
+        if rowio.is_regenerate_output(p.name for p in path.iterdir()):  # its chunks, never its records
             files = [p for p in files if p.parent == path and rowio.REGENERATED_CHUNK.match(p.name)]
         if not files:
             raise HsextractError(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from hsextract.errors import HsextractError
+from hsextract.regenerate.replies import Provenance, message_problem
 
 CHECK_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
@@ -69,6 +70,10 @@ class Endpoint:
     failing_since: float | None = None
     """When its current run of failures began (None after a success)."""
     down: bool = False
+    listed: list[str] | None = None
+    """The model ids its ``/v1/models`` listed (None: none asked or none listed)."""
+    answers_as: str | None = None
+    """The ``model`` its first stored reply named: every later reply must name it too (replies.py)."""
 
     def succeeded(self) -> None:
         self.failing_since = None
@@ -90,8 +95,9 @@ class EndpointPool:
     went_down: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, urls, down_after_s: float) -> EndpointPool:
-        return cls([Endpoint(u) for u in urls], down_after_s)
+    def of(cls, urls, down_after_s: float, listed: dict | None = None) -> EndpointPool:
+        """``listed``: the model ids each URL's ``/v1/models`` listed (``check_endpoints``)."""
+        return cls([Endpoint(u, listed=(listed or {}).get(u)) for u in urls], down_after_s)
 
     def pick(self, avoid: Endpoint | None = None) -> Endpoint:
         """The healthy endpoint with the fewest requests in flight, other than ``avoid`` where possible."""
@@ -158,6 +164,7 @@ class ChatClient:
         # The refusal rule's state: refusals since the last answer, and whether any request was answered yet.
         self.refused_in_a_row = 0
         self.answered_any = False
+        self.provenance = Provenance(served_model)
 
     async def complete(self, messages: list[dict], tools: list | None) -> dict:
         body = {"model": self.served_model, "messages": messages, **self.options}
@@ -178,6 +185,20 @@ class ChatClient:
             await asyncio.sleep(self.policy.delay(retry, outcome.retry_after))
             retry, avoid = retry + 1, endpoint
 
+    def _reply(self, endpoint: Endpoint, payload: bytes) -> dict | Retry:
+        """A 200's reply when it is one to store, else a ``Retry`` saying why not."""
+        try:
+            reply, tokens, response = parse_reply(payload)
+        except ValueError as e:
+            return Retry(f"bad reply ({e})")
+        if (problem := self.provenance.problem(endpoint, response["model"], response["id"])) is not None:
+            return Retry(problem)
+        self.provenance.accept(endpoint, response["model"], response["id"])
+        endpoint.succeeded()
+        self.counters.tokens += tokens
+        self.answered_any, self.refused_in_a_row = True, 0
+        return reply
+
     async def _attempt(self, endpoint: Endpoint, data: bytes) -> dict | Retry:
         """The reply, or a ``Retry``; raises ``RowFailed`` for a refused request and ``Stop`` for a refused key."""
         counters = self.counters
@@ -190,6 +211,11 @@ class ChatClient:
                 status = response.status
                 payload = await response.read()
                 retry_after = _retry_after(response.headers.get("Retry-After"))
+                outcome = self._reply(endpoint, payload) if status == 200 else None
+                if status != 200 or isinstance(outcome, Retry):
+                    _close_connection(
+                        response
+                    )  # what follows on it may be a copy of this answer, not the next
         except asyncio.TimeoutError:
             return Retry("timeout")
         except aiohttp.ClientConnectorError:
@@ -198,15 +224,8 @@ class ChatClient:
             return Retry("connection dropped")
         finally:
             endpoint.in_flight -= 1
-        if status == 200:
-            try:
-                reply, tokens = parse_reply(payload)
-            except ValueError as e:
-                return Retry(f"bad reply ({e})")
-            endpoint.succeeded()
-            counters.tokens += tokens
-            self.answered_any, self.refused_in_a_row = True, 0
-            return reply
+        if outcome is not None:
+            return outcome
         if status in (401, 403):
             raise Stop(auth_message(endpoint.url, status, self.key_env))
         if self.policy.retried(status):
@@ -221,20 +240,35 @@ class ChatClient:
         raise RowFailed(f"refused (HTTP {status}: {detail})")
 
 
-def parse_reply(payload: bytes) -> tuple[dict, int]:
-    """The stored reply (the first choice's message as returned, plus its ``finish_reason``) and the completion
-    tokens the server counted."""
+def parse_reply(payload: bytes) -> tuple[dict, int, dict]:
+    """The stored reply (the one choice's message as returned, plus its ``finish_reason``), the completion tokens
+    the server counted, and the response's ``model`` and ``id``; ``ValueError`` naming what makes the reply one
+    not to store (replies.py)."""
     try:
         data = json.loads(payload)
-        choice = data["choices"][0]
+        choices = data["choices"]
+        choice = choices[0]
         message = choice["message"]
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise ValueError(f"no choices[0].message in the response: {type(e).__name__} {e}") from None
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
+        raise ValueError(f"no choices[0].message in the response: {type(e).__name__}") from None
+    if len(choices) != 1 or choice.get("index", 0) != 0:
+        raise ValueError(f"{len(choices)} choices where one was asked")
     if not isinstance(message, dict):
         raise ValueError("choices[0].message is not an object")
+    if (problem := message_problem(message)) is not None:
+        raise ValueError(problem)
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     tokens = usage.get("completion_tokens")
-    return {**message, "finish_reason": choice.get("finish_reason")}, tokens if isinstance(tokens, int) else 0
+    reply = {**message, "finish_reason": choice.get("finish_reason")}
+    return reply, tokens if isinstance(tokens, int) else 0, {"model": data.get("model"), "id": data.get("id")}
+
+
+def _close_connection(response) -> None:
+    """Close the connection ``response`` came on, though its body is read (aiohttp has released it to the pool by
+    then): what it carries next is not the answer of the request sent next."""
+    protocol = getattr(response, "_protocol", None)
+    if protocol is not None:
+        protocol.close()
 
 
 def auth_message(url: str, status: int, key_env: str | None) -> str:

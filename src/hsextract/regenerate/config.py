@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from hsextract.config import template_kwargs_json
-from hsextract.errors import HsextractError, redact
+from hsextract.errors import HsextractError, hide, redact
 
 TURNS = ("all", "first")
 COMPRESSIONS = ("zstd", "gzip")
@@ -129,7 +130,7 @@ class RegenerateConfig:
             object.__setattr__(self, "data", str(self.data))
         elif isinstance(self.data, list):
             object.__setattr__(self, "data", tuple(self.data))
-        parse_sources(self.data)
+        _check_apart(self.output, parse_sources(self.data))
         object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.turns not in TURNS:
             raise HsextractError(f"--turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
@@ -151,7 +152,8 @@ class RegenerateConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise HsextractError(f"{flag} must be a positive number of seconds, got {value}")
-        if self.api_key_env is not None and not self.api_key_env.replace("_", "").isalnum():
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            hide(self.api_key_env)
             raise HsextractError(
                 f"--api-key-env takes the NAME of an environment variable (e.g. OPENAI_API_KEY), not the key: "
                 f"got a value of {len(self.api_key_env)} characters that is no variable name"
@@ -167,14 +169,30 @@ class RegenerateConfig:
         return cls(**values)
 
     def api_key(self) -> str | None:
-        """The key from ``api_key_env``; a variable that is not set is an error naming it."""
-        if self.api_key_env is None:
+        """The key from ``api_key_env``, hidden from every message from now on (errors.hide); a variable that is
+        not set is an error naming it, unless the name looks like a key itself (then it is hidden too)."""
+        name = self.api_key_env
+        if name is None:
             return None
-        key = os.environ.get(self.api_key_env)
+        key = os.environ.get(name)
+        if not key and not _looks_like_a_name(name):
+            hide(name)
+            raise HsextractError(
+                f"--api-key-env takes the NAME of an environment variable (e.g. OPENAI_API_KEY), not the key: no "
+                f"variable of the name given is set, and that name ({len(name)} characters) is not shown as it "
+                "may be the key itself"
+            )
         if not key:
             raise HsextractError(
-                f"--api-key-env {self.api_key_env}: the variable is not set (or empty) in this environment; "
-                f"export {self.api_key_env}=... first"
+                f"--api-key-env {name}: the variable is not set (or empty) in this environment; export {name}=... first"
+            )
+        hide(key)
+        bad = next((i for i, c in enumerate(key) if ord(c) < 32 or ord(c) == 127), None)
+        if bad is not None:
+            what = "a line break" if key[bad] in "\r\n" else "a control character"
+            raise HsextractError(
+                f"the key in ${name} holds {what} at character {bad + 1} of {len(key)}: no HTTP header can carry "
+                f"it; set ${name} to the key alone (a key read from a file keeps the file's line end)"
             )
         return key
 
@@ -201,6 +219,49 @@ class RegenerateConfig:
             "data_seed": self.data_seed,
             "compression": self.compression,
         }
+
+
+def _check_apart(output: str, specs) -> None:
+    """The output is neither a data source, nor inside one, nor around one: the chunks written would be read as
+    the data, and ``--restart`` would delete the data's files named like chunks."""
+    out = _place(output)
+    for spec in specs:
+        place = _place(spec.location)
+        if place is None or out is None or place[0] != out[0]:
+            continue
+        base = place[1]
+        glob_at = next((i for i, part in enumerate(base) if any(c in part for c in "*?[")), None)
+        recursive = glob_at is not None and "**" in base[glob_at:]
+        if glob_at is not None:
+            base = base[:glob_at]
+        if out[1] == base:
+            relation = "is the place of"
+        elif out[1][: len(base)] == base and (glob_at is None or recursive):
+            relation = "is inside"
+        elif base[: len(out[1])] == out[1]:
+            relation = "holds"
+        else:
+            continue
+        raise HsextractError(
+            f"--output {redact(output)} {relation} --data {redact(spec.location)}: regenerate would read its own "
+            "chunks as data (and --restart delete files there); give an --output apart from every --data"
+        )
+
+
+def _place(location: str) -> tuple[str, tuple[str, ...]] | None:
+    """Where a location is, as comparable parts: ``("s3", (bucket, *key parts))`` or ``("file", parts of its real
+    path)``; None for a Hub dataset."""
+    if location.startswith("hf:"):
+        return None
+    if location.startswith("s3://"):
+        return "s3", tuple(p for p in location[len("s3://") :].split("/") if p)
+    return "file", Path(os.path.realpath(os.path.expanduser(location))).parts
+
+
+def _looks_like_a_name(name: str) -> bool:
+    """An environment variable's name as people write them (``OPENAI_API_KEY``), not a key (mixed case, or a long
+    run of letters and digits without an underscore)."""
+    return bool(re.fullmatch(r"[A-Z_][A-Z0-9_]*", name)) and not (len(name) >= 20 and "_" not in name)
 
 
 def _endpoint_url(given) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsextract.errors import HsextractError
+from hsextract.errors import HsextractError, redact
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.regenerate.client import (
     ChatClient,
@@ -35,6 +35,7 @@ from hsextract.regenerate.turns import Conversation
 from hsextract.storage.fileio import user_cache_dir
 
 PROGRESS_EVERY_S = 0.5
+NOTES_SHOWN = 5
 
 
 @dataclass
@@ -138,6 +139,7 @@ def regenerate(
 ) -> int:
     """Run the job; 0 when every row is in the output, 1 when some failed. ``totals`` (given) is filled."""
     key = cfg.api_key()
+    echo = _redacting(echo)
     mix = resolve_sources(
         cfg.data, seed=cfg.data_seed, cache_dir=_cache_dir(), s3_endpoint_url=cfg.s3_endpoint_url
     )
@@ -146,6 +148,10 @@ def regenerate(
     sources = mix.describe()
     record = ledger.check_settings(settings, sources, restart=restart)
     done = ledger.done()
+    for note in done.notes[:NOTES_SHOWN]:
+        echo(f"output: {note}")
+    if len(done.notes) > NOTES_SHOWN:
+        echo(f"output: ... and {len(done.notes) - NOTES_SHOWN} more chunks like these")
     selection = select(mix, cfg.turns, cfg.dedupe, done)
     echo(f"data: {selection.summary()}")
     for example in selection.examples:
@@ -193,7 +199,7 @@ class _Job:
                 await asyncio.to_thread(self.ledger.write_settings, *write_record, served)
             if not self.selection.todo:
                 return
-            pool = EndpointPool.of(cfg.endpoint, cfg.endpoint_down_s)
+            pool = EndpointPool.of(cfg.endpoint, cfg.endpoint_down_s, listed)
             client = ChatClient(
                 session,
                 pool,
@@ -303,6 +309,15 @@ class _Job:
             else:
                 await chunks.add(row=conv.output_row(replies))
             bar.update(1)
+
+
+def _redacting(echo: Callable) -> Callable:
+    """``echo`` of each line redacted: a server's words (a refusal, say) may hold the key (errors.hide)."""
+
+    def say(line) -> None:
+        echo(redact(str(line)))
+
+    return say
 
 
 def _cache_dir() -> Path:

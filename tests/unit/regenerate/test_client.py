@@ -6,7 +6,7 @@ import json
 
 import aiohttp
 import pytest
-from support.chat_servers import REPLY, InstantServer
+from support.chat_servers import DELETE, REPLY, FaultProxy, InstantServer
 
 from hsextract.regenerate.client import (
     REFUSALS_BEFORE_STOP,
@@ -72,7 +72,7 @@ def test_a_reply_is_kept_as_the_server_returned_it():
             "usage": {"completion_tokens": 7},
         }
     ).encode()
-    reply, tokens = parse_reply(payload)
+    reply, tokens, _ = parse_reply(payload)
     assert tokens == 7 and reply["finish_reason"] == "tool_calls" and reply["content"] is None
     assert reply["tool_calls"][0]["function"]["arguments"] == "{}"
     for bad in (b"not json", b"{}", b'{"choices": []}', b'{"choices": [{"message": "text"}]}'):
@@ -137,3 +137,95 @@ def test_an_endpoint_that_refuses_connections_is_retried_then_fails_the_row():
                 await client.complete([{"role": "user", "content": "q"}], None)
 
     asyncio.run(run())
+
+
+@pytest.fixture
+def proxied():
+    upstream = InstantServer(echo=True)
+    proxy = FaultProxy(upstream.url)
+    yield upstream, proxy
+    proxy.stop()
+    upstream.stop()
+
+
+async def _in_turn(url, prompts, policy=FAST, served_model="instant", listed=None):
+    """Each prompt's reply or failure, one request after the other (so that they share a keep-alive connection)."""
+    async with aiohttp.ClientSession() as session:
+        pool = EndpointPool.of([url], down_after_s=60.0, listed={url: listed} if listed else None)
+        client = ChatClient(session, pool, served_model, {}, policy=policy)
+        results = []
+        for prompt in prompts:
+            try:
+                results.append(await client.complete([{"role": "user", "content": prompt}], None))
+            except RowFailed as e:
+                results.append(e)
+        return client, results
+
+
+@pytest.mark.parametrize(
+    "message, cause",
+    [
+        ({"role": DELETE}, "reply with no role"),
+        ({"role": "user"}, "reply of role 'user', not assistant"),
+        ({"content": None}, "reply with null content and no tool call or reasoning"),
+        ({"content": "half a pair \ud83d"}, "reply holding half a surrogate pair"),
+        ({"content": ["parts"]}, "reply whose content is not a string"),
+    ],
+)
+def test_a_reply_that_is_no_assistant_message_is_retried_then_fails_with_its_reason(proxied, message, cause):
+    upstream, proxy = proxied
+    proxy.plant("reply", None, match="q1", message=message)
+    client, results = asyncio.run(_in_turn(proxy.url, ["q0", "q1", "q2"]))
+    assert results[0]["content"] == "re: q0" and results[2]["content"] == "re: q2"
+    assert (
+        isinstance(results[1], RowFailed)
+        and results[1].cause == f"bad reply ({cause}) (3 tries)"
+        or cause in results[1].cause
+    )
+    assert upstream.requests == 5  # the bad one asked 3 times
+
+
+def test_a_reply_of_another_model_is_not_stored_even_when_the_server_switches_mid_run(proxied):
+    upstream, proxy = proxied
+    proxy.plant("model", None, match="late", model="other/model")
+    client, results = asyncio.run(_in_turn(proxy.url, ["q0", "late q1", "q2"]))
+    assert results[0]["content"] == "re: q0" and results[2]["content"] == "re: q2"
+    assert results[1].cause == "reply of model other/model (its first replies were instant) (3 tries)"
+    proxy.clear()
+    proxy.plant("model", None, model="other/model")
+    _, results = asyncio.run(_in_turn(proxy.url, ["q0"]))
+    assert results[0].cause == "reply of model other/model, not instant (3 tries)"
+    # Names that are the model asked: a revision (transformers serve answers hsextract/m@main), an alias the
+    # server lists (vLLM answers with its first --served-model-name).
+    for named, listed in (("instant@main", None), ("first-alias", ["first-alias", "instant"])):
+        proxy.clear()
+        proxy.plant("model", None, model=named)
+        _, results = asyncio.run(_in_turn(proxy.url, ["q0", "q1"], listed=listed))
+        assert [r["content"] for r in results] == ["re: q0", "re: q1"], results
+
+
+def test_an_answer_written_twice_on_a_connection_never_answers_another_request(proxied):
+    upstream, proxy = proxied
+    proxy.plant("twice", None)
+    prompts = [f"q{i}" for i in range(40)]
+
+    async def run():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=3)) as session:
+            pool = EndpointPool.of([proxy.url], down_after_s=60.0)
+            client = ChatClient(session, pool, "instant", {}, policy=RetryPolicy(8, 0.001, 0.004))
+            queue = list(prompts)
+
+            async def worker():  # four requests in turn over three connections: each goes where one is free
+                replies = []
+                while queue:
+                    prompt = queue.pop(0)
+                    reply = await client.complete([{"role": "user", "content": prompt}], None)
+                    replies.append((prompt, reply["content"]))
+                return replies
+
+            done = await asyncio.gather(*(worker() for _ in range(4)))
+            return client, [pair for replies in done for pair in replies]
+
+    client, pairs = asyncio.run(run())
+    assert len(pairs) == 40 and all(content == f"re: {prompt}" for prompt, content in pairs), pairs
+    assert client.counters.retries >= 1  # a stale copy came, was refused and its request asked again

@@ -196,3 +196,123 @@ def test_an_s3_output_is_written_resumed_and_read_as_its_chunks(server, data, tm
     mix = resolve_sources(out, cache_dir=tmp_path / "cache", s3_endpoint_url=s3.url)
     assert sorted(r["id"] for _, _, r in mix.rows()) == sorted(f"c{i}" for i in range(23))  # records not read
     assert mix.describe()[0]["identity"]["regenerated"]["settings"]["served_model"] == "org/model"
+
+
+def test_a_rerun_redoes_a_damaged_chunk_says_so_and_every_row_is_there_once(server, data, tmp_path):
+    from hsextract.prepare.sources import resolve_sources
+
+    out = tmp_path / "out"
+    args = _args(server, data, out, "--chunk-rows", "10")
+    assert _regenerate(*args).exit_code == 0 and server.requests == 23
+    chunk = out / "chunk-000001.jsonl.zst"
+    chunk.write_bytes(chunk.read_bytes()[:-7])  # cut short: only regenerate's check can tell before run
+    again = _regenerate(*args)
+    assert again.exit_code == 0, again.output
+    assert (
+        "output: chunk-000001.jsonl.zst: its 199 bytes are not the 206" in again.output
+        and "set aside" in again.output
+    )
+    assert "13 already in the output" in again.output and server.requests == 33
+    ids = [r["id"] for _, _, r in resolve_sources(str(out)).rows()]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(23))
+
+
+def test_a_reply_not_to_store_fails_its_row_with_the_reason_and_the_rerun_asks_it_again(
+    server, data, tmp_path
+):
+    from support.chat_servers import FaultProxy
+
+    from hsextract.prepare.sources import resolve_sources
+
+    proxy = FaultProxy(server.url)
+    try:
+        proxy.plant("reply", None, match='"q3"', message={"role": "user"})
+        args = _args(proxy, data, tmp_path / "out", "--max-retries", "1")
+        result = _regenerate(*args)
+        assert result.exit_code == 1, result.output
+        assert "failed: 1 rows (1 bad reply (reply of role 'user', not assistant) (2 tries))" in result.output
+        ids = {r["id"] for _, _, r in resolve_sources(str(tmp_path / "out")).rows()}
+        assert ids == {f"c{i}" for i in range(23)} - {"c3"}
+        proxy.clear()
+        again = _regenerate(*args)
+        assert again.exit_code == 0 and "22 already in the output" in again.output, again.output
+        assert proxy.seen == ["q3"]
+    finally:
+        proxy.stop()
+
+
+KEY = "sk-proj-Zq81x0PLk2"
+
+
+def test_a_refusal_that_echoes_the_key_is_printed_without_it(server, data, tmp_path):
+    server.chat_status = 400
+    result = _regenerate(
+        *_args(server, data, tmp_path / "out", "--api-key-env", "HSX_KEY"), env={"HSX_KEY": KEY}
+    )
+    assert result.exit_code == 2, result.output
+    assert "refused the first 20 requests (HTTP 400: refused (Authorization: Bearer ***))" in result.output
+    assert KEY not in result.output and "Zq81x0" not in result.output
+
+
+@pytest.mark.parametrize("given", ["sk_live_Zq81x0PLk2", "ABCDEF0123456789ABCDEF", "Zq81x0PLk2Zq81x0PLk2"])
+def test_the_key_given_as_the_variables_name_is_refused_without_showing_it(server, data, tmp_path, given):
+    result = _regenerate(*_args(server, data, tmp_path / "out", "--api-key-env", given))
+    assert result.exit_code == 2 and "NAME of an environment variable" in result.output, result.output
+    assert given not in result.output and "may be the key itself" in result.output
+    assert server.requests == 0
+
+
+@pytest.mark.parametrize("key", [KEY + "\n", "sk-\r\nX-Other: 1", KEY + "\x1b"])
+def test_a_key_with_a_line_break_is_one_message_without_the_key(server, data, tmp_path, key):
+    result = _regenerate(
+        *_args(server, data, tmp_path / "out", "--api-key-env", "HSX_KEY"), env={"HSX_KEY": key}
+    )
+    assert result.exit_code == 2, result.output
+    assert "the key in $HSX_KEY holds a" in result.output and "Traceback" not in result.output
+    assert key.strip() not in result.output and not (tmp_path / "out").exists()
+
+
+def _data_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.jsonl").write_text(
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "q"}]})
+    )
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+
+
+@pytest.mark.parametrize(
+    "data_at, output_at, relation",
+    [
+        ("d", "d", "is the place of"),
+        ("d", "d/regen", "is inside"),
+        ("d/x.jsonl", "d", "holds"),
+        ("d/*.jsonl", "d", "is the place of"),
+        ("d/**/*.jsonl.gz", "d/sub/regen", "is inside"),
+        ("d/../d/x.jsonl", "d/.", "holds"),
+        ("link", "d/regen", "is inside"),  # the data through a symbolic link to d
+        ("s3://b/mix", "s3://b/mix/regen", "is inside"),
+    ],
+)
+def test_an_output_overlapping_the_data_is_refused_before_any_request(
+    server, tmp_path, monkeypatch, data_at, output_at, relation
+):
+    _data_dir(tmp_path, monkeypatch)
+    result = _regenerate(*_args(server, data_at, output_at, "--restart"))
+    assert result.exit_code == 2, result.output
+    assert f"--output {output_at} {relation} --data {data_at}: regenerate would read its own" in result.output
+    assert server.requests == 0 and (tmp_path / "d" / "x.jsonl").exists() and result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "data_at, output_at",
+    [("d/*.jsonl", "d/regen"), ("d", "e"), ("s3://b/mix", "s3://b/mixed"), ("hf:org/name", "d")],
+)
+def test_an_output_apart_from_the_data_is_taken(tmp_path, monkeypatch, data_at, output_at):
+    from hsextract.regenerate.config import RegenerateConfig
+
+    _data_dir(
+        tmp_path, monkeypatch
+    )  # a glob that does not recurse does not reach the output beside its files
+    cfg = RegenerateConfig(endpoint="http://h", served_model="m", data=data_at, output=output_at)
+    assert cfg.output == output_at
