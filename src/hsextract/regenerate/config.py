@@ -13,13 +13,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from hsextract.config import template_kwargs_json
 from hsextract.errors import HsextractError, redact
 
 TURNS = ("all", "first")
 COMPRESSIONS = ("zstd", "gzip")
+ROUTES = ("/chat/completions", "/completions", "/models")
+"""The routes of an OpenAI-compatible server under its base URL: an --endpoint ending in one is cut to its base."""
 REQUIRED = ("endpoint", "served_model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -32,7 +34,8 @@ def _opt(default, *, flag: str | None = None, choices: tuple | None = None):
 class RegenerateConfig:
     endpoint: tuple[str, ...] | str = _opt(None)
     """Base URL of an OpenAI-compatible server, e.g. ``http://gpu-node:8000/v1`` (``/v1`` is added to a URL without
-    a path); give it several times to spread the requests over several servers."""
+    a path; a full ``.../v1/chat/completions`` is taken as its base); give it several times to spread the
+    requests over several servers."""
 
     served_model: str = _opt(None)
     """The model name the servers serve (vLLM's and SGLang's ``--served-model-name``, else the model they were
@@ -216,4 +219,11 @@ def _endpoint_url(given) -> str:
         raise HsextractError(
             f"--endpoint {given!r} is not an http:// or https:// URL: give http://HOST:PORT/v1"
         )
-    return url if parts.path else url + "/v1"
+    if not parts.path:
+        return url + "/v1"
+    path = parts.path
+    for route in ROUTES:  # the full path many clients are given: its base is what /models hangs off too
+        if path.endswith(route):
+            path = path[: -len(route)]
+            break
+    return urlunsplit(parts._replace(path=path))

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from support.chat_servers import InstantServer
 
 from hsextract.cli import main
+from hsextract.regenerate.config import RegenerateConfig
 from hsextract.regenerate.ledger import Ledger
 
 
@@ -82,6 +83,45 @@ def test_a_server_that_refuses_connections_fails_in_seconds(data, tmp_path):
     )
     assert result.exit_code == 2 and "refuses connections" in result.output, result.output
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    "given, base",
+    [
+        ("http://h:8000/v1/chat/completions", "http://h:8000/v1"),
+        ("http://h:8000/v1/chat/completions/", "http://h:8000/v1"),
+        ("https://h/openai/v1/models", "https://h/openai/v1"),
+        ("http://h:8000", "http://h:8000/v1"),
+        ("http://h:8000/v1/", "http://h:8000/v1"),
+    ],
+)
+def test_an_endpoint_is_taken_as_its_base_url_or_its_full_path(given, base):
+    assert RegenerateConfig(endpoint=given, served_model="m", data="x", output="o").endpoint == (base,)
+
+
+def test_the_full_chat_completions_url_works_as_the_endpoint(server, data, tmp_path):
+    result = _regenerate(
+        "--endpoint",
+        server.url + "/chat/completions",
+        "--served-model",
+        "org/model",
+        "--data",
+        data,
+        "--output",
+        tmp_path / "out",
+    )
+    assert result.exit_code == 0 and "wrote 23 rows" in result.output, result.output
+    assert server.requests == 23
+
+
+def test_a_404_on_models_names_the_url_tried_and_what_was_expected(server, data, tmp_path):
+    wrong = server.url.removesuffix("/v1") + "/api"
+    result = _regenerate(
+        "--endpoint", wrong, "--served-model", "org/model", "--data", data, "--output", tmp_path / "out"
+    )
+    assert result.exit_code == 2, result.output
+    assert f"GET {wrong}/models answered 404" in result.output and "base URL" in result.output
+    assert server.requests == 0
 
 
 def test_a_model_the_server_does_not_serve_is_refused_listing_what_it_serves(server, data, tmp_path):
