@@ -73,6 +73,10 @@ class RegenerateConfig:
     """Template arguments as a JSON object, sent as the requests' ``chat_template_kwargs`` (vLLM, SGLang), e.g.
     ``'{"enable_thinking": true}'``; give ``hsextract run`` the same. A YAML mapping works too."""
 
+    max_samples: int | None = _opt(None)
+    """Request only the first N rows of the mix (after each source's own ``limit``/``fraction``), for a quick trial;
+    a rerun with a larger N (or none) requests the rest. Default: every row."""
+
     turns: str = _opt("all", choices=TURNS)
     """``all``: every assistant turn regenerated in order, each request holding the regenerated turns before it;
     ``first``: the first exchange only. A conversation is regenerated up to its first tool result or tool call."""
@@ -109,7 +113,9 @@ class RegenerateConfig:
     """Seconds after which the finished rows are written as a chunk even if fewer than ``chunk_rows``."""
 
     compression: str = _opt("zstd", choices=COMPRESSIONS)
-    """Chunk files are ``.jsonl.zst`` (with frame checksums) or ``.jsonl.gz``."""
+    """Chunk files are JSON lines (one row each) compressed as ``.jsonl.zst`` (with frame checksums) or
+    ``.jsonl.gz``: ``zstd -dc chunk-000000.jsonl.zst | head`` (``zcat`` for gzip) shows them as text;
+    ``hsextract run --data`` reads the directory as it is."""
 
     s3_endpoint_url: str | None = _opt(None)
     """For an S3-compatible ``s3://`` output or data source; ``AWS_ENDPOINT_URL_S3`` is honoured too."""
@@ -140,7 +146,7 @@ class RegenerateConfig:
             raise HsextractError(
                 f"--compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
             )
-        for name in ("max_tokens", "concurrency", "chunk_rows"):
+        for name in ("max_tokens", "concurrency", "chunk_rows", "max_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise HsextractError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

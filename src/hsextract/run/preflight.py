@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -146,7 +147,7 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     one_file = StateLayout.file_bytes(
         cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
     )
-    check_staging(cfg.staging_dir, one_file)
+    check_staging(cfg.staging_dir, one_file, cfg.staging_max_gb)
     return ModelFacts(
         config=config,
         text_config=text,
@@ -194,9 +195,10 @@ def check_no_overlap(cfg: RunConfig) -> None:
             )
 
 
-def check_staging(staging: Path, need_bytes: int) -> None:
-    """The staging directory must be writable and hold at least one batch file, else fail before any work. One
-    made here goes again (the workers make it): a run refused later leaves none behind."""
+def check_staging(staging: Path, need_bytes: int, max_gb: float | None = None) -> None:
+    """The staging directory must be writable and hold at least one batch file, within ``max_gb``
+    (``--staging-max-gb``), else fail before any work. One made here goes again (the workers make it): a run
+    refused later leaves none behind."""
     made = not staging.exists()
     try:
         staging.mkdir(parents=True, exist_ok=True)
@@ -215,6 +217,12 @@ def check_staging(staging: Path, need_bytes: int) -> None:
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
             f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
             "or lower --max-tokens-per-batch"
+        )
+    if max_gb is not None and max_gb * 1e9 < need_bytes:
+        raise HsextractError(
+            f"--staging-max-gb {max_gb:g} is smaller than one batch file (up to {need_bytes / 1e9:.2f} GB at "
+            f"--max-tokens-per-batch and these layers): give --staging-max-gb {math.ceil(need_bytes / 1e9)} or "
+            "more (room for several lets the GPU run on while they upload), or lower --max-tokens-per-batch"
         )
 
 
@@ -278,6 +286,8 @@ def tokenize(
     for line in report.first_problems():
         echo(f"  {line}")
     report.check_bad_rows(cfg.max_bad_rows)
+    if cfg.max_bad_rows is None and (warning := report.mostly_dropped()):
+        echo(warning)
     samples, renamed = unique_sample_ids(samples)
     if renamed:
         echo(

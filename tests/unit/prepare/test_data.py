@@ -723,7 +723,7 @@ def test_tokenizer_without_chat_template_marks_chat_rows_malformed(tmp_path, tok
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
-    with pytest.raises(HsextractError, match="the tokenizer has no chat template"):
+    with pytest.raises(HsextractError, match="the tokenizer has no chat template.*--chat-template FILE"):
         load(write_jsonl(rows, tmp_path / "r.jsonl"), bare)
 
 

@@ -187,6 +187,23 @@ def test_a_job_writes_every_row_once_and_a_rerun_requests_nothing(server, data, 
     assert other.exit_code == 2 and "--seed 3 -> 4" in other.output
 
 
+def test_max_samples_requests_the_first_rows_and_a_rerun_without_it_the_rest(server, data, tmp_path):
+    out = tmp_path / "out"
+    first = CliRunner().invoke(
+        main, ["regenerate", *map(str, _args(server, data, out, "--max-samples", "5"))]
+    )
+    assert first.exit_code == 0 and "wrote 5 rows" in first.output, first.output
+    assert "--max-samples 5" in first.output and "regenerate:" in first.output  # the progress bar's label
+    assert server.requests == 5 and Ledger(str(out)).done().written == {f"c{i}" for i in range(5)}
+    rest = _regenerate(*_args(server, data, out))
+    assert rest.exit_code == 0 and "5 already in the output" in rest.output and server.requests == 23
+
+
+def test_help_says_the_chunks_are_compressed_json_lines():
+    text = " ".join(CliRunner().invoke(main, ["regenerate", "--help"]).output.split())
+    assert "JSON lines (one row each) compressed as .jsonl.zst" in text and "--max-samples" in text
+
+
 def test_options_come_from_a_yaml_file_too(server, data, tmp_path):
     config = tmp_path / "regen.yaml"
     config.write_text(
