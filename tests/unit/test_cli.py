@@ -149,6 +149,21 @@ def test_a_staging_bound_under_one_batch_file_is_refused_naming_the_size_needed(
     assert not (job[0] / "run" / "plan.json").exists()
 
 
+def test_run_says_before_the_capture_which_trainer_formats_its_layers_serve(
+    job, tmp_path, restored_process_state
+):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')  # refused after the model checks, before anything is written
+    args = [str(a) for a in _replace(job[1], "--data", bad)] + ["--max-bad-rows", "0"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "serves: specforge-dflash, specforge-dflash2" in result.stdout, result.stdout
+    line = next(x for x in result.stdout.splitlines() if x.startswith("does not serve specforge-dspark"))
+    assert "speculators, modelopt" in line and "--final-state" in line
+    final = CliRunner().invoke(main, args + ["--final-state"])
+    assert "does not serve specforge-dspark" not in final.stdout and "speculators" in final.stdout
+
+
 def test_dtype_takes_bf16_and_auto_as_transformers_and_vllm_do(tmp_path):
     model = tmp_path / "m"
     model.mkdir()

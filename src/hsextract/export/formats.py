@@ -59,7 +59,7 @@ class ExportFormat:
         try:
             self.schema.check(manifest, layer_ids)
         except HsextractError as e:
-            raise HsextractError(f"--format {e}") from None
+            raise HsextractError(f"--format {self.name}: {e}") from None
 
     def sample_files(self, index: int, s: dict) -> dict[str, bytes]:
         raise NotImplementedError

@@ -29,6 +29,7 @@ from hsextract.output import Plan, StateLayout, run_file_metadata
 from hsextract.output.ledger import RunInfo, publish_job_files, sample_ids_checksum
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
+from hsextract.prepare.rows import check_regenerated_rendering
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
@@ -42,6 +43,7 @@ from hsextract.run.accept import accept_plan
 from hsextract.run.rundir import RunDir
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
+from hsextract.training.schemas import served_by, served_lines
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ def prepare_checked(
     planned, the plan accepted, the run files written; returns the plan."""
     run_dir = RunDir(cfg.run_dir)
     model = check_model_and_output(cfg)
+    for line in served_lines(served_by(model.layer_ids, model.layout.final_state, model.presets)):
+        echo(line)  # before the capture, what the export would refuse after it
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
     tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code)  # loaded if needed
@@ -244,13 +248,12 @@ def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
 
 
 def resolve_data(cfg: RunConfig, run_dir: RunDir) -> Mix:
-    """Every data source found and checked (a missing path, column or bucket fails here, naming the source); S3
-    objects are fetched into the run dir's cache."""
+    """Every data source found and checked (a missing path, column or bucket fails here, naming the source; replies
+    regenerated under other template arguments too); S3 objects are fetched into the run dir's cache."""
     try:
         mix = resolve_sources(
             cfg.data, seed=cfg.seed, cache_dir=run_dir.cache_dir, s3_endpoint_url=cfg.s3_endpoint_url
         )
-        return replace(mix, limit=cfg.max_samples)
     except HsextractError as e:
         if not run_dir.plan_file.exists():
             raise
@@ -258,6 +261,8 @@ def resolve_data(cfg: RunConfig, run_dir: RunDir) -> Mix:
             f"{e}\nThe run in {run_dir.root} was prepared from this data: to resume it, put the data back as it "
             "was; to start over with other data, give --restart"
         ) from None
+    check_regenerated_rendering(mix.describe(), cfg.template_kwargs)  # before a token is made
+    return replace(mix, limit=cfg.max_samples)
 
 
 def tokenize(

@@ -253,3 +253,40 @@ def test_an_s3_output_is_written_resumed_and_read_as_its_chunks(server, data, tm
     mix = resolve_sources(out, cache_dir=tmp_path / "cache", s3_endpoint_url=s3.url)
     assert sorted(r["id"] for _, _, r in mix.rows()) == sorted(f"c{i}" for i in range(23))  # records not read
     assert mix.describe()[0]["identity"]["regenerated"]["settings"]["served_model"] == "org/model"
+
+
+def test_run_refuses_replies_regenerated_under_other_template_arguments(
+    server, data, tmp_path, tiny_model, restored_process_state
+):
+    from support.cli import TINY_LIMITS, cli_run_args
+
+    regen = tmp_path / "regen"
+    made = _regenerate(*_args(server, data, regen, "--chat-template-kwargs", '{"enable_thinking": false}'))
+    assert made.exit_code == 0, made.output
+    args = cli_run_args(tmp_path, tiny_model, regen, num_proc=1, no_progress=True, **TINY_LIMITS)
+    run = CliRunner().invoke(main, [*map(str, args), "--chat-template-kwargs", '{"enable_thinking": true}'])
+    assert run.exit_code == 2, run.output
+    said = " ".join(run.stderr.split())
+    assert 'regenerated with chat_template_kwargs {"enable_thinking": false}' in said, said
+    assert 'this run renders with {"enable_thinking": true}' in said
+    assert """pass --chat-template-kwargs '{"enable_thinking": false}'""" in said
+    assert not (tmp_path / "run" / "plan.json").exists()
+    bare = CliRunner().invoke(main, list(map(str, args)))  # no arguments at all: refused the same way
+    assert bare.exit_code == 2 and "this run renders with {}" in bare.stderr, bare.output
+
+
+def test_regenerated_sources_of_different_template_arguments_cannot_share_a_run():
+    from hsextract.errors import HsextractError
+    from hsextract.prepare.rows import check_regenerated_rendering
+
+    def source(name, kwargs):
+        request = {"chat_template_kwargs": kwargs} if kwargs else {}
+        return {"name": name, "source": name, "identity": {"regenerated": {"settings": {"request": request}}}}
+
+    plain = {"name": "raw", "source": "raw.jsonl", "identity": {}}
+    check_regenerated_rendering([plain, source("a", {"enable_thinking": True})], {"enable_thinking": True})
+    check_regenerated_rendering([plain, source("a", None)], {})
+    with pytest.raises(HsextractError, match="leave --chat-template-kwargs out"):
+        check_regenerated_rendering([source("a", None)], {"enable_thinking": False})
+    with pytest.raises(HsextractError, match="in separate runs"):
+        check_regenerated_rendering([source("a", {"x": 1}), source("b", {"x": 2})], {"x": 1})
