@@ -97,6 +97,15 @@ def _config_option(f: dataclasses.Field, cls: type = RunConfig, required: tuple 
     return click.option(flag, f.name, type=types.get(kind, str), default=None, help=help)
 
 
+def _no_tensor_parallel(ctx, param, value):
+    if value is not None:
+        raise click.UsageError(
+            f"--tensor-parallel-size {value}: hsextract has no tensor parallelism; --shards N is data parallel "
+            "(N workers, each a whole copy of the target on one GPU). A target too big for one GPU: "
+            "docs/SCALING.md, 'GPU memory per shard' (an FP8 checkpoint holds half)."
+        )
+
+
 def config_options(*commands: str, cls: type = RunConfig, required: tuple = REQUIRED) -> Callable:
     """The fields of ``cls`` whose ``cli`` metadata is one of ``commands``, as click options, plus --config."""
 
@@ -104,6 +113,14 @@ def config_options(*commands: str, cls: type = RunConfig, required: tuple = REQU
         fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli") in commands]
         for f in reversed(fields):
             fn = _config_option(f, cls, required)(fn)
+        if "job" in commands:  # vLLM's flag, given by habit: what hsextract does instead
+            fn = click.option(
+                "--tensor-parallel-size",
+                "--tp",
+                hidden=True,
+                expose_value=False,
+                callback=_no_tensor_parallel,
+            )(fn)
         return click.option(
             "--config",
             "config_file",

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from hsextract.errors import HsextractError, redact
+from hsextract.hub import checkpoint_dtype, is_hub_id
 from hsextract.layers import implies_final_state
 from hsextract.prepare.report import TOO_LONG_POLICIES
 from hsextract.storage.fileio import load_json, write_json
@@ -35,6 +36,7 @@ ENDPOINT_ENV = "HSEXTRACT_S3_ENDPOINT_URL"
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 STORAGE_DTYPES = ("float8_e4m3fn",)
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_MODES = ("fused", "stock")
@@ -144,8 +146,9 @@ class RunConfig:
     """``auto``: ``cuda`` where a CUDA build of torch finds an NVIDIA GPU, else ``cpu`` (the run says which);
     ``cuda``: one GPU per shard, checked before the data is prepared; ``cpu``: small models (tests, the demo)."""
 
-    dtype: str = _opt("bfloat16", choices=DTYPES)
-    """The dtype the model runs and states are stored in (unless ``storage_dtype`` says otherwise)."""
+    dtype: str = _opt("bfloat16", choices=(*DTYPES, *DTYPE_ALIASES, "auto"))
+    """The dtype the model runs and states are stored in (unless ``storage_dtype`` says otherwise); ``bf16``,
+    ``fp16``, ``fp32`` are the same; ``auto`` is the checkpoint's own (its config's ``dtype``), else bfloat16."""
 
     attn_implementation: str = _opt("sdpa")
     """transformers' attention implementation for the full-attention layers (``sdpa``, ``eager``...)."""
@@ -241,8 +244,12 @@ class RunConfig:
             object.__setattr__(self, "data", tuple(self.data))
         parse_sources(self.data)  # a bad option fails here, before anything runs
         self._check_chat_options()
-        if self.dtype not in DTYPES:
-            raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)  # auto, for a Hub id: once it is resolved
+        if dtype == "auto" and (self.model_dir or Path(self.model).is_dir() or not is_hub_id(self.model)):
+            dtype = checkpoint_dtype(self.model_path, DTYPES)
+        object.__setattr__(self, "dtype", dtype)
+        if self.dtype not in (*DTYPES, "auto"):
+            raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}, bf16 or auto")
         if self.too_long not in TOO_LONG_POLICIES:
             raise HsextractError(f"--too-long {self.too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
         object.__setattr__(self, "max_bad_rows", _bad_rows_limit(self.max_bad_rows))
@@ -308,7 +315,7 @@ class RunConfig:
         """This config with ``model`` resolved to the directory every process reads (a Hub id's snapshot in the
         Hugging Face cache, downloaded if missing): done once, by the command the user runs; config.json carries
         the result to the workers."""
-        from hsextract.hub import is_hub_id, resolve_model
+        from hsextract.hub import resolve_model
 
         if not (Path(self.model).expanduser().is_dir() or is_hub_id(self.model)):
             return self  # a path that is not there: the checks of the model say so, in their turn
@@ -346,7 +353,11 @@ class RunConfig:
                 raise HsextractError(f"--chat-template {given}: cannot read it ({e})") from None
         if "{{" in given or "{%" in given:
             return given
-        raise HsextractError(f"--chat-template {given}: no such file (give a Jinja template file)")
+        raise HsextractError(
+            f"--chat-template {given}: no such file. It takes a Jinja template file (or its text) as vLLM's "
+            "does, not a template name as SpecForge's: leave it out for the tokenizer's own template, or give "
+            "the file your server renders with"
+        )
 
     @property
     def wants_final_state(self) -> bool:

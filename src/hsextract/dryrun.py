@@ -48,6 +48,7 @@ from hsextract.run.pipeline import Extractor
 from hsextract.run.preflight import encoding_options, resolve_data, run_layout
 from hsextract.run.rundir import RunDir
 from hsextract.startup import fast_load, ready
+from hsextract.training.schemas import served_by
 
 # Relative L2 error allowed between the batched capture and the unbatched reference.
 TOLERANCE = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
@@ -390,6 +391,7 @@ def estimate(
     total_bytes = job_bytes(plan, token_bytes)
     topk_bytes = layout.topk_bytes
     tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
+    presets = presets_layer_ids(cfg.layers, layout.num_layers)
     return {
         "data": sampled.report.to_json(),
         "basis": {
@@ -403,9 +405,7 @@ def estimate(
         "batches_per_shard": [len(plan.for_shard(s)) for s in range(cfg.shards)],
         "padding_waste": plan.padding_waste,
         "bytes_per_token": token_bytes,
-        "storage": storage_table(
-            presets_layer_ids(cfg.layers, layout.num_layers), layout, hidden, cfg.dtype, plan
-        ),
+        "storage": storage_table(presets, layout, hidden, cfg.dtype, plan),
         "target_topk": None
         if not layout.target_topk
         else {
@@ -415,6 +415,7 @@ def estimate(
             "share_of_output": topk_bytes / token_bytes,
         },
         "layers_run": layout.layers_run,
+        "formats": served_by(layout.layer_ids, layout.final_state, presets),
         "total_bytes": total_bytes,
         "measured_tokens_per_s": tokens_per_s,
         "measured_on": str(device),

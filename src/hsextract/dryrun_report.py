@@ -6,6 +6,7 @@ import json
 
 from hsextract.prepare.report import DataReport
 from hsextract.run.progress import format_bytes, format_duration
+from hsextract.training.schemas import served_lines
 
 
 def storage_lines(rows: list[dict]) -> list[str]:
@@ -104,6 +105,7 @@ def format_report(report: dict) -> str:
         f"output: {est['bytes_per_token']:,} bytes/token ({report.get('storage_dtype', '')}), "
         f"{format_bytes(est['total_bytes'])} in total; the forward runs layers 0..{est['layers_run'] - 1}",
         *storage_lines(est["storage"]),
+        *served_lines(est.get("formats") or {}),
         *(
             [
                 f"target top-{est['target_topk']['k']}: +{est['target_topk']['bytes_per_token']:,} bytes/token "

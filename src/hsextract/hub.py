@@ -8,6 +8,7 @@ snapshot directory, and its commit is part of the plan, so a resume on another s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -130,3 +131,18 @@ def _cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
     )
     return os.path.join(home, "hub")
+
+
+def checkpoint_dtype(model_dir: str | Path, known: tuple[str, ...], default: str = "bfloat16") -> str:
+    """``--dtype auto``: the dtype ``config.json`` records (``dtype``, or ``torch_dtype`` before transformers 5,
+    also under ``text_config``) when it is one of ``known``, else ``default``; as transformers' ``dtype="auto"``."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return default
+    for holder in (config, config.get("text_config")) if isinstance(config, dict) else ():
+        if isinstance(holder, dict):
+            for key in ("dtype", "torch_dtype"):
+                if holder.get(key) in known:
+                    return holder[key]
+    return default

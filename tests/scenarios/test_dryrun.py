@@ -48,6 +48,10 @@ def test_correct_setup_passes_with_layer_map(setup):
         assert e["rel_err_vs_neighbour_layers"] > 0.1
     text = format_report(result.report)
     assert "dry run passed" in text and "ETA" in text
+    # Which trainers' formats these layers serve, before the run, by the rule the export refuses with.
+    assert "serves: specforge-dflash, specforge-dflash2" in text
+    assert "does not serve specforge-dspark, specforge-eagle3, speculators, modelopt" in text
+    assert "needs the final hidden state: extract with --final-state" in text
     # The first sample as the target sees it, its loss-masked tokens marked: exactly the assistant turns.
     first = result.report["chat"]["first_sample"]
     assert "chat template: the tokenizer's own" in text and first in text
@@ -211,6 +215,7 @@ def test_union_of_presets_is_proven_once_and_its_storage_shown_per_preset(setup)
     assert result.report["estimate"]["bytes_per_token"] == rows["union"]["bytes_per_token"]["float32"]
     text = format_report(result.report)
     assert "  eagle3   [1, 3, 4 + final state] 4 slots" in text
+    assert all(p is None for p in result.report["estimate"]["formats"].values()) and "does not serve" not in text
 
 
 def test_target_topk_is_proven_against_hf_logits_and_its_storage_counted(setup):

@@ -172,6 +172,8 @@ def test_a_mix_is_regenerated_turn_by_turn_and_run_extracts_it(served, tiny_mode
         "--max-tokens-per-batch",
         "4096",
         "--no-progress",
+        "--chat-template-kwargs",  # the regeneration's: run refuses other ones
+        json.dumps(kwargs),
     )
     assert (
         f'replies of {MODEL} (max_tokens 5, temperature 0.0, chat_template_kwargs {{"enable_thinking": false}}, '
@@ -181,7 +183,7 @@ def test_a_mix_is_regenerated_turn_by_turn_and_run_extracts_it(served, tiny_mode
     assert sorted(output.sample_ids()) == sorted(expected)
     for row in rows:
         messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
-        ids = tiny_tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=True)
+        ids = tiny_tokenizer.apply_chat_template(messages, tools=row.get("tools"), tokenize=True, **kwargs)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         assert output[row["id"]]["input_ids"].tolist() == list(ids), row["id"]
 

@@ -340,10 +340,11 @@ def test_unreachable_endpoint_fails_before_the_model_loads(tmp_path: Path, tiny_
 def test_tiny_staging_budget_makes_workers_wait_not_fail(
     s3: S3Endpoint, s3_bucket: str, tmp_path: Path, tiny_model, dataset, reference
 ):
-    # 1 kB: below one batch file, so a batch waits until the one before it is uploaded. Shard 0's uploader is frozen
-    # until its worker says it waits: on a loaded machine an uploader left alone kept up with every batch.
+    # 300 kB: one batch file (at most 300 tokens x 3 layers x 64 x 4 bytes = 230 kB) and not two, so a batch waits
+    # until the one before it is uploaded (a budget under one file is refused). Shard 0's uploader is frozen until
+    # its worker says it waits: on a loaded machine an uploader left alone kept up with every batch.
     run_dir = tmp_path / "run"
-    args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket, "--staging-max-gb", "0.000001")
+    args = s3_args(tmp_path, tiny_model, dataset, s3, s3_bucket, "--staging-max-gb", "0.0003")
 
     def waiting() -> bool:
         log = shard_log(run_dir, 0)

@@ -142,6 +142,57 @@ def test_full_staging_is_refused_before_the_model_loads(cli, job):
     assert not (root / "run" / "plan.json").exists()
 
 
+def test_a_staging_bound_under_one_batch_file_is_refused_naming_the_size_needed(cli, job):
+    _refused(
+        cli, job[1] + ["--staging-max-gb", "0.000001"], "--staging-max-gb 1e-06 is smaller than one batch"
+    )
+    assert not (job[0] / "run" / "plan.json").exists()
+
+
+def test_run_says_before_the_capture_which_trainer_formats_its_layers_serve(
+    job, tmp_path, restored_process_state
+):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')  # refused after the model checks, before anything is written
+    args = [str(a) for a in _replace(job[1], "--data", bad)] + ["--max-bad-rows", "0"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "serves: specforge-dflash, specforge-dflash2" in result.stdout, result.stdout
+    line = next(x for x in result.stdout.splitlines() if x.startswith("does not serve specforge-dspark"))
+    assert "speculators, modelopt" in line and "--final-state" in line
+    final = CliRunner().invoke(main, args + ["--final-state"])
+    assert "does not serve specforge-dspark" not in final.stdout and "speculators" in final.stdout
+
+
+def test_dtype_takes_bf16_and_auto_as_transformers_and_vllm_do(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    base = dict(model=str(model), data="d.jsonl", output="o", run_dir=str(tmp_path / "r"), device="cpu")
+    assert RunConfig(**base, dtype="bf16").dtype == "bfloat16"
+    assert RunConfig(**base, dtype="auto").dtype == "bfloat16"  # no config.json: bfloat16
+    (model / "config.json").write_text('{"text_config": {"torch_dtype": "float16"}}')
+    assert RunConfig(**base, dtype="auto").dtype == "float16"
+    (model / "config.json").write_text('{"dtype": "float32"}')
+    assert RunConfig(**base, dtype="auto").dtype == "float32"
+    with pytest.raises(HsextractError, match="bf16 or auto"):
+        RunConfig(**base, dtype="int8")
+    out = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    assert "bf16" in out and "auto" in out
+
+
+def test_a_template_name_for_chat_template_says_it_takes_a_file(tmp_path):
+    with pytest.raises(HsextractError, match="qwen: no such file.*not a template name.*leave it out"):
+        RunConfig(model="m", data="d", output="o", run_dir=str(tmp_path), device="cpu", chat_template="qwen")
+
+
+def test_tensor_parallel_size_says_shards_are_data_parallel_and_where_tp_stands():
+    result = CliRunner().invoke(main, ["run", "--tensor-parallel-size", "8", "--model", "m", "--data", "d"])
+    assert result.exit_code == 2 and "--shards N is data parallel" in result.output, result.output
+    assert "docs/SCALING.md" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["dry-run", "--tp", "2", "--model", "m", "--data", "d"])
+    assert result.exit_code == 2 and "no tensor parallelism" in result.output, result.output
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_unwritable_staging_is_refused(cli, job, tmp_path):
     ro = tmp_path / "ro"

@@ -59,7 +59,7 @@ class ExportFormat:
         try:
             self.schema.check(manifest, layer_ids)
         except HsextractError as e:
-            raise HsextractError(f"--format {e}") from None
+            raise HsextractError(f"--format {self.name}: {e}") from None
 
     def sample_files(self, index: int, s: dict) -> dict[str, bytes]:
         raise NotImplementedError
@@ -74,7 +74,8 @@ class ExportFormat:
             pass
 
     def train_hint(self, manifest: dict, dest: str, draft_vocab: int | None) -> dict:
-        """The trainer's command for this export, with the real model, DEST and given sizes filled in."""
+        """The trainer's command for this export, with the real model, DEST and given sizes filled in: the
+        installed command where the trainer has one, else ``setup`` says where the script lives."""
         raise NotImplementedError
 
 
@@ -108,7 +109,13 @@ class SpecForge(ExportFormat):
         )
         if self.reads_vocab_mapping:
             command += _vocab_path(dest, draft_vocab)
-        return {"layer_ids": ids, "where": self.where.format(ids=_ids(ids)), "command": command}
+        return {
+            "layer_ids": ids,
+            "where": self.where.format(ids=_ids(ids)),
+            "command": command,
+            "setup": f"pip install specforge; the recipe {self.recipe} is sgl-project/SpecForge's (the package "
+            "ships none): run from a checkout or copy it. Loading one file: docs/EXPORT.md",
+        }
 
 
 _DFLASH_WHERE = 'draft model config: "dflash_config": {{"target_layer_ids": {ids}}}'
@@ -168,7 +175,7 @@ class Speculators(ExportFormat):
             "layer_ids": ids,
             "where": "--target-layer-ids (speculators counts the INPUT of layer k: hsextract's ids + 1; the final "
             "state it appends itself is the last slot of every hs file)",
-            "command": f"python scripts/train.py --verifier-name-or-path {_model(manifest)} --data-path {dest} "
+            "command": f"speculators train --verifier-name-or-path {_model(manifest)} --data-path {dest} "
             f"--on-missing raise --target-layer-ids {' '.join(map(str, ids))}"
             + (f" --draft-vocab-size {draft_vocab}" if draft_vocab else ""),
         }
@@ -194,6 +201,8 @@ class ModelOpt(ExportFormat):
             + (f"data.draft_vocab_cache={dest}/d2t.pt " if draft_vocab else "")
             + "training.answer_only_loss=true "
             f"'eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids={_ids(ids)}'",
+            "setup": "launch_train.sh is in examples/speculative_decoding of a NVIDIA/Model-Optimizer checkout "
+            "(pip's nvidia-modelopt installs no training command); run it there",
         }
 
 

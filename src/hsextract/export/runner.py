@@ -390,6 +390,8 @@ def export(
     )
     echo(f"train with: {result['train_with']['command']}")
     echo(f"  layer ids {result['train_with']['layer_ids']}: {result['train_with']['where']}")
+    if setup := result["train_with"].get("setup"):
+        echo(f"  {setup}")
     return result
 
 

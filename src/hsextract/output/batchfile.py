@@ -360,11 +360,42 @@ class BatchFile:
                 raise self.damaged(
                     f"lacks the target's top-{k} ids and log-probabilities the manifest records"
                 )
-        return {
-            **tensors,
-            "sample_id": self.sample_ids[row],
-            **view.states(states, scale, alloc),
-        }
+        return Sample(
+            {
+                **tensors,
+                "sample_id": self.sample_ids[row],
+                **view.states(states, scale, alloc),
+            }
+        )
+
+
+STORED_BY = {
+    "final_hidden_state": "--final-state",
+    "final_hidden_state_prenorm": "--final-state",
+    TOPK_IDS: "--target-topk K",
+    TOPK_LOGPROBS: "--target-topk K",
+}
+"""Keys a reader dict has only when the extraction stored them, and the option that does."""
+
+
+class NotExtracted(KeyError):
+    """A key the extraction did not store; a KeyError, so that ``except KeyError`` and ``.get`` behave as usual."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class Sample(dict):
+    """A reader dict: a missing key that an extraction option stores says so, instead of a bare KeyError."""
+
+    def __missing__(self, key):
+        flag = STORED_BY.get(key)
+        if flag is None:
+            raise KeyError(key)
+        raise NotExtracted(
+            f"{key!r}: this output was extracted without {flag}, so its samples have no {key!r}; extract again "
+            f"with {flag}" + (" (the eagle3 and dspark presets imply it)" if flag == "--final-state" else "")
+        )
 
 
 @dataclass(frozen=True)

@@ -381,7 +381,10 @@ class RowEncoder:
         if not any(m["role"] == "assistant" and any(m.get(k) for k in said) for m in messages):
             raise _RowSkipped("empty", "no assistant message with content")
         if not self.has_template:
-            raise _malformed("the tokenizer has no chat template to render conversations with")
+            raise _malformed(
+                "the tokenizer has no chat template to render conversations with: give the one your server "
+                "renders with, --chat-template FILE"
+            )
         try:
             full = self._render(messages, tools)
         except Exception as e:

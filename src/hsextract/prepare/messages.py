@@ -158,10 +158,25 @@ def _tool_calls(calls: Any, i: int) -> list:
 def _sharegpt_messages(value: Any, system: Any) -> list[dict]:
     if not isinstance(value, list):
         raise _malformed(f"'conversations' is a {type(value).__name__}, not a list")
+    # SpecForge's rows: 'conversations' holding OpenAI {role, content} turns, read as 'messages' are.
+    if value and all(isinstance(t, dict) and "role" in t and "from" not in t for t in value):
+        messages = _chat_messages(value)
+    else:
+        messages = _from_value_turns(value)
+    # A row-level system prompt (LLaMA-Factory's layout) applies unless the conversation opens with its own.
+    if isinstance(system, str) and system and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _from_value_turns(value: list) -> list[dict]:
     messages = []
     for i, turn in enumerate(value):
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise _malformed(f"conversation turn {i} is not an object with 'from' and a string 'value'")
+            raise _malformed(
+                f"conversation turn {i} is neither ShareGPT's {{'from', 'value'}} with a string 'value' nor a "
+                "chat message {'role', 'content'}"
+            )
         role = SHAREGPT_ROLES.get(turn.get("from"))
         if role is None:
             raise _malformed(
@@ -169,9 +184,6 @@ def _sharegpt_messages(value: Any, system: Any) -> list[dict]:
                 f"expected one of {', '.join(SHAREGPT_ROLES)}"
             )
         messages.append({"role": role, "content": turn["value"]})
-    # A row-level system prompt (LLaMA-Factory's layout) applies unless the conversation opens with its own.
-    if isinstance(system, str) and system and not (messages and messages[0]["role"] == "system"):
-        messages.insert(0, {"role": "system", "content": system})
     return messages
 
 

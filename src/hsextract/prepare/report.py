@@ -123,6 +123,17 @@ class DataReport:
                 )
         return lines
 
+    def mostly_dropped(self) -> str | None:
+        """A warning when most rows were malformed or empty: skipped one by one, they would pass unremarked."""
+        bad = self.skipped_malformed + self.skipped_empty
+        if bad * 2 <= self.rows:
+            return None
+        return (
+            f"warning: most of the data was dropped: {bad} of {self.rows} rows are malformed or empty "
+            "(first problems above); fix the data or its columns (docs/DATA.md), or pass --max-bad-rows to stop "
+            "on such data instead of skipping it"
+        )
+
     def check_bad_rows(self, limit: int | float | None) -> None:
         """``--max-bad-rows``: more malformed or empty rows than a count, or than a fraction of the rows read, stop
         the preparation."""

@@ -99,6 +99,37 @@ def regenerated_summary(data: bytes, where: str) -> dict:
     return {"settings": record["settings"], "served": record["served"], "inputs": inputs}
 
 
+def check_regenerated_rendering(sources: list[dict], template_kwargs: dict) -> None:
+    """Refuse replies of ``hsextract regenerate`` rendered here with other template arguments than the servers
+    rendered their prompts with (``regenerate.json``'s ``chat_template_kwargs``): the states would be of a
+    conversation the target never saw, e.g. ``enable_thinking`` true on replies made with it false."""
+    regenerated = {}
+    for s in sources:
+        settings = ((s.get("identity") or {}).get("regenerated") or {}).get("settings")
+        if isinstance(settings, dict):
+            request = settings.get("request") if isinstance(settings.get("request"), dict) else {}
+            regenerated[f"{s.get('name')} ({s.get('source')})"] = request.get("chat_template_kwargs") or {}
+    made = {json.dumps(kwargs, sort_keys=True) for kwargs in regenerated.values()}
+    if len(made) > 1:
+        each = "; ".join(
+            f"{name}: {json.dumps(kwargs, sort_keys=True)}" for name, kwargs in regenerated.items()
+        )
+        raise HsextractError(
+            f"the regenerated sources were made with different chat_template_kwargs ({each}): one rendering "
+            "cannot match them all; extract them in separate runs, each with its own --chat-template-kwargs"
+        )
+    given = json.dumps(template_kwargs or {}, sort_keys=True)
+    if made and given not in made:
+        name, kwargs = next(iter(regenerated.items()))
+        wanted = json.dumps(kwargs, sort_keys=True)
+        fix = f"pass --chat-template-kwargs '{wanted}'" if kwargs else "leave --chat-template-kwargs out"
+        raise HsextractError(
+            f"{name} holds replies regenerated with chat_template_kwargs {wanted} (its {REGENERATE_SETTINGS}), "
+            f"but this run renders with {given}: the states would be of prompts the replies did not answer; "
+            f"{fix}, as the regeneration did"
+        )
+
+
 ACCEPTED_FORMATS = (
     ".jsonl (or .jsonl.gz / .jsonl.zst), .json or .parquet file, or a directory written by "
     "datasets.Dataset.save_to_disk"

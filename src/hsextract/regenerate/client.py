@@ -234,8 +234,8 @@ class ChatClient:
         detail = _detail(payload)
         if not self.answered_any and self.refused_in_a_row >= REFUSALS_BEFORE_STOP:
             raise Stop(
-                f"{endpoint.url} refused the first {self.refused_in_a_row} requests (HTTP {status}: {detail}); "
-                "check the sampling options and --served-model"
+                f"POST {endpoint.url}/chat/completions refused the first {self.refused_in_a_row} requests "
+                f"(HTTP {status}: {detail}); check the sampling options and --served-model"
             )
         raise RowFailed(f"refused (HTTP {status}: {detail})")
 
@@ -324,6 +324,12 @@ async def _check(
         raise HsextractError(f"endpoint {url} cannot be reached: {type(e).__name__} {e}") from None
     if status in (401, 403):
         raise HsextractError(auth_message(url, status, key_env))
+    if status == 404:
+        raise HsextractError(
+            f"endpoint {url}: GET {url}/models answered 404 (not found): --endpoint is expected to be the base URL "
+            "of an OpenAI-compatible server, the one /models and /chat/completions hang off "
+            "(e.g. http://HOST:8000/v1); check the host, port and path"
+        )
     if status != 200:
         return None  # some servers list no models (or not this one): the first request decides
     try:

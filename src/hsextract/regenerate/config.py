@@ -14,13 +14,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from hsextract.config import template_kwargs_json
 from hsextract.errors import HsextractError, hide, redact
 
 TURNS = ("all", "first")
 COMPRESSIONS = ("zstd", "gzip")
+ROUTES = ("/chat/completions", "/completions", "/models")
+"""The routes of an OpenAI-compatible server under its base URL: an --endpoint ending in one is cut to its base."""
 REQUIRED = ("endpoint", "served_model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -33,7 +35,8 @@ def _opt(default, *, flag: str | None = None, choices: tuple | None = None):
 class RegenerateConfig:
     endpoint: tuple[str, ...] | str = _opt(None)
     """Base URL of an OpenAI-compatible server, e.g. ``http://gpu-node:8000/v1`` (``/v1`` is added to a URL without
-    a path); give it several times to spread the requests over several servers."""
+    a path; a full ``.../v1/chat/completions`` is taken as its base); give it several times to spread the
+    requests over several servers."""
 
     served_model: str = _opt(None)
     """The model name the servers serve (vLLM's and SGLang's ``--served-model-name``, else the model they were
@@ -71,6 +74,10 @@ class RegenerateConfig:
     """Template arguments as a JSON object, sent as the requests' ``chat_template_kwargs`` (vLLM, SGLang), e.g.
     ``'{"enable_thinking": true}'``; give ``hsextract run`` the same. A YAML mapping works too."""
 
+    max_samples: int | None = _opt(None)
+    """Request only the first N rows of the mix (after each source's own ``limit``/``fraction``), for a quick trial;
+    a rerun with a larger N (or none) requests the rest. Default: every row."""
+
     turns: str = _opt("all", choices=TURNS)
     """``all``: every assistant turn regenerated in order, each request holding the regenerated turns before it;
     ``first``: the first exchange only. A conversation is regenerated up to its first tool result or tool call."""
@@ -107,7 +114,9 @@ class RegenerateConfig:
     """Seconds after which the finished rows are written as a chunk even if fewer than ``chunk_rows``."""
 
     compression: str = _opt("zstd", choices=COMPRESSIONS)
-    """Chunk files are ``.jsonl.zst`` (with frame checksums) or ``.jsonl.gz``."""
+    """Chunk files are JSON lines (one row each) compressed as ``.jsonl.zst`` (with frame checksums) or
+    ``.jsonl.gz``: ``zstd -dc chunk-000000.jsonl.zst | head`` (``zcat`` for gzip) shows them as text;
+    ``hsextract run --data`` reads the directory as it is."""
 
     s3_endpoint_url: str | None = _opt(None)
     """For an S3-compatible ``s3://`` output or data source; ``AWS_ENDPOINT_URL_S3`` is honoured too."""
@@ -138,7 +147,7 @@ class RegenerateConfig:
             raise HsextractError(
                 f"--compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
             )
-        for name in ("max_tokens", "concurrency", "chunk_rows"):
+        for name in ("max_tokens", "concurrency", "chunk_rows", "max_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise HsextractError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -277,4 +286,11 @@ def _endpoint_url(given) -> str:
         raise HsextractError(
             f"--endpoint {given!r} is not an http:// or https:// URL: give http://HOST:PORT/v1"
         )
-    return url if parts.path else url + "/v1"
+    if not parts.path:
+        return url + "/v1"
+    path = parts.path
+    for route in ROUTES:  # the full path many clients are given: its base is what /models hangs off too
+        if path.endswith(route):
+            path = path[: -len(route)]
+            break
+    return urlunsplit(parts._replace(path=path))

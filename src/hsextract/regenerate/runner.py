@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsextract.errors import HsextractError, redact
@@ -147,13 +147,15 @@ def regenerate(
     settings = {**cfg.settings(), "data": mix.fingerprint()}
     sources = mix.describe()
     record = ledger.check_settings(settings, sources, restart=restart)
+    mix = replace(mix, limit=cfg.max_samples)  # not a setting: a later run with more requests the rest
     done = ledger.done()
     for note in done.notes[:NOTES_SHOWN]:
         echo(f"output: {note}")
     if len(done.notes) > NOTES_SHOWN:
         echo(f"output: ... and {len(done.notes) - NOTES_SHOWN} more chunks like these")
     selection = select(mix, cfg.turns, cfg.dedupe, done)
-    echo(f"data: {selection.summary()}")
+    first = f" (the first of the mix, --max-samples {cfg.max_samples})" if cfg.max_samples else ""
+    echo(f"data: {selection.summary()}{first}")
     for example in selection.examples:
         echo(f"  skipped {example}")
     if not selection.todo and not selection.done:
@@ -222,7 +224,11 @@ class _Job:
         stop = asyncio.Event()
         self._on_signals(stop)
         bar = tqdm(
-            total=len(self.selection.todo), unit="row", disable=not self.show_progress, dynamic_ncols=True
+            total=len(self.selection.todo),
+            desc="regenerate",
+            unit="row",
+            disable=not self.show_progress,
+            dynamic_ncols=True,
         )
         started = time.monotonic()
         workers = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from hsextract.output import Plan, StateLayout, run_file_metadata
 from hsextract.output.ledger import RunInfo, publish_job_files, sample_ids_checksum
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
+from hsextract.prepare.rows import check_regenerated_rendering
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
@@ -41,6 +43,7 @@ from hsextract.run.accept import accept_plan
 from hsextract.run.rundir import RunDir
 from hsextract.storage import open_sink, preflight
 from hsextract.storage.fileio import write_json
+from hsextract.training.schemas import served_by, served_lines
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ def prepare_checked(
     planned, the plan accepted, the run files written; returns the plan."""
     run_dir = RunDir(cfg.run_dir)
     model = check_model_and_output(cfg)
+    for line in served_lines(served_by(model.layer_ids, model.layout.final_state, model.presets)):
+        echo(line)  # before the capture, what the export would refuse after it
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
     tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code)  # loaded if needed
@@ -146,7 +151,7 @@ def check_model_and_output(cfg: RunConfig) -> ModelFacts:
     one_file = StateLayout.file_bytes(
         cfg.max_tokens_per_batch, 1, layout.bytes_per_token(text.hidden_size, DTYPE_BYTES[cfg.dtype])
     )
-    check_staging(cfg.staging_dir, one_file)
+    check_staging(cfg.staging_dir, one_file, cfg.staging_max_gb)
     return ModelFacts(
         config=config,
         text_config=text,
@@ -194,9 +199,10 @@ def check_no_overlap(cfg: RunConfig) -> None:
             )
 
 
-def check_staging(staging: Path, need_bytes: int) -> None:
-    """The staging directory must be writable and hold at least one batch file, else fail before any work. One
-    made here goes again (the workers make it): a run refused later leaves none behind."""
+def check_staging(staging: Path, need_bytes: int, max_gb: float | None = None) -> None:
+    """The staging directory must be writable and hold at least one batch file, within ``max_gb``
+    (``--staging-max-gb``), else fail before any work. One made here goes again (the workers make it): a run
+    refused later leaves none behind."""
     made = not staging.exists()
     try:
         staging.mkdir(parents=True, exist_ok=True)
@@ -215,6 +221,12 @@ def check_staging(staging: Path, need_bytes: int) -> None:
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
             f"{need_bytes / 1e9:.2f} GB: free space there (is /dev/shm full?), point --staging elsewhere, "
             "or lower --max-tokens-per-batch"
+        )
+    if max_gb is not None and max_gb * 1e9 < need_bytes:
+        raise HsextractError(
+            f"--staging-max-gb {max_gb:g} is smaller than one batch file (up to {need_bytes / 1e9:.2f} GB at "
+            f"--max-tokens-per-batch and these layers): give --staging-max-gb {math.ceil(need_bytes / 1e9)} or "
+            "more (room for several lets the GPU run on while they upload), or lower --max-tokens-per-batch"
         )
 
 
@@ -236,13 +248,12 @@ def check_output_space(cfg: RunConfig, plan: Plan, model: ModelFacts) -> None:
 
 
 def resolve_data(cfg: RunConfig, run_dir: RunDir) -> Mix:
-    """Every data source found and checked (a missing path, column or bucket fails here, naming the source); S3
-    objects are fetched into the run dir's cache."""
+    """Every data source found and checked (a missing path, column or bucket fails here, naming the source; replies
+    regenerated under other template arguments too); S3 objects are fetched into the run dir's cache."""
     try:
         mix = resolve_sources(
             cfg.data, seed=cfg.seed, cache_dir=run_dir.cache_dir, s3_endpoint_url=cfg.s3_endpoint_url
         )
-        return replace(mix, limit=cfg.max_samples)
     except HsextractError as e:
         if not run_dir.plan_file.exists():
             raise
@@ -250,6 +261,8 @@ def resolve_data(cfg: RunConfig, run_dir: RunDir) -> Mix:
             f"{e}\nThe run in {run_dir.root} was prepared from this data: to resume it, put the data back as it "
             "was; to start over with other data, give --restart"
         ) from None
+    check_regenerated_rendering(mix.describe(), cfg.template_kwargs)  # before a token is made
+    return replace(mix, limit=cfg.max_samples)
 
 
 def tokenize(
@@ -278,6 +291,8 @@ def tokenize(
     for line in report.first_problems():
         echo(f"  {line}")
     report.check_bad_rows(cfg.max_bad_rows)
+    if cfg.max_bad_rows is None and (warning := report.mostly_dropped()):
+        echo(warning)
     samples, renamed = unique_sample_ids(samples)
     if renamed:
         echo(

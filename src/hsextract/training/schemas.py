@@ -54,14 +54,20 @@ class Schema:
     preset: str | None = None
     """The layer preset this trainer reads (layers.py): what it is served from an output of several."""
 
+    def problem(self, layer_ids, final_state: bool) -> str | None:
+        """Why states of ``layer_ids`` (the ones served), with the final state or not, cannot serve this trainer;
+        None when they can. The one rule behind the export's refusal and what dry-run and run say before the
+        capture (``served_by``)."""
+        if self.needs_final_state and not final_state:
+            return "needs the final hidden state: extract with --final-state (implied by the eagle3 and dspark presets)"
+        return None
+
     def check(self, manifest: dict, layer_ids=None) -> None:
         """Refuse an output this trainer cannot use, before anything is read or written (``layer_ids``: the ones
         served, by default every captured one)."""
-        if self.needs_final_state and not manifest.get("final_state"):
-            raise HsextractError(
-                f"{self.name} needs the final hidden state, which this output does not hold: "
-                "rerun the extraction with --final-state (implied by the eagle3 and dspark presets)"
-            )
+        ids = list(manifest["layer_ids"] if layer_ids is None else layer_ids)
+        if problem := self.problem(ids, bool(manifest.get("final_state"))):
+            raise HsextractError(f"this output cannot serve {self.name}, which {problem}")
 
     def layers_for(self, manifest: dict, layers):
         """The layers to serve: those asked for; from an output of several presets, this trainer's own; else every
@@ -218,15 +224,14 @@ class SpecForgeEagle3(Schema):
     name = "specforge-eagle3"
     preset = "eagle3"
 
-    def check(self, manifest, layer_ids=None):
-        super().check(manifest, layer_ids)
-        ids = list(manifest["layer_ids"] if layer_ids is None else layer_ids)
+    def problem(self, layer_ids, final_state):
+        ids = list(layer_ids)
         if len(ids) != 3:
-            raise HsextractError(
-                f"{self.name} needs exactly 3 captured layers (SpecForge's EAGLE-3 reads "
-                f"aux_hidden_state [1, T, 3H]); this output serves {len(ids)}: {ids}. Extract with --layers "
-                "eagle3 or three ids, or serve three of them (layers=)."
+            return (
+                f"needs exactly 3 captured layers (SpecForge's EAGLE-3 reads aux_hidden_state [1, T, 3H]), not "
+                f"{len(ids)} ({ids}): extract with --layers eagle3 or three ids, or serve three of them (layers=)"
             )
+        return super().problem(ids, final_state)
 
     def record(self, s):
         return {
@@ -318,6 +323,30 @@ SCHEMAS: dict[str, Schema] = by_name(
     DeepSpecDSpark(),
     NemoDSpark(),
 )
+
+
+def served_by(layer_ids, final_state: bool, presets: dict | None = None) -> dict[str, str | None]:
+    """Each trainer's format (``raw`` aside) -> None when a capture of ``layer_ids`` (recording ``presets``),
+    with the final state or not, serves it, else why not: each is served its own preset where the capture
+    records it, else every captured layer, as the export and the training datasets serve them."""
+    presets = presets or {}
+    return {
+        name: schema.problem(presets.get(schema.preset) or layer_ids, final_state)
+        for name, schema in SCHEMAS.items()
+        if name != "raw"
+    }
+
+
+def served_lines(served: dict[str, str | None]) -> list[str]:
+    """``served_by`` for the console: the formats served on one line, those not served grouped by reason."""
+    ok = [name for name, problem in served.items() if problem is None]
+    lines = [f"serves: {', '.join(ok) or 'no trainer format'} (hsextract export --format, training datasets)"]
+    reasons: dict[str, list[str]] = {}
+    for name, problem in served.items():
+        if problem is not None:
+            reasons.setdefault(problem, []).append(name)
+    lines += [f"does not serve {', '.join(names)}: {problem}" for problem, names in reasons.items()]
+    return lines
 
 
 def get_schema(schema: str | Schema) -> Schema:

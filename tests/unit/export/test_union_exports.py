@@ -1,6 +1,6 @@
 """Exports of an output of several presets, through `hsextract export` (click's CliRunner, in this process): a
 trainer's own preset is taken, a format that serves any drafter asks for --layers, and the `train with:` lines
-name the layer ids where the trainer's config takes them."""
+name the layer ids where the trainer's config takes them, with the trainer's installed command."""
 
 import pytest
 from click.testing import CliRunner
@@ -46,11 +46,17 @@ def test_train_with_names_the_layer_ids_where_the_trainer_takes_them(union, tmp_
         f'layer ids {DFLASH2}: draft model config: "dflash_config": {{"target_layer_ids": [{compact}]}}'
     )
     assert expected in result.stdout, result.stdout
+    # The installed command, and where the recipe it names comes from (the package ships none).
+    assert "train with: specforge train --config examples/configs/" in result.stdout
+    assert "is sgl-project/SpecForge's (the package ships none)" in result.stdout
     result = _export(union, tmp_path / "spec", "--format", "speculators", "--layers", "eagle3")
     assert result.exit_code == 0, result.output
     vllm = [k + 1 for k in EAGLE3]  # speculators counts the input of layer k
+    assert "train with: speculators train --verifier-name-or-path" in result.stdout  # not scripts/train.py
     assert f"--target-layer-ids {' '.join(map(str, vllm))}" in result.stdout
     assert f"  layer ids {vllm}: --target-layer-ids" in result.stdout
+    result = _export(union, tmp_path / "mo", "--format", "modelopt", "--layers", "eagle3")
+    assert result.exit_code == 0 and "of a NVIDIA/Model-Optimizer checkout" in result.stdout, result.output
 
 
 def test_a_sharded_cache_shorter_than_samples_skips_them_with_a_count(union, tmp_path):

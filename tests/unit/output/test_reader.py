@@ -214,3 +214,16 @@ def test_layers_the_output_does_not_store_are_refused_naming_what_it_stores(writ
     with pytest.raises(HsextractError, match=says) as caught:
         open_output(written_output, layers=layers)
     assert "[0, 1, 3]" in str(caught.value)
+
+
+def test_a_key_the_extraction_did_not_store_says_which_option_stores_it(written_output):
+    out = open_output(written_output)
+    sample = out[out.sample_ids()[0]]
+    assert "final_hidden_state" not in sample and sample.get("final_hidden_state") is None
+    with pytest.raises(KeyError, match="extracted without --final-state"):
+        sample["final_hidden_state"]
+    with pytest.raises(KeyError, match="without --target-topk K"):
+        sample["target_topk_ids"]
+    with pytest.raises(KeyError) as caught:
+        sample["no_such_key"]
+    assert caught.value.args == ("no_such_key",)  # any other key: the plain KeyError

@@ -157,6 +157,17 @@ def test_sharegpt_rows_mask_like_the_same_chat(tmp_path, tokenizer):
     assert masked_runs(tokenizer, *sharegpt) == ["hi<|im_end|>", "sunny<|im_end|>"]
 
 
+def test_specforge_conversations_of_role_content_turns_read_like_the_same_chat(tmp_path, tokenizer):
+    # SpecForge's own rows: 'conversations' holding chat messages, tool calls and reasoning included.
+    specforge = only_sample(
+        tmp_path, tokenizer, {"conversations": AGENT_MESSAGES, "tools": TOOLS}, "sf.jsonl"
+    )
+    chat = only_sample(tmp_path, tokenizer, {"messages": AGENT_MESSAGES, "tools": TOOLS}, "chat.jsonl")
+    np.testing.assert_array_equal(specforge[0], chat[0])
+    np.testing.assert_array_equal(specforge[1], chat[1])
+    assert len(masked_runs(tokenizer, *specforge)) == 4
+
+
 def test_sharegpt_row_level_system_prompt_is_prepended(tmp_path, tokenizer):
     row = {
         "system": "be brief",
@@ -712,7 +723,7 @@ def test_tokenizer_without_chat_template_marks_chat_rows_malformed(tmp_path, tok
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
-    with pytest.raises(HsextractError, match="the tokenizer has no chat template"):
+    with pytest.raises(HsextractError, match="the tokenizer has no chat template.*--chat-template FILE"):
         load(write_jsonl(rows, tmp_path / "r.jsonl"), bare)
 
 

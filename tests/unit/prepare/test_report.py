@@ -93,3 +93,28 @@ def test_a_source_whose_rows_miss_every_field_names_the_reason_once_and_the_colu
     assert "(its fields: 'col1', 'col2', 'col3', 'col4', 'col5', 'col6' and 3 more)" in result.stderr, (
         result.output
     )
+
+
+def test_data_mostly_dropped_says_so_with_the_counts_and_points_at_max_bad_rows(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    from hsextract.config import RunConfig
+    from hsextract.run.preflight import tokenize
+    from hsextract.run.rundir import RunDir
+
+    rows = [*make_conversations(3), "not json\n", {"dialog": []}, {"messages": []}, {"messages": "x"}]
+    data = _write(tmp_path / "d.jsonl", rows)
+    cfg = RunConfig(
+        model=str(tiny_model), data=str(data), output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"),
+        device="cpu", num_proc=1, **TINY_LIMITS,
+    )  # fmt: skip
+    said = []
+    tokenize(cfg, tiny_tokenizer, RunDir(cfg.run_dir), echo=said.append, show_progress=False)
+    assert any(
+        "most of the data was dropped: 4 of 7 rows" in line and "--max-bad-rows" in line for line in said
+    )
+    half = DataReport(
+        rows=6, kept=3, truncated=0, skipped_empty=1, skipped_malformed=2, skipped_too_long=0, tokens=9,
+        max_length=10,
+    )  # fmt: skip
+    assert half.mostly_dropped() is None  # half is not most

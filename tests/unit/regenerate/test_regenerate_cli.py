@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from support.chat_servers import InstantServer
 
 from hsextract.cli import main
+from hsextract.regenerate.config import RegenerateConfig
 from hsextract.regenerate.ledger import Ledger
 
 
@@ -84,6 +85,45 @@ def test_a_server_that_refuses_connections_fails_in_seconds(data, tmp_path):
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.parametrize(
+    "given, base",
+    [
+        ("http://h:8000/v1/chat/completions", "http://h:8000/v1"),
+        ("http://h:8000/v1/chat/completions/", "http://h:8000/v1"),
+        ("https://h/openai/v1/models", "https://h/openai/v1"),
+        ("http://h:8000", "http://h:8000/v1"),
+        ("http://h:8000/v1/", "http://h:8000/v1"),
+    ],
+)
+def test_an_endpoint_is_taken_as_its_base_url_or_its_full_path(given, base):
+    assert RegenerateConfig(endpoint=given, served_model="m", data="x", output="o").endpoint == (base,)
+
+
+def test_the_full_chat_completions_url_works_as_the_endpoint(server, data, tmp_path):
+    result = _regenerate(
+        "--endpoint",
+        server.url + "/chat/completions",
+        "--served-model",
+        "org/model",
+        "--data",
+        data,
+        "--output",
+        tmp_path / "out",
+    )
+    assert result.exit_code == 0 and "wrote 23 rows" in result.output, result.output
+    assert server.requests == 23
+
+
+def test_a_404_on_models_names_the_url_tried_and_what_was_expected(server, data, tmp_path):
+    wrong = server.url.removesuffix("/v1") + "/api"
+    result = _regenerate(
+        "--endpoint", wrong, "--served-model", "org/model", "--data", data, "--output", tmp_path / "out"
+    )
+    assert result.exit_code == 2, result.output
+    assert f"GET {wrong}/models answered 404" in result.output and "base URL" in result.output
+    assert server.requests == 0
+
+
 def test_a_model_the_server_does_not_serve_is_refused_listing_what_it_serves(server, data, tmp_path):
     result = _regenerate(
         "--endpoint", server.url, "--served-model", "org/other", "--data", data, "--output", tmp_path / "out"
@@ -145,6 +185,23 @@ def test_a_job_writes_every_row_once_and_a_rerun_requests_nothing(server, data, 
     assert server.requests == 23
     other = _regenerate(*_args(server, data, out, "--seed", "4"))
     assert other.exit_code == 2 and "--seed 3 -> 4" in other.output
+
+
+def test_max_samples_requests_the_first_rows_and_a_rerun_without_it_the_rest(server, data, tmp_path):
+    out = tmp_path / "out"
+    first = CliRunner().invoke(
+        main, ["regenerate", *map(str, _args(server, data, out, "--max-samples", "5"))]
+    )
+    assert first.exit_code == 0 and "wrote 5 rows" in first.output, first.output
+    assert "--max-samples 5" in first.output and "regenerate:" in first.output  # the progress bar's label
+    assert server.requests == 5 and Ledger(str(out)).done().written == {f"c{i}" for i in range(5)}
+    rest = _regenerate(*_args(server, data, out))
+    assert rest.exit_code == 0 and "5 already in the output" in rest.output and server.requests == 23
+
+
+def test_help_says_the_chunks_are_compressed_json_lines():
+    text = " ".join(CliRunner().invoke(main, ["regenerate", "--help"]).output.split())
+    assert "JSON lines (one row each) compressed as .jsonl.zst" in text and "--max-samples" in text
 
 
 def test_options_come_from_a_yaml_file_too(server, data, tmp_path):
@@ -316,3 +373,40 @@ def test_an_output_apart_from_the_data_is_taken(tmp_path, monkeypatch, data_at, 
     )  # a glob that does not recurse does not reach the output beside its files
     cfg = RegenerateConfig(endpoint="http://h", served_model="m", data=data_at, output=output_at)
     assert cfg.output == output_at
+
+
+def test_run_refuses_replies_regenerated_under_other_template_arguments(
+    server, data, tmp_path, tiny_model, restored_process_state
+):
+    from support.cli import TINY_LIMITS, cli_run_args
+
+    regen = tmp_path / "regen"
+    made = _regenerate(*_args(server, data, regen, "--chat-template-kwargs", '{"enable_thinking": false}'))
+    assert made.exit_code == 0, made.output
+    args = cli_run_args(tmp_path, tiny_model, regen, num_proc=1, no_progress=True, **TINY_LIMITS)
+    run = CliRunner().invoke(main, [*map(str, args), "--chat-template-kwargs", '{"enable_thinking": true}'])
+    assert run.exit_code == 2, run.output
+    said = " ".join(run.stderr.split())
+    assert 'regenerated with chat_template_kwargs {"enable_thinking": false}' in said, said
+    assert 'this run renders with {"enable_thinking": true}' in said
+    assert """pass --chat-template-kwargs '{"enable_thinking": false}'""" in said
+    assert not (tmp_path / "run" / "plan.json").exists()
+    bare = CliRunner().invoke(main, list(map(str, args)))  # no arguments at all: refused the same way
+    assert bare.exit_code == 2 and "this run renders with {}" in bare.stderr, bare.output
+
+
+def test_regenerated_sources_of_different_template_arguments_cannot_share_a_run():
+    from hsextract.errors import HsextractError
+    from hsextract.prepare.rows import check_regenerated_rendering
+
+    def source(name, kwargs):
+        request = {"chat_template_kwargs": kwargs} if kwargs else {}
+        return {"name": name, "source": name, "identity": {"regenerated": {"settings": {"request": request}}}}
+
+    plain = {"name": "raw", "source": "raw.jsonl", "identity": {}}
+    check_regenerated_rendering([plain, source("a", {"enable_thinking": True})], {"enable_thinking": True})
+    check_regenerated_rendering([plain, source("a", None)], {})
+    with pytest.raises(HsextractError, match="leave --chat-template-kwargs out"):
+        check_regenerated_rendering([source("a", None)], {"enable_thinking": False})
+    with pytest.raises(HsextractError, match="in separate runs"):
+        check_regenerated_rendering([source("a", {"x": 1}), source("b", {"x": 2})], {"x": 1})

