@@ -43,7 +43,7 @@ def gguf_file() -> Path:
 
 
 def real_target(cache: str | Path | None = None, *, quiet: bool = False) -> Path:
-    """The transformers directory of the real target, converted on first use (~35 s on 2 cores), then cached."""
+    """The transformers directory of the real target, converted on first use, then cached."""
     folder = Path(cache) if cache else default_cache()
     target = folder / NAME
     source = gguf_file()
