@@ -391,7 +391,7 @@ class RowEncoder:
         if not ids.size:
             raise _RowSkipped("empty", "the conversation renders to no tokens")
         offsets = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        self.unrendered = _unrendered(messages, tools, full)
+        self.unrendered = _unrendered(messages, tools, full, lambda m: self._render(m, tools))
         mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
         if not mask.any() and not cut_early:  # cut early, ``encode`` refuses it as it does any cut row
             raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
@@ -442,8 +442,13 @@ class RowEncoder:
             at = full.find(header, at + len(header))
         if len(starts) != sum(m["role"] == "assistant" for m in messages):
             return None
+        # What the generation prompt writes after the role header (Qwen's ``<think>\n``, or with enable_thinking
+        # false the empty ``<think>\n\n</think>\n\n``) is the server's prompt, not the model's words.
+        generation = self.markers.generation_header
+        prompt = generation[len(header) :] if generation.startswith(header) else ""
         spans = []
         for k, start in enumerate(starts):
+            start += len(prompt) if prompt and full.startswith(prompt, start) else 0
             end = full.find(marker, start)
             if end < 0 or (k + 1 < len(starts) and end + len(marker) > starts[k + 1] - len(header)):
                 return None

@@ -188,16 +188,41 @@ def _tools(value: Any) -> list | None:
     return _drop_nones(value) or None
 
 
-def _unrendered(messages: list[dict], tools: list | None, full: str) -> tuple[str, ...]:
-    """What the conversation carries that its rendering left out: reasoning (a template that ignores it, or Qwen's
-    dropping it before the last user query) and tools (a template without a tools section)."""
+REASONING_MARK = "hsextract-reasoning-{}-7f3a"
+
+"""What a turn's reasoning is replaced with to see whether the template renders it: text no template rewrites."""
+
+
+def _unrendered(messages: list[dict], tools: list | None, full: str, render) -> tuple[str, ...]:
+    """What the conversation carries that its rendering ``full`` left out, by name: ``reasoning`` (of a reply after
+    the last user message: the model wrote it, its tokens leave it out), ``earlier reasoning`` (of a turn before a
+    later user message: what Qwen's templates, and so the server, drop) and ``tools`` (a template without a tools
+    section). Each turn's reasoning is told apart by rendering once more (``render(messages)``) with every reasoning
+    replaced by its own mark: a text that appears elsewhere in the conversation is not taken for rendered."""
+    reasoned = [
+        i
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and (m.get("reasoning_content") or "").strip()
+    ]
+    dropped = []
+    if reasoned:
+        marked = [
+            {**m, "reasoning_content": REASONING_MARK.format(i)} if i in reasoned else m
+            for i, m in enumerate(messages)
+        ]
+        try:
+            text = render(marked)
+            dropped = [i for i in reasoned if REASONING_MARK.format(i) not in text]
+        except (
+            Exception
+        ):  # a template that reads the reasoning's text: what it renders is searched for instead
+            dropped = [i for i in reasoned if messages[i]["reasoning_content"].strip() not in full]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     out = []
-    if any(
-        (m.get("reasoning_content") or "").strip() and m["reasoning_content"].strip() not in full
-        for m in messages
-        if m["role"] == "assistant"
-    ):
+    if any(i > last_user for i in dropped):
         out.append("reasoning")
+    if any(i < last_user for i in dropped):
+        out.append("earlier reasoning")
     if tools and any(_tool_name(t) and _tool_name(t) not in full for t in tools):
         out.append("tools")
     return tuple(out)

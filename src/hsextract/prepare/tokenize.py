@@ -37,7 +37,9 @@ from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 log = logging.getLogger(__name__)
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+"""2: a turn's mask starts after what the generation prompt writes; dropped reasoning counted per turn."""
 
 
 CHUNK_ROWS = 256
