@@ -132,7 +132,8 @@ def _chat_messages(value: Any) -> list[dict]:
 
 def _tool_calls(calls: Any, i: int) -> list:
     """OpenAI's tool calls with ``arguments`` as a JSON string -> the object, as vLLM parses them before rendering
-    (tool-use templates iterate over the arguments; Qwen3's would write the string verbatim)."""
+    (tool-use templates iterate over the arguments; Qwen3's would write the string verbatim); arguments empty
+    (``""``, a tool without parameters) or absent become ``{}``, as vLLM makes them."""
     if not isinstance(calls, list):
         raise _malformed(f"message {i} (assistant) has 'tool_calls' that is not a list")
     parsed = []
@@ -142,7 +143,10 @@ def _tool_calls(calls: Any, i: int) -> list:
         inner = call.get("function") if isinstance(call.get("function"), dict) else None
         holder = inner if inner is not None else call
         arguments = holder.get("arguments")
-        if isinstance(arguments, str):
+        if not arguments:  # "" or none, a tool without parameters: vLLM renders {}
+            holder = {**holder, "arguments": {}}
+            call = {**call, "function": holder} if inner is not None else holder
+        elif isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as e:

@@ -206,3 +206,23 @@ def test_reasoning_of_the_last_reply_left_out_is_the_one_dry_run_warning(tmp_pat
     warnings, notes = report.rendering_lines()
     assert not notes and len(warnings) == 1
     assert warnings[0].startswith("2 of 2 rows carry reasoning in a reply after the last user message")
+
+
+@pytest.mark.parametrize("arguments", ["", None, {}])
+def test_a_tool_call_without_arguments_renders_as_an_empty_object_as_vllm_does(qwen, arguments):
+    """vLLM sets empty or absent ``arguments`` (a tool without parameters) to ``{}`` before rendering."""
+    _, tok = qwen
+    row = {
+        "tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}],
+        "messages": [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "", "tool_calls": [call(arguments, name="now")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+            {"role": "assistant", "content": "Noon."},
+        ],
+    }
+    _, _, status, reason, ids, _ = RowEncoder(tok, 4096, "truncate").encode(0, row)
+    assert status == "kept", reason
+    served = {**row, "messages": [*row["messages"]]}
+    served["messages"][1] = {**row["messages"][1], "tool_calls": [call({}, name="now")]}
+    assert ids.tolist() == reference(tok, served, {})[0]
