@@ -322,7 +322,11 @@ class RunConfig:
         """The template and arguments the run renders conversations with (``prepare.chat.ChatOptions``)."""
         from hsextract.prepare.chat import ChatOptions
 
-        return ChatOptions.of(self.chat_template_text, self.template_kwargs)
+        given = self.chat_template
+        name = None if given is None else "the --chat-template text"
+        if given is not None and Path(given).expanduser().is_file():
+            name = f"the chat template {given}"
+        return ChatOptions.of(self.chat_template_text, self.template_kwargs, name)
 
     @property
     def template_kwargs(self) -> dict:

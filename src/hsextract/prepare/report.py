@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from hsextract.errors import HsextractError
+from hsextract.prepare.template_error import is_template_failure
 from hsextract.validation import parse
 
 TOO_LONG_POLICIES = ("truncate", "skip")
@@ -274,6 +275,11 @@ def advice(counts: dict, examples: list[dict], max_length: int) -> str:
             f"Every row is longer than --max-length {max_length} with --too-long skip: raise --max-length (and "
             f"--max-tokens-per-batch with it), or give --too-long truncate to keep each row's first {max_length} "
             "tokens."
+        )
+    if any(is_template_failure(e["reason"]) for e in examples):
+        return (
+            "The chat template fails on these rows (the reasons above name it, its line and the error): fix the "
+            "template, or give the server's own with --chat-template."
         )
     if "tokenizer" in reasons or "chat template" in reasons:
         return (
