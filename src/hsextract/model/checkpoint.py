@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsextract.container import HEADER_LENGTH_BYTES, header_json, read_file_head
 from hsextract.errors import HsextractError
-from hsextract.hub import WEIGHT_SUFFIXES
+from hsextract.hub import WEIGHT_SUFFIXES, broken_link
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -47,7 +47,7 @@ def check_checkpoint(model_dir: str | Path, *, weights: bool = True) -> None:
 
 
 def _holds(root: Path) -> str:
-    names = sorted(p.name for p in root.iterdir())
+    names = sorted(p.name + (" (a broken link)" if broken_link(p) else "") for p in root.iterdir())
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     return f"it holds {shown}" if names else "it is empty"
 
@@ -90,6 +90,8 @@ def missing_weights(root: Path) -> str | None:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"{index_name} is not a weight index (no readable weight_map): download it again"
         absent = [n for n in names if not (root / n).is_file()]
+        if broken := [n for n in absent if broken_link(root / n)]:
+            return f"{broken[0]} {broken_link(root / broken[0])}{_more(broken)}"
         if absent:
             shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
             return (
@@ -100,6 +102,9 @@ def missing_weights(root: Path) -> str | None:
     for name in WEIGHT_FILES:
         if (root / name).is_file():
             return _first_cut_short([root / name])
+    for name in WEIGHT_FILES + WEIGHT_INDEXES:
+        if (problem := broken_link(root / name)) is not None:
+            return f"{name} {problem}"
     return (
         f"has no weights: none of {', '.join(WEIGHT_FILES + WEIGHT_INDEXES)} is there ({_holds(root)}). "
         "Give the checkpoint's directory, or download its weights into this one"
