@@ -99,10 +99,17 @@ def _text_parts(content: Any, i: int, role: str) -> Any:
     return "".join(texts)
 
 
+class Messages(list):
+    """A conversation's messages as the server hands them to the template; ``conflicts``: its turns whose
+    ``reasoning_content`` differs from the ``reasoning`` rendered in its place (counted in the data report)."""
+
+    conflicts = 0
+
+
 def _chat_messages(value: Any) -> list[dict]:
     if not isinstance(value, list):
         raise _malformed(f"'messages' is a {type(value).__name__}, not a list")
-    messages = []
+    messages = Messages()
     for i, message in enumerate(_drop_nones(value)):
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             message = {**message, "content": _text_parts(message["content"], i, message.get("role"))}
@@ -119,8 +126,14 @@ def _chat_messages(value: Any) -> list[dict]:
             message = {**message, "content": ""}
         if not isinstance(message.get("content"), str):
             raise _malformed(f"message {i} ({role}) has no string 'content'")
-        if "reasoning_content" not in message and "reasoning" in message:  # vLLM's newer name
-            message = {**message, "reasoning_content": message["reasoning"]}
+        # vLLM's rule: ``reasoning`` (its newer name) wins unless empty, and the template gets it under both names.
+        chosen = message.get("reasoning") or message.get("reasoning_content")
+        stale = message.get("reasoning_content")
+        if message.get("reasoning") and isinstance(stale, str) and stale.strip() and stale != chosen:
+            messages.conflicts += 1
+        message = {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
+        if chosen is not None and role == "assistant":
+            message.update(reasoning=chosen, reasoning_content=chosen)
         reasoning = message.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise _malformed(f"message {i} ({role}) has a 'reasoning_content' that is not a string")
@@ -200,8 +213,8 @@ REASONING_MARK = "hsextract-reasoning-{}-7f3a"
 def _unrendered(messages: list[dict], tools: list | None, full: str, render) -> tuple[str, ...]:
     """What the conversation carries that its rendering ``full`` left out, by name: ``reasoning`` (of a reply after
     the last user message: the model wrote it, its tokens leave it out), ``earlier reasoning`` (of a turn before a
-    later user message: what Qwen's templates, and so the server, drop) and ``tools`` (a template without a tools
-    section). Each turn's reasoning is told apart by rendering once more (``render(messages)``) with every reasoning
+    later user message: what Qwen's templates, and so the server, drop), ``tools`` (a template without a tools
+    section) and ``stale reasoning_content`` (beside a ``reasoning`` rendered in its place, as vLLM does). Each turn's reasoning is told apart by rendering once more (``render(messages)``) with every reasoning
     replaced by its own mark: a text that appears elsewhere in the conversation is not taken for rendered."""
     reasoned = [
         i
@@ -211,7 +224,9 @@ def _unrendered(messages: list[dict], tools: list | None, full: str, render) -> 
     dropped = []
     if reasoned:
         marked = [
-            {**m, "reasoning_content": REASONING_MARK.format(i)} if i in reasoned else m
+            {**m, "reasoning": REASONING_MARK.format(i), "reasoning_content": REASONING_MARK.format(i)}
+            if i in reasoned
+            else m
             for i, m in enumerate(messages)
         ]
         try:
@@ -229,6 +244,8 @@ def _unrendered(messages: list[dict], tools: list | None, full: str, render) -> 
         out.append("earlier reasoning")
     if tools and any(_tool_name(t) and _tool_name(t) not in full for t in tools):
         out.append("tools")
+    if getattr(messages, "conflicts", 0):
+        out.append("stale reasoning_content")
     return tuple(out)
 
 

@@ -226,3 +226,27 @@ def test_a_tool_call_without_arguments_renders_as_an_empty_object_as_vllm_does(q
     served = {**row, "messages": [*row["messages"]]}
     served["messages"][1] = {**row["messages"][1], "tool_calls": [call({}, name="now")]}
     assert ids.tolist() == reference(tok, served, {})[0]
+
+
+def test_reasoning_wins_over_a_stale_reasoning_content_as_in_vllm_and_the_conflict_is_counted(tmp_path, qwen):
+    """vLLM hands the template ``reasoning or reasoning_content`` under both names: a turn with both renders its
+    ``reasoning``; a different, non-empty ``reasoning_content`` beside it is counted."""
+    _, tok = qwen
+    both = {
+        "role": "assistant",
+        "reasoning": "Fresh thought.",
+        "reasoning_content": "Stale thought.",
+        "content": "A",
+    }
+    rows = [
+        {"messages": [{"role": "user", "content": "Q"}, both]},
+        {"messages": [{"role": "user", "content": "Q"}, {**both, "reasoning": ""}]},  # empty: the other one
+        {"messages": [{"role": "user", "content": "Q"}, {**both, "reasoning_content": "Fresh thought."}]},
+    ]
+    path = write_jsonl(rows, tmp_path / "rows.jsonl")
+    samples, report = load_samples(str(path), tok, max_length=4096)
+    texts = [tok.decode(samples.sample(i)[0].tolist()) for i in range(3)]
+    assert "Fresh thought." in texts[0] and "Stale thought." not in texts[0]
+    assert "Stale thought." in texts[1]
+    assert report.unrendered == {"stale reasoning_content": 1}
+    assert "stale reasoning_content not rendered in 1 rows" in report.summary()
