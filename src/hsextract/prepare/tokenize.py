@@ -205,8 +205,17 @@ def _encode_all(
         spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
         pickled = pickle.dumps((tokenizer, spec), protocol=pickle.HIGHEST_PROTOCOL)
         args = (pickled, max_length, too_long, columns, AUTO, chat)
-        with _deaf_to_ctrl_c():
-            pool = context.Pool(num_proc, initializer=_init_worker, initargs=args)
+        pool = None
+        try:
+            with _deaf_to_ctrl_c():
+                pool = context.Pool(num_proc, initializer=_init_worker, initargs=args)
+        except (
+            BaseException
+        ):  # a Ctrl-C held while the pool started arrives as the block ends: no process stays
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            raise
         with pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
@@ -241,19 +250,26 @@ def _tokenize(
     total = None if any(s.spec.fraction or s.spec.sample for s in mix.sources) else _known_total(mix)
     if rows_of is not None:
         total = None
-    with TokenFileWriter(path) as writer:
-        for rows, ids, mask in _encode_all(
-            mix.rows(parse=False) if rows_of is None else rows_of,
-            total,
-            tokenizer,
-            max_length,
-            too_long,
-            num_proc,
-            progress,
-            tuple(s.spec.columns for s in mix.sources),
-            tiktoken,
-            chat,
-        ):
+    # closing: a stop signal (or any error) while the rows stream ends the pool at once, not when the traceback
+    # holding this frame is freed
+    with (
+        TokenFileWriter(path) as writer,
+        contextlib.closing(
+            _encode_all(
+                mix.rows(parse=False) if rows_of is None else rows_of,
+                total,
+                tokenizer,
+                max_length,
+                too_long,
+                num_proc,
+                progress,
+                tuple(s.spec.columns for s in mix.sources),
+                tiktoken,
+                chat,
+            )
+        ) as chunks,
+    ):
+        for rows, ids, mask in chunks:
             kept_ids, lengths, cut, at = [], [], [], 0
             for source, position, row_id, status, reason, tokens, digest, unrendered in rows:
                 sample_id = mix.sample_id(source, row_id)
