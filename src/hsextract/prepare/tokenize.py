@@ -14,8 +14,6 @@ import json
 import logging
 import multiprocessing
 import pickle
-import signal
-import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -28,6 +26,7 @@ from tqdm import tqdm
 
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.prepare.chat import AUTO, DEFAULT_CHAT, ChatOptions, RowEncoder
+from hsextract.prepare.pool import start_pool
 from hsextract.prepare.report import TOO_LONG_POLICIES, DataReport, ReportBuilder
 from hsextract.prepare.rows import JsonLine
 from hsextract.prepare.sources import Mix, auto_num_proc, finish_row, resolve_sources
@@ -158,22 +157,6 @@ def _chunks(rows: Iterable[Any], size: int) -> Iterator[list]:
         yield chunk
 
 
-@contextlib.contextmanager
-def _deaf_to_ctrl_c():
-    """Processes started within ignore SIGINT for life (a terminal's Ctrl-C reaches the whole group: a child killed
-    while it read its start-up data printed an UnpicklingError); here a Ctrl-C waits, blocked, until they are up."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
 def _encode_all(
     rows: Iterator[tuple[int, int, Any]],
     total: int | None,
@@ -205,17 +188,7 @@ def _encode_all(
         spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
         pickled = pickle.dumps((tokenizer, spec), protocol=pickle.HIGHEST_PROTOCOL)
         args = (pickled, max_length, too_long, columns, AUTO, chat)
-        pool = None
-        try:
-            with _deaf_to_ctrl_c():
-                pool = context.Pool(num_proc, initializer=_init_worker, initargs=args)
-        except (
-            BaseException
-        ):  # a Ctrl-C held while the pool started arrives as the block ends: no process stays
-            if pool is not None:
-                pool.terminate()
-                pool.join()
-            raise
+        pool = start_pool(context, num_proc, _init_worker, args)
         with pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
