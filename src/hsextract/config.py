@@ -25,6 +25,7 @@ from hsextract.errors import HsextractError, redact
 from hsextract.hub import checkpoint_dtype, is_hub_id
 from hsextract.layers import implies_final_state
 from hsextract.prepare.report import TOO_LONG_POLICIES
+from hsextract.prepare.template_args import template_kwargs_json
 from hsextract.storage.fileio import load_json, write_json
 from hsextract.validation import parse
 
@@ -43,10 +44,6 @@ KERNEL_MODES = ("fused", "stock")
 COMPUTE_MODES = ("auto", "fp8", "bf16")
 DEFAULT_STALL_TIMEOUT_S = 180.0
 DEFAULT_PREPARE_WAIT_S = 3600.0
-RESERVED_TEMPLATE_ARGS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
-)
-"""Arguments every rendering (ours, a server's) sets itself: a user's value for them would be overridden."""
 REQUIRED = ("model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -332,7 +329,11 @@ class RunConfig:
         """The template and arguments the run renders conversations with (``prepare.chat.ChatOptions``)."""
         from hsextract.prepare.chat import ChatOptions
 
-        return ChatOptions.of(self.chat_template_text, self.template_kwargs)
+        given = self.chat_template
+        name = None if given is None else "the --chat-template text"
+        if given is not None and Path(given).expanduser().is_file():
+            name = f"the chat template {given}"
+        return ChatOptions.of(self.chat_template_text, self.template_kwargs, name)
 
     @property
     def template_kwargs(self) -> dict:
@@ -409,30 +410,6 @@ class RunConfig:
         """Environment a worker needs beyond config.json: the endpoint with its credentials, if it has any."""
         url = self.s3_endpoint_url
         return {ENDPOINT_ENV: url} if url and redact(url) != url else {}
-
-
-def template_kwargs_json(value) -> str | None:
-    """``--chat-template-kwargs`` (JSON text, or a YAML mapping) as canonical JSON: what the plan records and a
-    server's ``chat_template_kwargs`` takes; anything but an object of arguments left to the user is an error."""
-    if value is None:
-        return None
-    try:
-        parsed = value if isinstance(value, dict) else json.loads(value)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise HsextractError(
-            f"--chat-template-kwargs {value!r} is not JSON ({e}); give an object, e.g. "
-            """'{"enable_thinking": false}'"""
-        ) from None
-    if not isinstance(parsed, dict):
-        raise HsextractError(
-            f"--chat-template-kwargs must be a JSON object of template arguments, got {value!r}"
-        )
-    reserved = sorted(set(parsed) & RESERVED_TEMPLATE_ARGS)
-    if reserved:
-        raise HsextractError(
-            f"--chat-template-kwargs: {', '.join(reserved)} are set by each rendering itself, not by the user"
-        )
-    return json.dumps(parsed, sort_keys=True)
 
 
 @functools.cache

@@ -119,6 +119,7 @@ def format_report(report: dict) -> str:
         f"(a {est['measured_batch']['rows']} x {est['measured_batch']['padded_length']} batch of the plan); "
         f"ETA with {est['shards']} shard(s): {format_duration(est['eta_s'])}",
     ]
+    lines += [f"note: {n}" for n in report.get("notes", [])]
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
     lines.append(

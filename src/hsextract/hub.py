@@ -8,6 +8,7 @@ snapshot directory, and its commit is part of the plan, so a resume on another s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -50,6 +51,22 @@ def hub_offline(env=None) -> bool:
     }
 
 
+def broken_link(path: Path) -> str | None:
+    """What is wrong with ``path`` when it is a symbolic link that leads to no file (a loop, a target gone), else
+    None: said as such, not as a file that is not there."""
+    if not path.is_symlink() or path.exists():
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"is a symbolic link in a loop ({path} -> {os.readlink(path)} -> ...): link it to the real file"
+    return (
+        f"is a symbolic link to {os.readlink(path)}, which is not there (a Hub cache's blob removed?): fetch the "
+        "file again"
+    )
+
+
 def is_hub_id(name: str) -> bool:
     """``org/name`` that is not a local path."""
     return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
@@ -66,6 +83,8 @@ def resolve_model(name: str, revision: str | None = None) -> ResolvedModel:
         if not path.is_dir():
             raise HsextractError(f"--model {name}: a file, not a checkpoint directory")
         if not (path / "config.json").exists():
+            if (problem := broken_link(path / "config.json")) is not None:
+                raise HsextractError(f"--model {name}: config.json {problem}")
             raise HsextractError(
                 f"--model {name}: directory has no config.json (is it a transformers checkpoint?)"
             )

@@ -250,3 +250,28 @@ def test_target_topk_shifted_by_one_token_fails_the_proof(setup, monkeypatch):
     result = dry_run(RunConfig(**{**cfg.to_json(), "layers": (0, 3), "target_topk": 8}), num_samples=4)
     assert not result.ok and not result.report["target_topk"]["ok"]
     assert any("target top-8" in w for w in result.report["warnings"]), result.report["warnings"]
+
+
+def test_the_qwen3_6_recipe_with_earlier_reasoning_passes_and_counts_what_the_template_drops(
+    setup, tiny_lm, tmp_path
+):
+    """Reasoning in turns before a later user message is what Qwen3.6's template (and so the server) drops: a
+    count in the report, not a failure; the reasoning of the last reply is rendered."""
+    from support.served_rows import CHAT_TEMPLATES, conversations
+
+    root, cfg = setup
+    data = tmp_path / "reasoning.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations()))
+    template = str(CHAT_TEMPLATES / "qwen3_6.jinja")
+    for kwargs in ('{"enable_thinking": true}', '{"enable_thinking": false}'):
+        recipe = RunConfig(
+            **{**cfg.to_json(), "data": str(data), "chat_template": template, "chat_template_kwargs": kwargs}
+        )
+        result = dry_run(recipe, num_samples=4, lm=tiny_lm)
+        text = format_report(result.report)
+        assert result.ok, text
+        [note] = result.report["notes"]
+        assert note.endswith(
+            "sampled rows carry earlier reasoning that the chat template drops, as the server does (counted)"
+        )
+        assert f"note: {note}" in text and "dry run passed" in text

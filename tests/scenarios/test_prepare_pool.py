@@ -94,3 +94,70 @@ def test_a_pool_encoding_through_tiktoken_writes_the_token_file_of_the_tokenizer
         )
     assert pooled.file.read_bytes() == own.file.read_bytes()
     assert pooled_report == own_report and own_report.truncated > 0
+
+
+def _session_members(sid: int) -> list[int]:
+    """Living processes of session ``sid`` (a command started with ``start_new_session``: all it started)."""
+    from pathlib import Path
+
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            raw = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split() if raw else []
+        if fields and int(fields[3]) == sid and fields[0] not in "ZXx":
+            members.append(int(entry.name))
+    return members
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.25, 0.5])
+def test_ctrl_c_while_the_tokenizer_pool_starts_stops_the_run_and_leaves_no_process(
+    tmp_path, tiny_model, delay
+):
+    """The terminal's Ctrl-C (SIGINT to the whole group) at several moments right after the pool's processes
+    appear, while they still read their start-up data: the run stops, says so, exits 130, and no process of it
+    stays (was: the signal lost, the run went on with exit 0, or hung with a process left)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from support.procs import descendants
+
+    rows = make_conversations(3000, seed=7)
+    data = write_jsonl(rows, tmp_path / "rows.jsonl")
+    args = [sys.executable, "-m", "hsextract.cli", "run", "--model", str(tiny_model), "--data", str(data)]
+    args += ["--output", str(tmp_path / "o"), "--run-dir", str(tmp_path / "r"), "--device", "cpu"]
+    args += ["--num-proc", "2", "--no-progress"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        pool = []
+        for pid in descendants(proc.pid):
+            try:
+                if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    pool.append(pid)
+            except OSError:
+                continue
+        if len(pool) >= 2:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before its tokenizer pool started"
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the run hung after a Ctrl-C {delay} s into its tokenizer pool's start")
+    text = out.decode(errors="replace")
+    assert proc.returncode == 130, text[-2000:]
+    assert "terminated by SIGINT" in text, text[-2000:]
+    deadline = time.monotonic() + 10
+    while (left := _session_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left after the Ctrl-C: {left}"

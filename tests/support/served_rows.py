@@ -1,7 +1,8 @@
 """Conversations as datasets and serving APIs give them, and the reference a server would render from them: the
 messages vLLM hands its chat template (string tool-call arguments parsed, ``reasoning`` as ``reasoning_content``),
 ``apply_chat_template``'s ids, and a loss mask made by a regular expression over the rendered text (each assistant
-turn from after ``<|im_start|>assistant\\n`` through its ``<|im_end|>``), written independently of hsextract."""
+turn from after ``<|im_start|>assistant\\n`` and what the generation prompt adds after it, through its
+``<|im_end|>``), written independently of hsextract."""
 
 from __future__ import annotations
 
@@ -133,7 +134,16 @@ def reference(
     ids = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=True, **kwargs)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     text = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=False, **kwargs)
-    spans = [m.span(1) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)]
+    # What the generation prompt adds after the role header (``<think>\n``; empty think with enable_thinking
+    # false) is the server's prompt: a turn that opens with it is masked from after it.
+    user = [{"role": "user", "content": "q"}]
+    bare = tokenizer.apply_chat_template(user, tokenize=False, **kwargs)
+    prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kwargs)[
+        len(bare) :
+    ]
+    tail = re.escape(prompt.removeprefix("<|im_start|>assistant\n"))
+    pattern = rf"<\|im_start\|>assistant\n(?:{tail})?(.*?<\|im_end\|>)"
+    spans = [m.span(1) for m in re.finditer(pattern, text, re.S)]
     assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     assert enc["input_ids"] == ids

@@ -1,6 +1,8 @@
 """``--chat-template`` and ``--chat-template-kwargs`` as RunConfig and regenerate take them: one parser, one line
 for each mistake, canonical JSON kept (what the plan records)."""
 
+import datetime
+
 import pytest
 
 from hsextract.config import RunConfig
@@ -31,7 +33,23 @@ def test_arguments_are_kept_as_canonical_json_from_the_command_line_or_a_yaml_ma
     [
         ("{enable_thinking: false}", "is not JSON"),
         ("[1, 2]", "must be a JSON object of template arguments"),
-        ('{"add_generation_prompt": true}', "add_generation_prompt are set by each rendering itself"),
+        ('{"add_generation_prompt": true}', "add_generation_prompt is set by each rendering itself"),
+        # what vLLM refuses too: accepted, it made every rendering return ids and every row fail
+        ('{"tokenize": true}', "tokenize is set by each rendering itself"),
+        (
+            '{"return_dict": true, "continue_final_message": true}',
+            "continue_final_message, return_dict are set",
+        ),
+        ("[" * 30_000 + "]" * 30_000, "nests deeper than 32 levels"),  # was a RecursionError
+        ('{"a": ' + "[" * 40 + "]" * 40 + "}", "nests deeper than 32 levels"),
+        ('{"x": NaN}', "nan at x is a float, not a JSON value"),
+        (
+            {"when": datetime.date(2024, 1, 2)},
+            "datetime.date(2024, 1, 2) at when is a date, not a JSON value",
+        ),
+        ({"enable_thinking": True, 1: "a"}, "the key 1 is a int, not a string"),  # was a TypeError
+        ({"deep": {"list": [{2: "b"}]}}, "the key 2 at deep.list[0] is a int"),
+        ({"deep": {"x": {1, 2}}}, "at deep.x is a set, not a JSON value"),
     ],
 )
 def test_bad_arguments_are_one_line_naming_the_option(tmp_path, value, says):

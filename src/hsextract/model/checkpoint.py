@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsextract.container import HEADER_LENGTH_BYTES, header_json, read_file_head
 from hsextract.errors import HsextractError
-from hsextract.hub import WEIGHT_SUFFIXES
+from hsextract.hub import WEIGHT_SUFFIXES, broken_link
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -42,12 +42,12 @@ def check_checkpoint(model_dir: str | Path, *, weights: bool = True) -> None:
         return
     if (problem := missing_tokenizer(root)) is not None:
         raise HsextractError(f"--model {root}: {problem}")
-    if weights and (problem := missing_weights(root)) is not None:
+    if weights and (problem := missing_weights(root) or fp8_layout_problem(root)) is not None:
         raise HsextractError(f"--model {root}: {problem}")
 
 
 def _holds(root: Path) -> str:
-    names = sorted(p.name for p in root.iterdir())
+    names = sorted(p.name + (" (a broken link)" if broken_link(p) else "") for p in root.iterdir())
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     return f"it holds {shown}" if names else "it is empty"
 
@@ -90,6 +90,8 @@ def missing_weights(root: Path) -> str | None:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"{index_name} is not a weight index (no readable weight_map): download it again"
         absent = [n for n in names if not (root / n).is_file()]
+        if broken := [n for n in absent if broken_link(root / n)]:
+            return f"{broken[0]} {broken_link(root / broken[0])}{_more(broken)}"
         if absent:
             shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
             return (
@@ -100,6 +102,9 @@ def missing_weights(root: Path) -> str | None:
     for name in WEIGHT_FILES:
         if (root / name).is_file():
             return _first_cut_short([root / name])
+    for name in WEIGHT_FILES + WEIGHT_INDEXES:
+        if (problem := broken_link(root / name)) is not None:
+            return f"{name} {problem}"
     return (
         f"has no weights: none of {', '.join(WEIGHT_FILES + WEIGHT_INDEXES)} is there ({_holds(root)}). "
         "Give the checkpoint's directory, or download its weights into this one"
@@ -132,6 +137,86 @@ def safetensors_problem(path: Path) -> str | None:
     if size < len(head) + end:
         return f"has {size:,} bytes of the {len(head) + end:,} its header describes"
     return None
+
+
+ONE_BYTE_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8")
+
+"""A ``*.weight`` of one of these is quantized: its values are the weights only together with a scale."""
+
+
+FP8_BLOCK = 128
+
+
+def fp8_layout_problem(root: Path) -> str | None:
+    """Why ``root``'s quantized weights would not compute as served, or None. Which linears are fp8 is read from the
+    weights' own dtypes (safetensors headers), never from the config alone: every 1-byte weight has an e4m3 dtype
+    and a ``weight_scale_inv`` of one value per 128x128 tile, every scale has such a weight, and scales are there
+    exactly when ``config.json`` says fp8. A weight without its scale would run on its raw e4m3 values, and scales
+    the config does not announce would be dropped by transformers' loader: either is states off by orders of
+    magnitude."""
+    from hsextract.model.fp8_load import SCALE_SUFFIX, quantization_config, weight_files
+
+    tensors = {}
+    for path in weight_files(str(root)):
+        if path.suffix == ".safetensors":
+            try:
+                header = header_json(read_file_head(path, _Unreadable), _Unreadable)
+            except _Unreadable as e:
+                return f"{path.name} {e}: the download is incomplete or the file damaged; fetch it again"
+            tensors.update((k, (path.name, v)) for k, v in header.items() if k != "__metadata__")
+    scaled = sorted(k.removesuffix(SCALE_SUFFIX) for k in tensors if k.endswith(SCALE_SUFFIX))
+    quantized = sorted(
+        k for k, (_, t) in tensors.items() if k.endswith(".weight") and t["dtype"] in ONE_BYTE_DTYPES
+    )
+    has_scale = set(scaled)
+    unscaled = [k for k in quantized if k.removesuffix(".weight") not in has_scale]
+    if unscaled:
+        name, (file, t) = unscaled[0], tensors[unscaled[0]]
+        return (
+            f"{name} (in {file}) is a 1-byte {t['dtype']} weight but the checkpoint has no "
+            f"{name.removesuffix('.weight')}{SCALE_SUFFIX} for it{_more(unscaled)}: without its scale its raw values "
+            "are not the weights. Fetch the checkpoint's weight files again (or use its bf16 checkpoint)"
+        )
+    for module in scaled:
+        weight = tensors.get(f"{module}.weight")
+        scale_file, scale = tensors[module + SCALE_SUFFIX]
+        if weight is None or weight[1]["dtype"] != "F8_E4M3":
+            what = f"is {weight[1]['dtype']}" if weight else "is not in the checkpoint"
+            return (
+                f"{module}{SCALE_SUFFIX} (in {scale_file}) scales {module}.weight, which {what}: hsextract computes "
+                "e4m3 (F8_E4M3) weights with their scales only. Fetch the checkpoint's weight files again"
+            )
+        rows, cols = (list(weight[1]["shape"]) + [1, 1])[:2]
+        tiles = [-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)]
+        if list(scale["shape"]) != tiles:
+            return (
+                f"{module}{SCALE_SUFFIX} (in {scale_file}) has shape {list(scale['shape'])}, not one scale per "
+                f"128x128 tile of its [{rows}, {cols}] weight ({tiles}): hsextract computes Qwen3.x-FP8's "
+                "layout only. Use the bf16 checkpoint"
+            )
+    qc = quantization_config(str(root))
+    says_fp8 = isinstance(qc, dict) and qc.get("quant_method") == "fp8"
+    if scaled and not says_fp8:
+        said = (
+            f"a quantization_config of quant_method {qc.get('quant_method')!r}"
+            if qc
+            else "no quantization_config"
+        )
+        return (
+            f"{scaled[0]}.weight is an fp8 weight with its scale {scaled[0]}{SCALE_SUFFIX}{_more(scaled)}, but "
+            f"config.json has {said}: the scales would be dropped on load. Put back the checkpoint's own "
+            'config.json (its quantization_config has quant_method "fp8")'
+        )
+    if says_fp8 and not scaled:
+        return (
+            "config.json's quantization_config says fp8 but no weight file holds an fp8 weight with its "
+            f"'*{SCALE_SUFFIX}' scale: the config is not these weights'. Put back the checkpoint's own config.json"
+        )
+    return None
+
+
+def _more(names: list) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
 class _Unreadable(Exception):

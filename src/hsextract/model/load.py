@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.hub import resolve_model
@@ -16,16 +18,46 @@ def load_model_config(model: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     model = resolve_model(model).path
-    config = load_or_explain(
-        model,
-        "read its config",
-        lambda: AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code),
-    )
+    stated = _stated_layers(Path(model) / "config.json")
+    if stated is not None and (type(stated) is not int or stated < 1):
+        raise HsextractError(f"--model {model}: {_not_a_layer_count(stated)}")
+
+    def read():
+        try:
+            return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except Exception as e:  # a field of the wrong type (huggingface_hub's strict dataclasses): one line
+            if type(e).__module__.startswith("huggingface_hub"):
+                raise ValueError(" ".join(str(e).split())) from None
+            raise
+
+    config = load_or_explain(model, "read its config", read)
     text = config.get_text_config()
     num_layers = getattr(text, "num_hidden_layers", None)
-    if not num_layers:
+    if num_layers is None:
         raise HsextractError(f"--model {model}: config has no num_hidden_layers; is it a decoder LM?")
+    if type(num_layers) is not int or num_layers < 1:
+        raise HsextractError(f"--model {model}: {_not_a_layer_count(num_layers)}")
     return config, text, num_layers
+
+
+def _stated_layers(path: Path):
+    """``num_hidden_layers`` as ``config.json`` states it (in its ``text_config`` when it has one); None when it
+    does not (transformers may name it otherwise) or the file is not JSON (transformers says why)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = (
+        raw.get("text_config") if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else raw
+    )
+    return text.get("num_hidden_layers") if isinstance(text, dict) else None
+
+
+def _not_a_layer_count(value) -> str:
+    return (
+        f"config.json's num_hidden_layers is {json.dumps(value)} ({type(value).__name__}), not a positive whole "
+        "number of decoder layers: the config is damaged or edited; put back the checkpoint's own config.json"
+    )
 
 
 LOAD_THREADS_ENV = "HSEXTRACT_LOAD_THREADS"

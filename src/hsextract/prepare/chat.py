@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from hsextract.prepare.messages import (  # noqa: F401 -- the row readers, re-ex
     _unrendered,
     no_row_field,
 )
+from hsextract.prepare.template_error import template_failure
 from hsextract.prepare.tiktoken_bpe import TiktokenEncoder, TokenizerDisagrees, spec_of
 
 SKIP_KINDS = ("malformed", "empty", "too_long")
@@ -59,10 +60,14 @@ class ChatOptions:
     template: str | None = None
     kwargs_json: str = "{}"
     """The arguments as canonical JSON (sorted keys): hashable, and what the plan records."""
+    name: str | None = field(default=None, compare=False)
+    """The template as messages name it, e.g. ``the chat template t.jinja`` (None: the tokenizer's own)."""
 
     @classmethod
-    def of(cls, template: str | None = None, kwargs: dict | None = None) -> ChatOptions:
-        return cls(template, json.dumps(kwargs or {}, sort_keys=True))
+    def of(
+        cls, template: str | None = None, kwargs: dict | None = None, name: str | None = None
+    ) -> ChatOptions:
+        return cls(template, json.dumps(kwargs or {}, sort_keys=True), name)
 
     @property
     def kwargs(self) -> dict:
@@ -388,13 +393,13 @@ class RowEncoder:
         try:
             full = self._render(messages, tools)
         except Exception as e:
-            raise _malformed(f"the chat template failed: {type(e).__name__}: {e}") from e
+            raise _malformed(template_failure(e, self.chat.name)) from e
         ids, spans, cut_early = self.tokenize(full, offsets=True)
         ids = np.asarray(ids, dtype=np.int32)
         if not ids.size:
             raise _RowSkipped("empty", "the conversation renders to no tokens")
         offsets = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        self.unrendered = _unrendered(messages, tools, full)
+        self.unrendered = _unrendered(messages, tools, full, lambda m: self._render(m, tools))
         mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
         if not mask.any() and not cut_early:  # cut early, ``encode`` refuses it as it does any cut row
             raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
@@ -445,8 +450,13 @@ class RowEncoder:
             at = full.find(header, at + len(header))
         if len(starts) != sum(m["role"] == "assistant" for m in messages):
             return None
+        # What the generation prompt writes after the role header (Qwen's ``<think>\n``, or with enable_thinking
+        # false the empty ``<think>\n\n</think>\n\n``) is the server's prompt, not the model's words.
+        generation = self.markers.generation_header
+        prompt = generation[len(header) :] if generation.startswith(header) else ""
         spans = []
         for k, start in enumerate(starts):
+            start += len(prompt) if prompt and full.startswith(prompt, start) else 0
             end = full.find(marker, start)
             if end < 0 or (k + 1 < len(starts) and end + len(marker) > starts[k + 1] - len(header)):
                 return None

@@ -99,10 +99,17 @@ def _text_parts(content: Any, i: int, role: str) -> Any:
     return "".join(texts)
 
 
+class Messages(list):
+    """A conversation's messages as the server hands them to the template; ``conflicts``: its turns whose
+    ``reasoning_content`` differs from the ``reasoning`` rendered in its place (counted in the data report)."""
+
+    conflicts = 0
+
+
 def _chat_messages(value: Any) -> list[dict]:
     if not isinstance(value, list):
         raise _malformed(f"'messages' is a {type(value).__name__}, not a list")
-    messages = []
+    messages = Messages()
     for i, message in enumerate(_drop_nones(value)):
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             message = {**message, "content": _text_parts(message["content"], i, message.get("role"))}
@@ -119,8 +126,14 @@ def _chat_messages(value: Any) -> list[dict]:
             message = {**message, "content": ""}
         if not isinstance(message.get("content"), str):
             raise _malformed(f"message {i} ({role}) has no string 'content'")
-        if "reasoning_content" not in message and "reasoning" in message:  # vLLM's newer name
-            message = {**message, "reasoning_content": message["reasoning"]}
+        # vLLM's rule: ``reasoning`` (its newer name) wins unless empty, and the template gets it under both names.
+        chosen = message.get("reasoning") or message.get("reasoning_content")
+        stale = message.get("reasoning_content")
+        if message.get("reasoning") and isinstance(stale, str) and stale.strip() and stale != chosen:
+            messages.conflicts += 1
+        message = {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
+        if chosen is not None and role == "assistant":
+            message.update(reasoning=chosen, reasoning_content=chosen)
         reasoning = message.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise _malformed(f"message {i} ({role}) has a 'reasoning_content' that is not a string")
@@ -132,7 +145,8 @@ def _chat_messages(value: Any) -> list[dict]:
 
 def _tool_calls(calls: Any, i: int) -> list:
     """OpenAI's tool calls with ``arguments`` as a JSON string -> the object, as vLLM parses them before rendering
-    (tool-use templates iterate over the arguments; Qwen3's would write the string verbatim)."""
+    (tool-use templates iterate over the arguments; Qwen3's would write the string verbatim); arguments empty
+    (``""``, a tool without parameters) or absent become ``{}``, as vLLM makes them."""
     if not isinstance(calls, list):
         raise _malformed(f"message {i} (assistant) has 'tool_calls' that is not a list")
     parsed = []
@@ -142,7 +156,10 @@ def _tool_calls(calls: Any, i: int) -> list:
         inner = call.get("function") if isinstance(call.get("function"), dict) else None
         holder = inner if inner is not None else call
         arguments = holder.get("arguments")
-        if isinstance(arguments, str):
+        if not arguments:  # "" or none, a tool without parameters: vLLM renders {}
+            holder = {**holder, "arguments": {}}
+            call = {**call, "function": holder} if inner is not None else holder
+        elif isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as e:
@@ -200,18 +217,47 @@ def _tools(value: Any) -> list | None:
     return _drop_nones(value) or None
 
 
-def _unrendered(messages: list[dict], tools: list | None, full: str) -> tuple[str, ...]:
-    """What the conversation carries that its rendering left out: reasoning (a template that ignores it, or Qwen's
-    dropping it before the last user query) and tools (a template without a tools section)."""
+REASONING_MARK = "hsextract-reasoning-{}-7f3a"
+
+"""What a turn's reasoning is replaced with to see whether the template renders it: text no template rewrites."""
+
+
+def _unrendered(messages: list[dict], tools: list | None, full: str, render) -> tuple[str, ...]:
+    """What the conversation carries that its rendering ``full`` left out, by name: ``reasoning`` (of a reply after
+    the last user message: the model wrote it, its tokens leave it out), ``earlier reasoning`` (of a turn before a
+    later user message: what Qwen's templates, and so the server, drop), ``tools`` (a template without a tools
+    section) and ``stale reasoning_content`` (beside a ``reasoning`` rendered in its place, as vLLM does). Each turn's reasoning is told apart by rendering once more (``render(messages)``) with every reasoning
+    replaced by its own mark: a text that appears elsewhere in the conversation is not taken for rendered."""
+    reasoned = [
+        i
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and (m.get("reasoning_content") or "").strip()
+    ]
+    dropped = []
+    if reasoned:
+        marked = [
+            {**m, "reasoning": REASONING_MARK.format(i), "reasoning_content": REASONING_MARK.format(i)}
+            if i in reasoned
+            else m
+            for i, m in enumerate(messages)
+        ]
+        try:
+            text = render(marked)
+            dropped = [i for i in reasoned if REASONING_MARK.format(i) not in text]
+        except (
+            Exception
+        ):  # a template that reads the reasoning's text: what it renders is searched for instead
+            dropped = [i for i in reasoned if messages[i]["reasoning_content"].strip() not in full]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     out = []
-    if any(
-        (m.get("reasoning_content") or "").strip() and m["reasoning_content"].strip() not in full
-        for m in messages
-        if m["role"] == "assistant"
-    ):
+    if any(i > last_user for i in dropped):
         out.append("reasoning")
+    if any(i < last_user for i in dropped):
+        out.append("earlier reasoning")
     if tools and any(_tool_name(t) and _tool_name(t) not in full for t in tools):
         out.append("tools")
+    if getattr(messages, "conflicts", 0):
+        out.append("stale reasoning_content")
     return tuple(out)
 
 

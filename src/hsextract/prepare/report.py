@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from hsextract.errors import HsextractError
+from hsextract.prepare.template_error import is_template_failure
 from hsextract.validation import parse
 
 TOO_LONG_POLICIES = ("truncate", "skip")
@@ -56,8 +57,9 @@ class DataReport:
     sources: list[dict] = field(default_factory=list)
     """Per source, in order: name, location, kind, options, identity, and the counts above."""
     unrendered: dict[str, int] = field(default_factory=dict)
-    """Kept rows carrying what the chat template left out of the tokens: ``reasoning`` (a template that ignores
-    it, or drops it before the last user query, as Qwen's do) and ``tools`` (a template without a tools section)."""
+    """Kept rows carrying what the chat template left out of the tokens: ``reasoning`` (of a reply after the last
+    user message: the model wrote it), ``earlier reasoning`` (of turns before a later user message, as Qwen's
+    templates and the server drop it) and ``tools`` (a template without a tools section)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -85,6 +87,25 @@ class DataReport:
         return (
             f"{_summary(self.to_json(), self.max_length)}; {self.tokens} tokens{_unrendered(self.unrendered)}"
         )
+
+    def rendering_lines(self, of: str = "") -> tuple[list[str], list[str]]:
+        """(warnings, notes) on what the template left out of the kept rows (``of``: e.g. ``"sampled "``). Only
+        the reasoning of a last reply is a warning: the model wrote it and the tokens leave it out. What the
+        template drops otherwise the server drops too, so the states are the server's: a count."""
+        warnings, notes = [], []
+        for what, n in sorted(self.unrendered.items()):
+            rows = f"{n} of {self.kept} {of}rows"
+            if what == "reasoning":
+                warnings.append(
+                    f"{rows} carry reasoning in a reply after the last user message that the chat template does "
+                    "not render: the model wrote it, the tokens leave it out (give the server's template and "
+                    "arguments: --chat-template, --chat-template-kwargs)"
+                )
+            elif n:
+                notes.append(
+                    f"{rows} carry {what} that the chat template drops, as the server does (counted)"
+                )
+        return warnings, notes
 
     def source_lines(self) -> list[str]:
         """One line per source (for a mix), e.g. ``tools (hf:org/tools): 50 rows: 49 kept, 1 malformed``."""
@@ -265,6 +286,11 @@ def advice(counts: dict, examples: list[dict], max_length: int) -> str:
             f"Every row is longer than --max-length {max_length} with --too-long skip: raise --max-length (and "
             f"--max-tokens-per-batch with it), or give --too-long truncate to keep each row's first {max_length} "
             "tokens."
+        )
+    if any(is_template_failure(e["reason"]) for e in examples):
+        return (
+            "The chat template fails on these rows (the reasons above name it, its line and the error): fix the "
+            "template, or give the server's own with --chat-template."
         )
     if "tokenizer" in reasons or "chat template" in reasons:
         return (

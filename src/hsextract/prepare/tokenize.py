@@ -14,8 +14,6 @@ import json
 import logging
 import multiprocessing
 import pickle
-import signal
-import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -28,6 +26,7 @@ from tqdm import tqdm
 
 from hsextract.errors import HsextractError, load_or_explain
 from hsextract.prepare.chat import AUTO, DEFAULT_CHAT, ChatOptions, RowEncoder
+from hsextract.prepare.pool import start_pool
 from hsextract.prepare.report import TOO_LONG_POLICIES, DataReport, ReportBuilder
 from hsextract.prepare.rows import JsonLine
 from hsextract.prepare.sources import Mix, auto_num_proc, finish_row, resolve_sources
@@ -37,7 +36,9 @@ from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 log = logging.getLogger(__name__)
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+"""2: a turn's mask starts after what the generation prompt writes; dropped reasoning counted per turn."""
 
 
 CHUNK_ROWS = 256
@@ -156,22 +157,6 @@ def _chunks(rows: Iterable[Any], size: int) -> Iterator[list]:
         yield chunk
 
 
-@contextlib.contextmanager
-def _deaf_to_ctrl_c():
-    """Processes started within ignore SIGINT for life (a terminal's Ctrl-C reaches the whole group: a child killed
-    while it read its start-up data printed an UnpicklingError); here a Ctrl-C waits, blocked, until they are up."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
 def _encode_all(
     rows: Iterator[tuple[int, int, Any]],
     total: int | None,
@@ -203,8 +188,7 @@ def _encode_all(
         spec = spec_of(tokenizer) if tiktoken == AUTO else tiktoken
         pickled = pickle.dumps((tokenizer, spec), protocol=pickle.HIGHEST_PROTOCOL)
         args = (pickled, max_length, too_long, columns, AUTO, chat)
-        with _deaf_to_ctrl_c():
-            pool = context.Pool(num_proc, initializer=_init_worker, initargs=args)
+        pool = start_pool(context, num_proc, _init_worker, args)
         with pool:
             pending: deque = deque()
             for chunk in _chunks(rows, CHUNK_ROWS):
@@ -239,19 +223,26 @@ def _tokenize(
     total = None if any(s.spec.fraction or s.spec.sample for s in mix.sources) else _known_total(mix)
     if rows_of is not None:
         total = None
-    with TokenFileWriter(path) as writer:
-        for rows, ids, mask in _encode_all(
-            mix.rows(parse=False) if rows_of is None else rows_of,
-            total,
-            tokenizer,
-            max_length,
-            too_long,
-            num_proc,
-            progress,
-            tuple(s.spec.columns for s in mix.sources),
-            tiktoken,
-            chat,
-        ):
+    # closing: a stop signal (or any error) while the rows stream ends the pool at once, not when the traceback
+    # holding this frame is freed
+    with (
+        TokenFileWriter(path) as writer,
+        contextlib.closing(
+            _encode_all(
+                mix.rows(parse=False) if rows_of is None else rows_of,
+                total,
+                tokenizer,
+                max_length,
+                too_long,
+                num_proc,
+                progress,
+                tuple(s.spec.columns for s in mix.sources),
+                tiktoken,
+                chat,
+            )
+        ) as chunks,
+    ):
+        for rows, ids, mask in chunks:
             kept_ids, lengths, cut, at = [], [], [], 0
             for source, position, row_id, status, reason, tokens, digest, unrendered in rows:
                 sample_id = mix.sample_id(source, row_id)

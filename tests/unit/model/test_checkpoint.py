@@ -97,3 +97,35 @@ def test_a_safetensors_header_is_checked_against_the_file_length(tiny_model, tmp
     assert "declares a header of" in safetensors_problem(path)
     path.write_bytes(b"abc")
     assert safetensors_problem(path) == "has 3 bytes, not even a header"
+
+
+def test_a_broken_link_is_named_as_such_not_as_a_file_not_there(tiny_model, data, tmp_path):
+    """A Hub cache's weight link whose blob is gone, and a config.json link in a loop: the link is named with
+    what is wrong with it (was: "none of model.safetensors is there (it holds model.safetensors)")."""
+    model = _copy(tiny_model, tmp_path / "m", drop=("model.safetensors",))
+    (model / "model.safetensors").symlink_to(tmp_path / "blobs" / "abc123")
+    err = _refused(_run(model, data, tmp_path), "model.safetensors is a symbolic link to")
+    assert "blobs/abc123, which is not there" in err and "none of" not in err
+    (model / "model.safetensors").unlink()
+    shutil.copy(tiny_model / "model.safetensors", model / "model.safetensors")
+    (model / "config.json").unlink()
+    (model / "config.json").symlink_to(model / "loop")
+    (model / "loop").symlink_to(model / "config.json")
+    err = _refused(_run(model, data, tmp_path), "config.json is a symbolic link in a loop")
+    assert "has no config.json" not in err
+
+
+@pytest.mark.parametrize("value", [-1, "7", 0, 7.0, True])
+def test_a_layer_count_that_is_not_a_positive_int_is_named_with_its_value(tiny_model, tmp_path, value):
+    from hsextract.errors import HsextractError
+    from hsextract.model.load import load_model_config
+
+    model = _copy(tiny_model, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["num_hidden_layers"] = value
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HsextractError) as e:
+        load_model_config(str(model))
+    said = f"config.json's num_hidden_layers is {json.dumps(value)} ({type(value).__name__}), not a positive whole"
+    assert said in str(e.value) and "has no num_hidden_layers" not in str(e.value)
