@@ -228,6 +228,11 @@ def write_fp8_checkpoint(lm, out_dir, max_shard_size: str = "10GB") -> list[str]
             converted.append(name)
         else:
             kept.append(name)
+    if not converted:
+        raise HsextractError(
+            "no linear of this model fits the fp8 recipe's 128x128 blocks (each dimension a multiple of 128): "
+            "there is no served FP8 layout of it to write"
+        )
     lm.config.quantization_config = {
         "quant_method": "fp8",
         "fmt": "e4m3",
