@@ -72,3 +72,34 @@ def real_target(cache: str | Path | None = None, *, quiet: bool = False) -> Path
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
+
+
+REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def as_hub_snapshot(hub_cache: str | Path, cache: str | Path | None = None) -> str:
+    """Lay the real target out as the snapshot of its Hub repo in the Hugging Face cache ``hub_cache`` (offline), so
+    that ``transformers serve`` and ``hsextract run --model`` take it by its Hub id, as they take a downloaded one;
+    returns the id."""
+    source = real_target(cache)
+    repo = Path(hub_cache) / f"models--{REPO_ID.replace('/', '--')}"
+    revision = "0" * 40  # no commit of the Hub's: the files are this package's conversion
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != MARKER and not (snapshot / f.name).exists():
+            shutil.copy2(f, snapshot / f.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return REPO_ID
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        description="Make the real target (SmolLM2-135M-Instruct) and print where it is."
+    )
+    ap.add_argument("--hub-cache", help="also lay it out in this Hugging Face cache and print its Hub id")
+    args = ap.parse_args()
+    print(as_hub_snapshot(args.hub_cache) if args.hub_cache else real_target())
