@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -196,11 +197,12 @@ def check_no_overlap(cfg: RunConfig) -> None:
 
 def check_staging(staging: Path, need_bytes: int) -> None:
     """The staging directory must be writable and hold at least one batch file, else fail before any work. One
-    made here goes again (the workers make it): a run refused later leaves none behind."""
+    made here goes again if still empty (the workers make it): a run refused later leaves none behind. The probe
+    is this process's own: another run may be checking the same directory."""
     made = not staging.exists()
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        probe = staging / ".probe"
+        probe = staging / f".probe-{os.getpid()}"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
@@ -209,7 +211,10 @@ def check_staging(staging: Path, need_bytes: int) -> None:
         ) from None
     free = shutil.disk_usage(staging).free
     if made:
-        staging.rmdir()
+        try:
+            staging.rmdir()
+        except OSError:  # another run's shard directory is in it now
+            pass
     if free < need_bytes:
         raise HsextractError(
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "
