@@ -86,7 +86,7 @@ def prepare_checked(
     model = check_model_and_output(cfg)
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
-    tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code)  # loaded if needed
+    tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code, echo)  # loaded if needed
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (prepare/publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
