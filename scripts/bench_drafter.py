@@ -56,20 +56,60 @@ class Size:
 
 SIZES = {
     "test": Size(
-        train=48, heldout=8, max_tokens=384, steps=60, batch_tokens=2048, anchors=64, decode_tokens=48,
-        regen_tokens=0, variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
+        train=48,
+        heldout=8,
+        max_tokens=384,
+        steps=60,
+        batch_tokens=2048,
+        anchors=64,
+        decode_tokens=48,
+        regen_tokens=0,
+        variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
     ),
     "cpu": Size(
-        train=160, heldout=16, max_tokens=512, steps=150, batch_tokens=2048, anchors=96, decode_tokens=64,
+        train=160,
+        heldout=16,
+        max_tokens=512,
+        steps=150,
+        batch_tokens=2048,
+        anchors=96,
+        decode_tokens=64,
         regen_tokens=96,
-        variants=("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "fp8-compute",
-                  "regen-greedy", "regen-sampled", "layer+1", "token+1"),
+        variants=(
+            "untrained",
+            "reference",
+            "reference-seed1",
+            "hsextract",
+            "fp8-storage",
+            "fp8-compute",
+            "regen-greedy",
+            "regen-sampled",
+            "layer+1",
+            "token+1",
+        ),
     ),
     "gpu": Size(
-        train=2000, heldout=48, max_tokens=1024, steps=600, batch_tokens=8192, anchors=512, decode_tokens=128,
-        regen_tokens=256, lr=6e-4,
-        variants=("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "fp8-compute",
-                  "regen-greedy", "regen-sampled", "layer+1", "token+1"),
+        train=2000,
+        heldout=48,
+        max_tokens=1024,
+        steps=600,
+        batch_tokens=8192,
+        anchors=512,
+        decode_tokens=128,
+        regen_tokens=256,
+        lr=6e-4,
+        variants=(
+            "untrained",
+            "reference",
+            "reference-seed1",
+            "hsextract",
+            "fp8-storage",
+            "fp8-compute",
+            "regen-greedy",
+            "regen-sampled",
+            "layer+1",
+            "token+1",
+        ),
     ),
 }
 
@@ -196,7 +236,9 @@ def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], d
         for i, row in enumerate(rows):
             ids, mask = rendered(tokenizer, messages_of(row))
             hs = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
-            layers = [hs[k + 1 + shift_layer][0] for k in layer_ids]  # output of layer k = hidden_states[k + 1]
+            layers = [
+                hs[k + 1 + shift_layer][0] for k in layer_ids
+            ]  # output of layer k = hidden_states[k + 1]
             states = torch.stack([*layers, final["h"][0]], dim=1).float().cpu()
             if shift_token:  # the states of the next token: what an extraction one token off would store
                 states = torch.cat([states[shift_token:], states[-1:].expand(shift_token, -1, -1)])
@@ -307,7 +349,9 @@ def heldout_metrics(model, data: Path, size: Size, device: str, repeats: int = 4
                 _, _, metrics = model(**to(batch, device), **kwargs)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-    out = {k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")}
+    out = {
+        k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")
+    }
     return {"eal": out["eal"], "full_acc": out["full_acc"], "loss": out["loss"],
             "position_acc": [round(out[f"position_{p}_acc"], 4) for p in range(1, model.block_size)]}  # fmt: skip
 
@@ -376,7 +420,9 @@ def regenerate(target: Path, prompts: Path, out: Path, size: Size, work: Path, s
                                       extra=["--device", device, "--dtype", "bfloat16" if device == "cuda"
                                              else "float32"])  # fmt: skip
     try:
-        args = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"] if sampled else ["--temperature", "0"]
+        args = (
+            ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"] if sampled else ["--temperature", "0"]
+        )
         hsextract("regenerate", "--endpoint", served.url, "--served-model", served.model, "--data", str(prompts),
                   "--output", str(out), "--max-tokens", str(size.regen_tokens), "--turns", "first",
                   "--no-progress", *args)  # fmt: skip
@@ -441,17 +487,23 @@ def main() -> None:
         elif v == "hsextract":
             sources[v] = extract(target, data, work / v, device, extract_dtype)
         elif v == "fp8-storage":
-            sources[v] = extract(target, data, work / v, device, extract_dtype, "--storage-dtype", "float8_e4m3fn")
+            sources[v] = extract(
+                target, data, work / v, device, extract_dtype, "--storage-dtype", "float8_e4m3fn"
+            )
         elif v == "fp8-compute":
             fp8_dir = work / "target-fp8"
             if not (fp8_dir / "config.json").exists():
                 from hsextract.model.fp8_load import write_fp8_checkpoint
 
-                write_fp8_checkpoint(AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16), fp8_dir)
+                write_fp8_checkpoint(
+                    AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16), fp8_dir
+                )
                 tokenizer.save_pretrained(fp8_dir)
             sources[v] = extract(fp8_dir, data, work / v, device, extract_dtype, "--compute", "fp8")
         elif v.startswith("regen-"):
-            regen = regenerate(target, prompts, work / f"{v}-replies", size, work, sampled=v == "regen-sampled")
+            regen = regenerate(
+                target, prompts, work / f"{v}-replies", size, work, sampled=v == "regen-sampled"
+            )
             sources[v] = extract(target, regen, work / v, device, extract_dtype)
         else:
             raise SystemExit(f"unknown variant {v!r}")
@@ -467,7 +519,11 @@ def main() -> None:
         fit = train(model, src, size, seed, device) if src else {}
         row = {"variant": v, "seed": seed, "steps": size.steps if src else 0, **fit}
         row.update(heldout_metrics(model, held, size, device))
-        row.update(decode(zlab_drafter(model, layer_ids, device), target_model, tokenizer, prompts_held, size, device))
+        row.update(
+            decode(
+                zlab_drafter(model, layer_ids, device), target_model, tokenizer, prompts_held, size, device
+            )
+        )
         log(f"{v}: eal {row['eal']:.3f}, tau {row['tau']:.3f}, speed-up {row['speedup']:.2f}x")
         table.append(row)
         (work / "table.json").write_text(json.dumps({"size": args.size, **asdict(size), "device": device,
