@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout, web
@@ -287,7 +288,7 @@ class InstantServer(_LoopThread):
             return web.json_response({"error": {"message": message}}, status=status)
         reply = {**REPLY, "content": f"re: {first_user_message(json.loads(data))}"} if self.echo else REPLY
         body = {
-            "id": f"chatcmpl-{self.requests}",
+            "id": f"chatcmpl-{uuid.uuid4().hex}",  # unique per answer: regenerate refuses an id seen before
             "object": "chat.completion",
             "model": self.model,
             "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}],
