@@ -24,6 +24,7 @@ import yaml
 from hsextract.errors import HsextractError, redact
 from hsextract.layers import implies_final_state
 from hsextract.prepare.report import TOO_LONG_POLICIES
+from hsextract.prepare.served import ROWS
 from hsextract.storage.fileio import load_json, write_json
 from hsextract.validation import parse
 
@@ -76,6 +77,10 @@ class RunConfig:
     """Template arguments as a JSON object, as a server's ``chat_template_kwargs``, e.g.
     ``'{"enable_thinking": false}'``: they go to every rendering, including those that locate assistant turns for
     the loss mask. A YAML mapping works too."""
+
+    rows: str = _opt(ROWS[0], choices=ROWS)
+    """``per-turn``: one row per assistant turn (id ``<id>#t<k>``), the conversation up to it as the server rendered
+    it then (earlier reasoning dropped where the template drops it), the loss on that turn alone."""
 
     data: tuple[str | dict, ...] | str = _opt(None)
     """Data sources, mixed in order (docs/DATA.md): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
@@ -303,6 +308,8 @@ class RunConfig:
         object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.chat_template is not None:
             self.chat_template_text  # noqa: B018 -- a missing file fails here
+        if self.rows not in ROWS:
+            raise HsextractError(f"--rows must be one of {', '.join(ROWS)}, got {self.rows!r}")
 
     def with_model_resolved(self) -> RunConfig:
         """This config with ``model`` resolved to the directory every process reads (a Hub id's snapshot in the
@@ -325,7 +332,7 @@ class RunConfig:
         """The template and arguments the run renders conversations with (``prepare.chat.ChatOptions``)."""
         from hsextract.prepare.chat import ChatOptions
 
-        return ChatOptions.of(self.chat_template_text, self.template_kwargs)
+        return ChatOptions.of(self.chat_template_text, self.template_kwargs, self.rows)
 
     @property
     def template_kwargs(self) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from hsextract.errors import HsextractError
+from hsextract.regenerate import token_ids
 
 CHECK_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
@@ -69,6 +70,8 @@ class Endpoint:
     failing_since: float | None = None
     """When its current run of failures began (None after a success)."""
     down: bool = False
+    gives_ids: bool = True
+    """Asked for token ids until it refuses the field (``token_ids.refuses_fields``)."""
 
     def succeeded(self) -> None:
         self.failing_since = None
@@ -114,6 +117,11 @@ class EndpointPool:
             self.went_down.append(endpoint.url)
 
 
+ASK_WITHOUT_IDS = object()
+
+"""An endpoint refused the token-id fields: the request goes again without them (no retry counted)."""
+
+
 @dataclass(frozen=True)
 class Retry:
     """A try that may succeed later: why it failed, the server's ``Retry-After``, whether the endpoint is to blame."""
@@ -131,6 +139,8 @@ class Counters:
     requests: int = 0
     retries: int = 0
     tokens: int = 0
+    with_ids: int = 0
+    """Replies that carry the server's token ids."""
 
 
 class ChatClient:
@@ -163,11 +173,13 @@ class ChatClient:
         body = {"model": self.served_model, "messages": messages, **self.options}
         if tools:
             body["tools"] = tools
-        data = json.dumps(body, ensure_ascii=False).encode()
+        data = {True: token_ids.body(body, True), False: token_ids.body(body, False)}
         retry, avoid = 0, None
         while True:
             endpoint = self.pool.pick(avoid)
-            outcome = await self._attempt(endpoint, data)
+            outcome = await self._attempt(endpoint, data[endpoint.gives_ids])
+            if outcome is ASK_WITHOUT_IDS:
+                continue
             if not isinstance(outcome, Retry):
                 return outcome
             if outcome.endpoint_fault:
@@ -205,12 +217,16 @@ class ChatClient:
                 return Retry(f"bad reply ({e})")
             endpoint.succeeded()
             counters.tokens += tokens
+            counters.with_ids += token_ids.COMPLETION_IDS in reply
             self.answered_any, self.refused_in_a_row = True, 0
             return reply
         if status in (401, 403):
             raise Stop(auth_message(endpoint.url, status, self.key_env))
         if self.policy.retried(status):
             return Retry(f"HTTP {status}", retry_after, endpoint_fault=status != 429)  # 429: busy, not broken
+        if endpoint.gives_ids and token_ids.refuses_fields(status, payload):
+            endpoint.gives_ids = False
+            return ASK_WITHOUT_IDS
         self.refused_in_a_row += 1
         detail = _detail(payload)
         if not self.answered_any and self.refused_in_a_row >= REFUSALS_BEFORE_STOP:
@@ -222,8 +238,8 @@ class ChatClient:
 
 
 def parse_reply(payload: bytes) -> tuple[dict, int]:
-    """The stored reply (the first choice's message as returned, plus its ``finish_reason``) and the completion
-    tokens the server counted."""
+    """The stored reply (the first choice's message as returned, plus its ``finish_reason`` and the server's
+    token ids where it gave them) and the completion tokens the server counted."""
     try:
         data = json.loads(payload)
         choice = data["choices"][0]
@@ -234,7 +250,8 @@ def parse_reply(payload: bytes) -> tuple[dict, int]:
         raise ValueError("choices[0].message is not an object")
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     tokens = usage.get("completion_tokens")
-    return {**message, "finish_reason": choice.get("finish_reason")}, tokens if isinstance(tokens, int) else 0
+    reply = {**message, "finish_reason": choice.get("finish_reason"), **token_ids.reply_ids(data, choice)}
+    return reply, tokens if isinstance(tokens, int) else 0
 
 
 def auth_message(url: str, status: int, key_env: str | None) -> str:
