@@ -6,7 +6,9 @@
   connections closed without an answer, a refused key), logging the first user message of every request it sees.
 - ``InstantServer``: answers every chat request at once (or after ``delay_s``) with a fixed reply: the client's
   own cost is measured against it (scripts/bench_regenerate.py), in a thread or in a process of its own
-  (``python tests/support/chat_servers.py PORT [DELAY_S]``).
+  (``python tests/support/chat_servers.py PORT [DELAY_S]``). Given a tokenizer, it answers ``return_token_ids``
+  as vLLM or SGLang does (the prompt ids rendered by the tokenizer's template, fixed completion ids); with
+  ``strict`` it refuses fields it does not know, as ``transformers serve`` does (HTTP 422).
 Each runs its asyncio loop in a thread of its own, so the test's thread stays free.
 """
 
@@ -202,11 +204,38 @@ class FaultProxy(_LoopThread):
 REPLY = {"role": "assistant", "content": "an instant reply", "reasoning_content": None, "tool_calls": None}
 
 
-class InstantServer(_LoopThread):
-    """``/v1/models`` lists ``model``; every chat request is answered ``REPLY`` after ``delay_s``, or ``status``."""
+KNOWN_FIELDS = {"model", "messages", "tools", "max_tokens", "temperature", "top_p", "top_k", "seed"}
 
-    def __init__(self, model: str = "instant", delay_s: float = 0.0, port: int = 0, status: int = 200):
+"""What a ``strict`` server takes (``chat_template_kwargs`` too); anything else is refused as transformers serve does."""
+
+
+class InstantServer(_LoopThread):
+    """``/v1/models`` lists ``model``; every chat request is answered ``REPLY`` after ``delay_s``, or ``status``.
+
+    With ``tokenizer``, a request asking ``return_token_ids`` gets ids as ``ids_like`` (``vllm`` or ``sglang``)
+    spells them: the prompt rendered by the tokenizer's template (``chat_template_kwargs`` applied), the
+    completion ``completion_ids`` followed by ``end_id`` unless ``finish_reason`` is ``length``; each answer's
+    ids are kept in ``sent``."""
+
+    def __init__(
+        self,
+        model: str = "instant",
+        delay_s: float = 0.0,
+        port: int = 0,
+        status: int = 200,
+        *,
+        tokenizer=None,
+        ids_like: str = "vllm",
+        completion_ids: tuple = (),
+        end_id: int | None = None,
+        finish_reason: str = "stop",
+        strict: bool = False,
+    ):
         self.model, self.delay_s, self.status = model, delay_s, status
+        self.tokenizer, self.ids_like, self.completion_ids = tokenizer, ids_like, list(completion_ids)
+        self.end_id, self.finish_reason, self.strict = end_id, finish_reason, strict
+        self.sent: list[tuple[list[int], list[int]]] = []
+        self.refused_fields = 0
         self.chat_status: int | None = None
         """Chat requests' answer when not 200 (``status`` answers ``/v1/models`` too)."""
         self.requests = 0
@@ -223,8 +252,12 @@ class InstantServer(_LoopThread):
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
-        await request.read()
+        request_body = json.loads(await request.read())
         self.requests += 1
+        unknown = set(request_body) - KNOWN_FIELDS - {"chat_template_kwargs"}
+        if self.strict and unknown:  # transformers serve's words
+            self.refused_fields += 1
+            return web.json_response({"detail": f"Unexpected fields in the request: {unknown}"}, status=422)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -235,14 +268,34 @@ class InstantServer(_LoopThread):
         status = self.chat_status or self.status
         if status != 200:
             return web.json_response({"error": {"message": "refused"}}, status=status)
+        choice = {"index": 0, "message": REPLY, "finish_reason": self.finish_reason}
         body = {
             "id": "x",
             "object": "chat.completion",
             "model": self.model,
-            "choices": [{"index": 0, "message": REPLY, "finish_reason": "stop"}],
+            "choices": [choice],
             "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
         }
+        if self.tokenizer is not None and request_body.get("return_token_ids"):
+            prompt, completion = self._ids(request_body)
+            self.sent.append((prompt, completion))
+            if self.ids_like == "vllm":
+                body["prompt_token_ids"], choice["token_ids"] = prompt, completion
+            else:
+                choice["prompt_token_ids"], choice["response_token_ids"] = prompt, completion
         return web.json_response(body)
+
+    def _ids(self, request_body: dict) -> tuple[list[int], list[int]]:
+        prompt = self.tokenizer.apply_chat_template(
+            request_body["messages"],
+            tools=request_body.get("tools"),
+            add_generation_prompt=True,
+            tokenize=True,
+            **(request_body.get("chat_template_kwargs") or {}),
+        )
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        end = [] if self.finish_reason == "length" or self.end_id is None else [self.end_id]
+        return prompt, [*self.completion_ids, *end]
 
 
 if __name__ == "__main__":  # the benchmark's endpoint, in a process of its own; its counts when terminated

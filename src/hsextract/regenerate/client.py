@@ -177,7 +177,8 @@ class ChatClient:
         retry, avoid = 0, None
         while True:
             endpoint = self.pool.pick(avoid)
-            outcome = await self._attempt(endpoint, data[endpoint.gives_ids])
+            asked_ids = endpoint.gives_ids
+            outcome = await self._attempt(endpoint, data[asked_ids], asked_ids)
             if outcome is ASK_WITHOUT_IDS:
                 continue
             if not isinstance(outcome, Retry):
@@ -190,8 +191,11 @@ class ChatClient:
             await asyncio.sleep(self.policy.delay(retry, outcome.retry_after))
             retry, avoid = retry + 1, endpoint
 
-    async def _attempt(self, endpoint: Endpoint, data: bytes) -> dict | Retry:
-        """The reply, or a ``Retry``; raises ``RowFailed`` for a refused request and ``Stop`` for a refused key."""
+    async def _attempt(
+        self, endpoint: Endpoint, data: bytes, asked_ids: bool = False
+    ) -> dict | Retry | object:
+        """The reply, a ``Retry`` or ``ASK_WITHOUT_IDS``; raises ``RowFailed`` for a refused request and ``Stop``
+        for a refused key."""
         counters = self.counters
         counters.requests += 1
         endpoint.in_flight += 1
@@ -224,7 +228,7 @@ class ChatClient:
             raise Stop(auth_message(endpoint.url, status, self.key_env))
         if self.policy.retried(status):
             return Retry(f"HTTP {status}", retry_after, endpoint_fault=status != 429)  # 429: busy, not broken
-        if endpoint.gives_ids and token_ids.refuses_fields(status, payload):
+        if asked_ids and token_ids.refuses_fields(status, payload):
             endpoint.gives_ids = False
             return ASK_WITHOUT_IDS
         self.refused_in_a_row += 1
