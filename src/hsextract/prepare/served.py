@@ -56,10 +56,13 @@ def said_end(full: str, start: int, end: int, message: dict) -> int:
     """Where the text a cut reply said ends in ``full[start:end]`` (its turn): after its content, else after its
     reasoning; ``start`` when neither is found (nothing of it is masked)."""
     for key in ("content", "reasoning_content"):
-        text = (message.get(key) or "").strip()
-        at = full.rfind(text, start, end) if text else -1
-        if at >= 0:
-            return at + len(text)
+        for text in (
+            message.get(key) or "",
+            (message.get(key) or "").strip(),
+        ):  # as said, else as a template trims
+            at = full.rfind(text, start, end) if text.strip() else -1
+            if at >= 0:
+                return at + len(text)
     return start
 
 

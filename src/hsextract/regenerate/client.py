@@ -230,6 +230,7 @@ class ChatClient:
             return Retry(f"HTTP {status}", retry_after, endpoint_fault=status != 429)  # 429: busy, not broken
         if asked_ids and token_ids.refuses_fields(status, payload):
             endpoint.gives_ids = False
+            counters.requests -= 1  # asked again at once, as if never sent
             return ASK_WITHOUT_IDS
         self.refused_in_a_row += 1
         detail = _detail(payload)

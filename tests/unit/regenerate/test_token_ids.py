@@ -75,7 +75,7 @@ def test_a_server_that_refuses_the_field_is_asked_again_without_it_from_then_on(
         server.stop()
     assert [r["content"] for r in replies] == ["an instant reply"] * 2
     assert server.refused_fields == 1 and server.requests == 3  # one refusal, then two plain requests
-    assert client.counters.retries == 0 and client.counters.with_ids == 0
+    assert client.counters.retries == 0 and client.counters.with_ids == 0 and client.counters.requests == 2
 
 
 def conversations(n: int) -> list[dict]:
