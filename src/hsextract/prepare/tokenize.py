@@ -129,7 +129,8 @@ def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.nd
     for source, position, row in chunk:
         if isinstance(row, JsonLine):
             row = finish_row(row, _worker_columns[source])
-        for _, row_id, status, reason, row_ids, row_mask, *notes in _worker_encoder.encode_rows(position, row):
+        for sample in _worker_encoder.encode_rows(position, row):
+            _, row_id, status, reason, row_ids, row_mask, *notes = sample
             if row_ids is None:
                 rows.append((source, position, row_id, status, reason, 0, b"", tuple(notes)))
                 continue
