@@ -25,6 +25,8 @@ from hsextract.errors import HsextractError, redact
 from hsextract.hub import checkpoint_dtype, is_hub_id
 from hsextract.layers import implies_final_state
 from hsextract.prepare.report import TOO_LONG_POLICIES
+from hsextract.prepare.served import ROWS
+from hsextract.prepare.template_args import template_kwargs_json
 from hsextract.storage.fileio import load_json, write_json
 from hsextract.validation import parse
 
@@ -43,10 +45,6 @@ KERNEL_MODES = ("fused", "stock")
 COMPUTE_MODES = ("auto", "fp8", "bf16")
 DEFAULT_STALL_TIMEOUT_S = 180.0
 DEFAULT_PREPARE_WAIT_S = 3600.0
-RESERVED_TEMPLATE_ARGS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "documents", "chat_template"}
-)
-"""Arguments every rendering (ours, a server's) sets itself: a user's value for them would be overridden."""
 REQUIRED = ("model", "data", "output")
 """Fields without a default: given on the command line or in the --config file."""
 
@@ -78,6 +76,10 @@ class RunConfig:
     """Template arguments as a JSON object, as a server's ``chat_template_kwargs``, e.g.
     ``'{"enable_thinking": false}'``: they go to every rendering, including those that locate assistant turns for
     the loss mask. A YAML mapping works too."""
+
+    rows: str = _opt(ROWS[0], choices=ROWS)
+    """``per-turn``: one row per assistant turn (id ``<id>#t<k>``), the conversation up to it as the server rendered
+    it then (earlier reasoning dropped where the template drops it), the loss on that turn alone."""
 
     data: tuple[str | dict, ...] | str = _opt(None)
     """Data sources, mixed in order (docs/DATA.md): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
@@ -310,6 +312,8 @@ class RunConfig:
         object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.chat_template is not None:
             self.chat_template_text  # noqa: B018 -- a missing file fails here
+        if self.rows not in ROWS:
+            raise HsextractError(f"--rows must be one of {', '.join(ROWS)}, got {self.rows!r}")
 
     def with_model_resolved(self) -> RunConfig:
         """This config with ``model`` resolved to the directory every process reads (a Hub id's snapshot in the
@@ -332,7 +336,7 @@ class RunConfig:
         """The template and arguments the run renders conversations with (``prepare.chat.ChatOptions``)."""
         from hsextract.prepare.chat import ChatOptions
 
-        return ChatOptions.of(self.chat_template_text, self.template_kwargs)
+        return ChatOptions.of(self.chat_template_text, self.template_kwargs, self.rows)
 
     @property
     def template_kwargs(self) -> dict:
@@ -409,30 +413,6 @@ class RunConfig:
         """Environment a worker needs beyond config.json: the endpoint with its credentials, if it has any."""
         url = self.s3_endpoint_url
         return {ENDPOINT_ENV: url} if url and redact(url) != url else {}
-
-
-def template_kwargs_json(value) -> str | None:
-    """``--chat-template-kwargs`` (JSON text, or a YAML mapping) as canonical JSON: what the plan records and a
-    server's ``chat_template_kwargs`` takes; anything but an object of arguments left to the user is an error."""
-    if value is None:
-        return None
-    try:
-        parsed = value if isinstance(value, dict) else json.loads(value)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise HsextractError(
-            f"--chat-template-kwargs {value!r} is not JSON ({e}); give an object, e.g. "
-            """'{"enable_thinking": false}'"""
-        ) from None
-    if not isinstance(parsed, dict):
-        raise HsextractError(
-            f"--chat-template-kwargs must be a JSON object of template arguments, got {value!r}"
-        )
-    reserved = sorted(set(parsed) & RESERVED_TEMPLATE_ARGS)
-    if reserved:
-        raise HsextractError(
-            f"--chat-template-kwargs: {', '.join(reserved)} are set by each rendering itself, not by the user"
-        )
-    return json.dumps(parsed, sort_keys=True)
 
 
 @functools.cache

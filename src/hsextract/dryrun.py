@@ -140,11 +140,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
                 f"{topk_report['tolerance']:.0e}), {topk_report['ids_outside']} stored id(s) outside HF's top "
                 f"{layout.target_topk}"
             )
-    for what, n in sorted(sampled.report.unrendered.items()):
-        warnings.append(
-            f"{n} of {sampled.report.kept} sampled rows carry {what} that the chat template does not render: "
-            "their tokens leave it out (--chat-template, --chat-template-kwargs give the server's rendering)"
-        )
+    warnings += sampled.report.rendering_warnings()
     fp8_check = None
     if compute.startswith("fp8"):
         fp8_check = check_fp8(lm, cfg, layout, proof, samples, device)

@@ -125,9 +125,10 @@ def served(row: dict) -> list[dict]:
 
 
 def reference(
-    tokenizer, row: dict, kwargs: dict, chat_template: str | None = None
+    tokenizer, row: dict, kwargs: dict, chat_template: str | None = None, last_turn_only: bool = False
 ) -> tuple[list[int], list[int]]:
-    """``(ids, mask)`` as a server renders ``row`` (with ``chat_template`` instead of the tokenizer's, if given)."""
+    """``(ids, mask)`` as a server renders ``row`` (with ``chat_template`` instead of the tokenizer's, if given);
+    ``last_turn_only``: the mask on the last assistant turn alone."""
     if chat_template is not None:
         kwargs = {**kwargs, "chat_template": chat_template}
     ids = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=True, **kwargs)
@@ -135,6 +136,7 @@ def reference(
     text = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=False, **kwargs)
     spans = [m.span(1) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)]
     assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
+    spans = spans[-1:] if last_turn_only else spans
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     assert enc["input_ids"] == ids
     mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
