@@ -146,8 +146,8 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
                 f"{topk_report['tolerance']:.0e}), {topk_report['ids_outside']} stored id(s) outside HF's top "
                 f"{layout.target_topk}"
             )
-    unrendered, notes = sampled.report.rendering_lines("sampled ")
-    warnings += unrendered
+    rendering, notes = sampled.report.rendering_lines("sampled ")
+    warnings += rendering
     fp8_check = None
     if compute.startswith("fp8"):
         echo("dry-run: checking the fp8 compute against its recipe (seven forwards of two samples)")

@@ -30,6 +30,7 @@ from hsextract.prepare.messages import (  # noqa: F401 -- the row readers, re-ex
     _unrendered,
     no_row_field,
 )
+from hsextract.prepare.served import ROWS, served_row, take_served_ids, trim_cut_turns, turn_rows
 from hsextract.prepare.template_error import template_failure
 from hsextract.prepare.tiktoken_bpe import TiktokenEncoder, TokenizerDisagrees, spec_of
 
@@ -55,14 +56,20 @@ class ChatOptions:
     template: str | None = None
     kwargs_json: str = "{}"
     """The arguments as canonical JSON (sorted keys): hashable, and what the plan records."""
+    rows: str = ROWS[0]
+    """One row per conversation, or one per assistant turn (``served.ROWS``)."""
     name: str | None = field(default=None, compare=False)
     """The template as messages name it, e.g. ``the chat template t.jinja`` (None: the tokenizer's own)."""
 
     @classmethod
     def of(
-        cls, template: str | None = None, kwargs: dict | None = None, name: str | None = None
+        cls,
+        template: str | None = None,
+        kwargs: dict | None = None,
+        rows: str = ROWS[0],
+        name: str | None = None,
     ) -> ChatOptions:
-        return cls(template, json.dumps(kwargs or {}, sort_keys=True), name)
+        return cls(template, json.dumps(kwargs or {}, sort_keys=True), rows, name)
 
     @property
     def kwargs(self) -> dict:
@@ -77,6 +84,8 @@ class ChatOptions:
             out["chat_template_given"] = True
         if self.kwargs:
             out["chat_template_kwargs"] = self.kwargs
+        if self.rows != ROWS[0]:
+            out["rows"] = self.rows
         return out
 
 
@@ -155,6 +164,9 @@ class RowEncoder:
         )
         self.unrendered: tuple[str, ...] = ()
         """What the last row encoded carried that its rendering dropped (``reasoning``, ``tools``)."""
+        self.ids_from, self.prompt_differs, self._last_turn_only = "", "", False
+        """The last chat row's ids came from the ``server`` or the ``text``; where the server's prompt ids differ
+        from hsextract's rendering (``served.first_difference``); whether only its last turn is in the loss."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = backend is not None and (
             "ByteLevel(" in repr(backend.pre_tokenizer)
@@ -169,12 +181,32 @@ class RowEncoder:
         self.longest_token = max(map(len, vocab), default=1)
         """Characters of the longest vocabulary entry (bytes, for a byte-level tokenizer's)."""
 
+    def encode_rows(self, index: int, row: Any) -> list[tuple]:
+        """``encode``'s result for each sample of the row (one per assistant turn with ``rows`` per-turn), each
+        followed by ``unrendered``, ``ids_from`` and ``prompt_differs``."""
+        subs = None
+        if self.chat.rows == "per-turn" and isinstance(row, dict) and row.get("input_ids") is None:
+            try:
+                messages = _chat_messages(row["messages"]) if row.get("messages") is not None else None
+                if messages is None and row.get("conversations") is not None:
+                    messages = _sharegpt_messages(row["conversations"], row.get("system"))
+                sample_id = str(row["id"]) if row.get("id") is not None else str(index)
+                subs = turn_rows(row, messages, sample_id) if messages else None
+            except _RowSkipped:
+                subs = None  # ``encode`` says why
+        out = []
+        self._last_turn_only = bool(subs)
+        for sub in subs or [row]:
+            out.append((*self.encode(index, sub), self.unrendered, self.ids_from, self.prompt_differs))
+        self._last_turn_only = False
+        return out
+
     def encode(self, index: int, row: Any) -> tuple:
         """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
         sample_id = str(index)
         if isinstance(row, dict) and row.get("id") is not None:
             sample_id = str(row["id"])
-        self.unrendered = ()
+        self.unrendered, self.ids_from, self.prompt_differs = (), "", ""
         try:
             ids, mask, cut_early = self._encode(row)
             status, reason = "kept", ""
@@ -211,7 +243,13 @@ class RowEncoder:
             return self._encode_text(row["text"], row.get("loss_mask"))
         else:
             raise no_row_field(row)
-        return self._encode_chat(messages, _tools(row.get("tools")))
+        tools, served = _tools(row.get("tools")), take_served_ids(messages)
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        self.ids_from = "server" if replies and replies[-1] in served else "text"
+        if self.ids_from == "text":
+            return self._encode_chat(messages, tools)
+        ids, mask, self.prompt_differs = served_row(self, messages, tools, served, self._last_turn_only)
+        return ids, mask, ""
 
     def _encode_text(self, text: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, str]:
         """Plain text: its tokens as the tokenizer gives them, no template, no special tokens added."""
@@ -312,16 +350,30 @@ class RowEncoder:
             full = self._render(messages, tools)
         except Exception as e:
             raise _malformed(template_failure(e, self.chat.name)) from e
-        ids, spans, cut_early = self.tokenize(full, offsets=True)
+        self.unrendered = _unrendered(messages, tools, full, lambda m: self._render(m, tools))
+        # A cut reply ends where its text ends (served.py); at the end of the row, so does the row.
+        turns, end = trim_cut_turns(full, self._assistant_spans(messages, tools, full), messages)
+        ids, spans, cut_early = self.tokenize(full if end is None else full[:end], offsets=True)
         ids = np.asarray(ids, dtype=np.int32)
         if not ids.size:
             raise _RowSkipped("empty", "the conversation renders to no tokens")
         offsets = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        self.unrendered = _unrendered(messages, tools, full, lambda m: self._render(m, tools))
-        mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
+        mask = _mask_from_spans(offsets, turns[-1:] if self._last_turn_only else turns)
         if not mask.any() and not cut_early:  # cut early, ``encode`` refuses it as it does any cut row
             raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
         return ids, mask, cut_early
+
+    def prompt_tokens(self, messages: list[dict], tools: list | None, with_mask: bool) -> tuple[list, Any]:
+        """hsextract's own ids of a request (``messages`` and the generation prompt) and, ``with_mask``, the loss
+        mask of the assistant turns in it (None without)."""
+        text = self._render(messages, tools, True)
+        ids, spans, _ = self.tokenize(text, offsets=with_mask, whole=True)
+        if not with_mask:
+            return list(ids), None
+        bare = self._render(messages, tools, False)
+        turns = self._assistant_spans(messages, tools, bare) if text.startswith(bare) else []
+        turns, _ = trim_cut_turns(bare, turns, messages)
+        return list(ids), _mask_from_spans(np.asarray(spans, dtype=np.int64).reshape(-1, 2), turns)
 
     def _assistant_spans(self, messages: list[dict], tools: list | None, full: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in ``full``, sorted and disjoint (see the module docstring)."""

@@ -70,6 +70,13 @@ class Totals:
                 f"generated {client.tokens} tokens in {self.seconds:.1f} s: {rate:.1f} tok/s over "
                 f"{client.requests} requests ({client.retries} retries)"
             )
+        if client.requests and not client.with_ids:
+            lines.append(
+                "the servers gave no token ids: hsextract run renders these replies from their text (vLLM and SGLang "
+                "give ids: docs/DATA.md)"
+            )
+        elif client.requests:
+            lines.append(f"{client.with_ids} replies carry the server's token ids")
         for url in self.went_down:
             lines.append(f"endpoint {url} failed for --endpoint-down-after and was taken out of the rotation")
         if self.truncated:
