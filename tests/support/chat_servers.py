@@ -308,7 +308,15 @@ class InstantServer(_LoopThread):
         unknown = set(request_body) - KNOWN_FIELDS - {"chat_template_kwargs"}
         if self.strict and unknown:  # transformers serve's words
             self.refused_fields += 1
-            return web.json_response({"detail": f"Unexpected fields in the request: {unknown}"}, status=422)
+            body = json.dumps({"detail": f"Unexpected fields in the request: {unknown}"}).encode()
+            refusal = web.StreamResponse(status=422, headers={"Content-Type": "application/json"})
+            refusal.content_length = len(body)
+            # The head, then after ``delay_s`` the body, as uvicorn writes them.
+            await refusal.prepare(request)
+            await asyncio.sleep(self.delay_s)
+            await refusal.write(body)
+            await refusal.write_eof()
+            return refusal
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:

@@ -226,13 +226,13 @@ class ChatClient:
                 endpoint.url + "/chat/completions", data=data, headers=self.headers, timeout=self.timeout
             ) as response:
                 status = response.status
+                if status != 200:  # before the first await: the connection is still this request's
+                    _close_connection(response)
                 payload = await response.read()
                 retry_after = _retry_after(response.headers.get("Retry-After"))
                 outcome = self._reply(endpoint, payload) if status == 200 else None
-                if status != 200 or isinstance(outcome, Retry):
-                    _close_connection(
-                        response
-                    )  # what follows on it may be a copy of this answer, not the next
+                if isinstance(outcome, Retry):
+                    _close_connection(response)
         except asyncio.TimeoutError:
             return Retry("timeout")
         except aiohttp.ClientConnectorError:
@@ -285,10 +285,15 @@ def parse_reply(payload: bytes) -> tuple[dict, int, dict]:
 
 
 def _close_connection(response) -> None:
-    """Close the connection ``response`` came on, though its body is read (aiohttp has released it to the pool by
-    then): what it carries next is not the answer of the request sent next."""
-    protocol = getattr(response, "_protocol", None)
-    if protocol is not None:
+    """Close the connection ``response`` came on: what it carries next may be a copy of this answer, not the answer
+    to the request sent next. Still held, it is closed when aiohttp releases it; released already (the answer came
+    whole with its headers), it is idle in the pool, closed at once. Before the response's first ``await`` nothing
+    else ran since the release, so no other request holds it; after one (a 200 found bad once read), another request
+    may have taken it meanwhile, and fails with it (a retry)."""
+    connection = response.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.force_close()
+    elif (protocol := getattr(response, "_protocol", None)) is not None:
         protocol.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -95,6 +96,38 @@ def test_refusals_of_the_field_on_requests_in_flight_cost_no_retry():
         server.stop()
     assert [r["content"] for r in replies] == ["an instant reply"] * 32
     assert server.refused_fields == 32 and client.counters.retries == 0 and client.counters.requests == 32
+
+
+def test_a_request_asked_again_never_takes_a_connection_a_refusal_is_closing():
+    """Refusals whose bodies come together (uvicorn writes the head, then the body; the client's loop was busy):
+    aiohttp puts each connection back in the pool as its body completes, and the first request asked again takes
+    the other's. Each refused connection is closed before then (as it is released), never under that request."""
+    n = 4
+    server = InstantServer(strict=True, delay_s=0.1)  # each refusal's body 0.1 s after its head
+    try:
+
+        async def refused_together():
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as session:
+                pool = EndpointPool.of([server.url], down_after_s=60.0)
+                client = ChatClient(session, pool, "instant", {}, policy=RetryPolicy(max_retries=0))
+
+                async def busy_while_the_bodies_come():
+                    while server.refused_fields < n:
+                        await asyncio.sleep(0.001)
+                    await asyncio.sleep(0.03)  # the heads are read
+                    time.sleep(0.3)  # blocks the loop: every body arrives meanwhile
+
+                asked = [client.complete([{"role": "user", "content": f"q{i}"}], None) for i in range(n)]
+                got = await asyncio.gather(busy_while_the_bodies_come(), *asked, return_exceptions=True)
+                return client, got[1:]
+
+        client, replies = asyncio.run(refused_together())
+    finally:
+        server.stop()
+    failed = [r for r in replies if isinstance(r, Exception)]
+    assert not failed  # a connection closed under its request: RowFailed('connection dropped (1 tries)')
+    assert [r["content"] for r in replies] == ["an instant reply"] * n
+    assert server.refused_fields == n and client.counters.retries == 0 and client.counters.requests == n
 
 
 def conversations(n: int) -> list[dict]:
