@@ -237,7 +237,7 @@ def dry_run_cmd(num_samples, as_json, run_dir, **opts):
 
     with tempfile.TemporaryDirectory(prefix="hsextract-dry-") as tmp:
         cfg = _build_config(output=tmp, run_dir=run_dir or tmp, **opts)
-        result = dry_run(cfg, num_samples=num_samples)
+        result = dry_run(cfg, num_samples=num_samples, echo=lambda line: click.echo(line, err=True))
     click.echo(json.dumps(result.report, indent=2) if as_json else format_report(result.report))
     sys.exit(0 if result.ok else 1)
 

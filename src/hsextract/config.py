@@ -25,6 +25,7 @@ from hsextract.errors import HsextractError, redact
 from hsextract.hub import checkpoint_dtype, is_hub_id
 from hsextract.layers import implies_final_state
 from hsextract.prepare.report import TOO_LONG_POLICIES
+from hsextract.prepare.served import ROWS
 from hsextract.prepare.template_args import template_kwargs_json
 from hsextract.storage.fileio import load_json, write_json
 from hsextract.validation import parse
@@ -75,6 +76,10 @@ class RunConfig:
     """Template arguments as a JSON object, as a server's ``chat_template_kwargs``, e.g.
     ``'{"enable_thinking": false}'``: they go to every rendering, including those that locate assistant turns for
     the loss mask. A YAML mapping works too."""
+
+    rows: str = _opt(ROWS[0], choices=ROWS)
+    """``per-turn``: one row per assistant turn (id ``<id>#t<k>``), the conversation up to it as the server rendered
+    it then (earlier reasoning dropped where the template drops it), the loss on that turn alone."""
 
     data: tuple[str | dict, ...] | str = _opt(None)
     """Data sources, mixed in order (docs/DATA.md): files (``.jsonl[.gz|.zst]``, ``.json``, ``.parquet``),
@@ -307,6 +312,8 @@ class RunConfig:
         object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.chat_template is not None:
             self.chat_template_text  # noqa: B018 -- a missing file fails here
+        if self.rows not in ROWS:
+            raise HsextractError(f"--rows must be one of {', '.join(ROWS)}, got {self.rows!r}")
 
     def with_model_resolved(self) -> RunConfig:
         """This config with ``model`` resolved to the directory every process reads (a Hub id's snapshot in the
@@ -333,7 +340,7 @@ class RunConfig:
         name = None if given is None else "the --chat-template text"
         if given is not None and Path(given).expanduser().is_file():
             name = f"the chat template {given}"
-        return ChatOptions.of(self.chat_template_text, self.template_kwargs, name)
+        return ChatOptions.of(self.chat_template_text, self.template_kwargs, self.rows, name)
 
     @property
     def template_kwargs(self) -> dict:

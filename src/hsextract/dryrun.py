@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from hsextract.config import DTYPE_BYTES, STORAGE_DTYPES, RunConfig
 from hsextract.dryrun_report import format_report
@@ -44,7 +45,7 @@ from hsextract.output import (
 from hsextract.prepare.chat import marked_text
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.tokenize import SampledData, load_sample, load_tokenizer
-from hsextract.run.pipeline import Extractor
+from hsextract.run.pipeline import Extractor, measure_rate
 from hsextract.run.preflight import encoding_options, resolve_data, run_layout
 from hsextract.run.rundir import RunDir
 from hsextract.startup import fast_load, ready
@@ -107,13 +108,18 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
     run_dir = RunDir(cfg.run_dir)
     options = encoding_options(cfg, run_dir)
     chat = options["chat"]
+    echo("dry-run: tokenizing a sample of the data")
     sampled = load_sample(resolve_data(cfg, run_dir), tokenizer, **options)
     samples = sampled.samples
     device = torch_device(cfg)
     if lm is None:
+        echo("dry-run: loading the weights")
         lm = load_model_for(cfg, device, fast_load)
         ready(device)
     norm = model_final_norm(lm) if layout.final_state else None
+    echo(
+        "dry-run: proving the layer ids: the run's batched capture of a few samples, then a plain forward of each"
+    )
     proof = prove_layers(
         lm,
         layout,
@@ -140,13 +146,16 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
                 f"{topk_report['tolerance']:.0e}), {topk_report['ids_outside']} stored id(s) outside HF's top "
                 f"{layout.target_topk}"
             )
-    unrendered, notes = sampled.report.rendering_lines("sampled ")
-    warnings += unrendered
+    rendering, notes = sampled.report.rendering_lines("sampled ")
+    warnings += rendering
     fp8_check = None
     if compute.startswith("fp8"):
+        echo("dry-run: checking the fp8 compute against its recipe (seven forwards of two samples)")
         fp8_check = check_fp8(lm, cfg, layout, proof, samples, device)
         warnings += fp8_check["warnings"]
     ok = all(e["ok"] for e in layers_report) and not warnings
+    echo("dry-run: timing a typical batch of the plan for the estimate (run twice, the second timed)")
+    estimated = estimate(cfg, lm, layout, text.hidden_size, sampled, device, tokenizer.pad_token_id)
     report = {
         "model": cfg.model,
         "model_dir": cfg.model_path,
@@ -174,7 +183,7 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         "warnings": warnings,
         "notes": notes,
         "ok": ok,
-        "estimate": estimate(cfg, lm, layout, text.hidden_size, sampled, device, tokenizer.pad_token_id),
+        "estimate": estimated,
     }
     return DryRunResult(report=report, ok=ok)
 
@@ -253,7 +262,7 @@ def prove_layers(
     errors = {k: {"match": [], "prev": [], "next": []} for k in slot_layers}
     topk = TopkAgreement() if layout.target_topk else None
     with torch.inference_mode(), contextlib.nullcontext() if same_forward else kernels.stock_forward(lm):
-        for row, i in enumerate(order):
+        for row, i in enumerate(tqdm(order, desc="dry-run: plain forwards", unit="sample", leave=False)):
             ids, _ = samples.sample(i)
             out = lm(
                 torch.from_numpy(ids.astype(np.int64)).to(device)[None],
@@ -388,7 +397,7 @@ def estimate(
     token_bytes = layout.bytes_per_token(hidden, DTYPE_BYTES[cfg.dtype])
     total_bytes = job_bytes(plan, token_bytes)
     topk_bytes = layout.topk_bytes
-    tokens_per_s, rate_batch = _measure_rate(lm, layout, plan, samples, device, pad_token_id)
+    tokens_per_s, rate_batch = measure_rate(lm, layout, plan, samples, device, pad_token_id)
     presets = presets_layer_ids(cfg.layers, layout.num_layers)
     return {
         "data": sampled.report.to_json(),
@@ -463,34 +472,3 @@ def storage_table(presets: dict, layout: StateLayout, hidden: int, dtype: str, p
     ):
         rows.append(row("union" if len(rows) > 1 else "this run", layout.layer_ids, layout.final_state))
     return rows
-
-
-def _measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) -> tuple[float, dict]:
-    """Tokens/s of the capture path on a typical batch of the real plan (the median by padded size), timed on its
-    second pass so kernel compilation stays out. The proof batch is too small to say anything about speed."""
-    batch = sorted(plan.batches, key=lambda b: b.padded_tokens)[len(plan.batches) // 2]
-    # A plan over a sample's repeated lengths names sample i as i + k * n.
-    batch = replace(batch, sample_indices=tuple(i % len(samples) for i in batch.sample_indices))
-    extractor = Extractor(
-        lm,
-        layout.slot_layers,
-        device=device,
-        max_tokens=batch.num_tokens,
-        num_slots=2,
-        pad_token_id=pad_token_id,
-        storage_dtype=layout.storage_dtype,
-        target_topk=layout.target_topk,
-    )
-    extractor.run([batch], samples, lambda b, t: None)
-    t0 = time.perf_counter()
-    extractor.run([batch], samples, lambda b, t: None)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    shape = {
-        "rows": batch.rows,
-        "padded_length": batch.padded_length,
-        "tokens": batch.num_tokens,
-        "seconds": seconds,
-    }
-    return batch.num_tokens / seconds, shape

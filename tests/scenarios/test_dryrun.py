@@ -215,7 +215,9 @@ def test_union_of_presets_is_proven_once_and_its_storage_shown_per_preset(setup)
     assert result.report["estimate"]["bytes_per_token"] == rows["union"]["bytes_per_token"]["float32"]
     text = format_report(result.report)
     assert "  eagle3   [1, 3, 4 + final state] 4 slots" in text
-    assert all(p is None for p in result.report["estimate"]["formats"].values()) and "does not serve" not in text
+    assert (
+        all(p is None for p in result.report["estimate"]["formats"].values()) and "does not serve" not in text
+    )
 
 
 def test_target_topk_is_proven_against_hf_logits_and_its_storage_counted(setup):

@@ -118,3 +118,46 @@ def test_the_shipped_config_runs_as_its_use_line_says_from_the_cache_offline(tmp
     assert len(out) == len(conversations())
     assert out.manifest["fingerprint"]["model"] == "Qwen/Qwen3.6-27B"
     assert out.manifest["fingerprint"]["model_revision"] == COMMIT
+
+
+def test_per_turn_rows_through_the_cli_the_reader_and_the_training_dataset(
+    tmp_path, tiny_model, tiny_tokenizer
+):
+    """``--rows per-turn``: each assistant turn is a sample ``<id>#t<k>`` whose ids are ``apply_chat_template`` of
+    the messages up to it and whose loss is that turn alone; the reader and the training dataset take them as any."""
+    import torch
+
+    from hsextract.training import StatesMapDataset
+
+    rows = conversations()
+    template = CHAT_TEMPLATES / "qwen3_6.jinja"
+    kwargs = {"enable_thinking": True}
+    args = cli_run_args(
+        tmp_path,
+        tiny_model,
+        write_jsonl(rows, tmp_path / "rows.jsonl"),
+        layers="1",
+        num_proc=1,
+        chat_template=template,
+        chat_template_kwargs=json.dumps(kwargs),
+    )
+    run_cli(*args, "--rows", "per-turn", "--no-progress")
+
+    out = open_output(str(tmp_path / "out"))
+    assert out.manifest["fingerprint"]["rows"] == "per-turn"
+    want = {}
+    for row in rows:
+        turns = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+        for k, i in enumerate(turns, 1):
+            turn = {**row, "messages": row["messages"][: i + 1]}
+            want[f"{row['id']}#t{k}"] = reference(
+                tiny_tokenizer, turn, kwargs, chat_template=template.read_text(), last_turn_only=True
+            )
+    assert sorted(out.sample_ids()) == sorted(want)
+    for sample_id, (ids, mask) in want.items():
+        assert out[sample_id]["input_ids"].tolist() == ids, sample_id
+        assert out[sample_id]["loss_mask"].tolist() == mask, sample_id
+    data = StatesMapDataset(str(tmp_path / "out"), "raw", dtype=torch.float32)
+    assert sorted(len(data[i]["input_ids"]) for i in range(len(data))) == sorted(
+        len(i) for i, _ in want.values()
+    )

@@ -7,7 +7,9 @@
   twice on the connection), logging the first user message of every request it sees.
 - ``InstantServer``: answers every chat request at once (or after ``delay_s``) with a fixed reply: the client's
   own cost is measured against it (scripts/bench_regenerate.py), in a thread or in a process of its own
-  (``python tests/support/chat_servers.py PORT [DELAY_S]``).
+  (``python tests/support/chat_servers.py PORT [DELAY_S]``). Given a tokenizer, it answers ``return_token_ids``
+  as vLLM or SGLang does (the prompt ids rendered by the tokenizer's template, fixed completion ids); with
+  ``strict`` it refuses fields it does not know, as ``transformers serve`` does (HTTP 422).
 Each runs its asyncio loop in a thread of its own, so the test's thread stays free.
 """
 
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout, web
@@ -136,7 +139,10 @@ class FaultProxy(_LoopThread):
     def __init__(self, upstream: str):
         self.upstream = upstream.rstrip("/")
         self.seen: list[str] = []
-        """The first user message of every chat request that reached the proxy, in order."""
+        """The first user message of every chat request that reached the proxy, in order; one the upstream refused
+        for the token-id field is left out (regenerate asks it again at once and counts it once)."""
+        self.refused_fields = 0
+        """Chat requests the upstream refused for the token-id field (HTTP 422, as ``transformers serve``)."""
         self.faults: list[dict] = []
         self.delay_s = 0.0
         """Added before every chat request is forwarded (a slower server)."""
@@ -194,11 +200,12 @@ class FaultProxy(_LoopThread):
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         data = await request.read()
-        fault = None
+        fault = asked = None
         if request.path.endswith("/chat/completions"):
             text = data.decode(errors="replace")
+            asked = first_user_message(json.loads(data))
             with self.lock:
-                self.seen.append(first_user_message(json.loads(data)))
+                self.seen.append(asked)
             fault = self._fault(text)
             if fault is not None:
                 if fault["kind"] == "status":
@@ -217,6 +224,11 @@ class FaultProxy(_LoopThread):
             request.method, self.upstream + request.path[len("/v1") :], data=data, headers=headers
         ) as upstream:
             body, status, content_type = await upstream.read(), upstream.status, upstream.content_type
+        if status == 422 and b"return_token_ids" in body:
+            with self.lock:
+                self.refused_fields += 1
+                if asked in self.seen:
+                    self.seen.remove(asked)
         if fault is not None and fault["kind"] in ("reply", "model") and status == 200:
             answer = json.loads(body)
             if fault["kind"] == "model":
@@ -241,8 +253,19 @@ DELETE = object()
 REPLY = {"role": "assistant", "content": "an instant reply", "reasoning_content": None, "tool_calls": None}
 
 
+KNOWN_FIELDS = {"model", "messages", "tools", "max_tokens", "temperature", "top_p", "top_k", "seed"}
+
+"""What a ``strict`` server takes (``chat_template_kwargs`` too); anything else is refused as transformers serve does."""
+
+
 class InstantServer(_LoopThread):
-    """``/v1/models`` lists ``model``; every chat request is answered ``REPLY`` after ``delay_s``, or ``status``."""
+    """``/v1/models`` lists ``model``; every chat request is answered ``REPLY`` after ``delay_s``, or ``status``.
+
+    With ``tokenizer``, a request asking ``return_token_ids`` gets ids as ``ids_like`` (``vllm`` or ``sglang``)
+    spells them: the prompt rendered by the tokenizer's template (``chat_template_kwargs`` applied), the
+    completion ``completion_ids`` followed by ``end_id`` unless ``finish_reason`` is ``length``; each answer's
+    ids are kept in ``sent``; with ``echo``, the reply's content is ``re: `` and the request's first user message,
+    so that a test can tell which request a stored reply answers."""
 
     def __init__(
         self,
@@ -251,10 +274,19 @@ class InstantServer(_LoopThread):
         port: int = 0,
         status: int = 200,
         echo: bool = False,
+        *,
+        tokenizer=None,
+        ids_like: str = "vllm",
+        completion_ids: tuple = (),
+        end_id: int | None = None,
+        finish_reason: str = "stop",
+        strict: bool = False,
     ):
-        """``echo``: the reply's content is ``re: `` and the request's first user message, so that a test can
-        tell which request a stored reply answers."""
         self.model, self.delay_s, self.status, self.echo = model, delay_s, status, echo
+        self.tokenizer, self.ids_like, self.completion_ids = tokenizer, ids_like, list(completion_ids)
+        self.end_id, self.finish_reason, self.strict = end_id, finish_reason, strict
+        self.sent: list[tuple[list[int], list[int]]] = []
+        self.refused_fields = 0
         self.chat_status: int | None = None
         """Chat requests' answer when not 200 (``status`` answers ``/v1/models`` too)."""
         self.requests = 0
@@ -271,8 +303,20 @@ class InstantServer(_LoopThread):
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
-        data = await request.read()
+        request_body = json.loads(await request.read())
         self.requests += 1
+        unknown = set(request_body) - KNOWN_FIELDS - {"chat_template_kwargs"}
+        if self.strict and unknown:  # transformers serve's words
+            self.refused_fields += 1
+            body = json.dumps({"detail": f"Unexpected fields in the request: {unknown}"}).encode()
+            refusal = web.StreamResponse(status=422, headers={"Content-Type": "application/json"})
+            refusal.content_length = len(body)
+            # The head, then after ``delay_s`` the body, as uvicorn writes them.
+            await refusal.prepare(request)
+            await asyncio.sleep(self.delay_s)
+            await refusal.write(body)
+            await refusal.write_eof()
+            return refusal
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -285,15 +329,35 @@ class InstantServer(_LoopThread):
             auth = request.headers.get("Authorization")
             message = "refused" + (f" (Authorization: {auth})" if auth else "")
             return web.json_response({"error": {"message": message}}, status=status)
-        reply = {**REPLY, "content": f"re: {first_user_message(json.loads(data))}"} if self.echo else REPLY
+        reply = {**REPLY, "content": f"re: {first_user_message(request_body)}"} if self.echo else REPLY
+        choice = {"index": 0, "message": reply, "finish_reason": self.finish_reason}
         body = {
-            "id": f"chatcmpl-{self.requests}",
+            "id": f"chatcmpl-{uuid.uuid4().hex}",  # unique per answer: regenerate refuses an id seen before
             "object": "chat.completion",
             "model": self.model,
-            "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}],
+            "choices": [choice],
             "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
         }
+        if self.tokenizer is not None and request_body.get("return_token_ids"):
+            prompt, completion = self._ids(request_body)
+            self.sent.append((prompt, completion))
+            if self.ids_like == "vllm":
+                body["prompt_token_ids"], choice["token_ids"] = prompt, completion
+            else:
+                choice["prompt_token_ids"], choice["response_token_ids"] = prompt, completion
         return web.json_response(body)
+
+    def _ids(self, request_body: dict) -> tuple[list[int], list[int]]:
+        prompt = self.tokenizer.apply_chat_template(
+            request_body["messages"],
+            tools=request_body.get("tools"),
+            add_generation_prompt=True,
+            tokenize=True,
+            **(request_body.get("chat_template_kwargs") or {}),
+        )
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        end = [] if self.finish_reason == "length" or self.end_id is None else [self.end_id]
+        return prompt, [*self.completion_ids, *end]
 
 
 if __name__ == "__main__":  # the benchmark's endpoint, in a process of its own; its counts when terminated

@@ -126,16 +126,28 @@ def served(row: dict) -> list[dict]:
 
 
 def reference(
-    tokenizer, row: dict, kwargs: dict, chat_template: str | None = None
+    tokenizer, row: dict, kwargs: dict, chat_template: str | None = None, last_turn_only: bool = False
 ) -> tuple[list[int], list[int]]:
-    """``(ids, mask)`` as a server renders ``row`` (with ``chat_template`` instead of the tokenizer's, if given)."""
+    """``(ids, mask)`` as a server renders ``row`` (with ``chat_template`` instead of the tokenizer's, if given);
+    ``last_turn_only``: the mask on the last assistant turn alone."""
     if chat_template is not None:
         kwargs = {**kwargs, "chat_template": chat_template}
     ids = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=True, **kwargs)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     text = tokenizer.apply_chat_template(served(row), tools=row.get("tools"), tokenize=False, **kwargs)
-    # What the generation prompt adds after the role header (``<think>\n``; empty think with enable_thinking
-    # false) is the server's prompt: a turn that opens with it is masked from after it.
+    spans = assistant_spans(tokenizer, text, kwargs)
+    assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
+    spans = spans[-1:] if last_turn_only else spans
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == ids
+    mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
+    return ids, mask
+
+
+def assistant_spans(tokenizer, text: str, kwargs: dict) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in ``text``: each from after ``<|im_start|>assistant\\n`` through its
+    ``<|im_end|>``. What the generation prompt adds after the role header (``<think>\\n``; the empty think with
+    enable_thinking false) is the server's prompt: a turn that opens with it is masked from after it."""
     user = [{"role": "user", "content": "q"}]
     bare = tokenizer.apply_chat_template(user, tokenize=False, **kwargs)
     prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kwargs)[
@@ -143,9 +155,4 @@ def reference(
     ]
     tail = re.escape(prompt.removeprefix("<|im_start|>assistant\n"))
     pattern = rf"<\|im_start\|>assistant\n(?:{tail})?(.*?<\|im_end\|>)"
-    spans = [m.span(1) for m in re.finditer(pattern, text, re.S)]
-    assert len(spans) == sum(m["role"] == "assistant" for m in row["messages"])
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert enc["input_ids"] == ids
-    mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
-    return ids, mask
+    return [m.span(1) for m in re.finditer(pattern, text, re.S)]

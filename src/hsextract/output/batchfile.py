@@ -382,7 +382,7 @@ class NotExtracted(KeyError):
     """A key the extraction did not store; a KeyError, so that ``except KeyError`` and ``.get`` behave as usual."""
 
     def __str__(self) -> str:
-        return self.args[0]
+        return str(self.args[0]) if self.args else ""  # its message as written, not KeyError's repr of it
 
 
 class Sample(dict):

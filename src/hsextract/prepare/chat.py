@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hsextract.prepare.chat_markers import ChatMarkers
 from hsextract.prepare.fast_tokenizer import OwnBackend
 from hsextract.prepare.messages import (  # noqa: F401 -- the row readers, re-exported for the encoder's callers
     CHAT_ROLES,
@@ -29,6 +30,7 @@ from hsextract.prepare.messages import (  # noqa: F401 -- the row readers, re-ex
     _unrendered,
     no_row_field,
 )
+from hsextract.prepare.served import ROWS, served_row, take_served_ids, trim_cut_turns, turn_rows
 from hsextract.prepare.template_error import template_failure
 from hsextract.prepare.tiktoken_bpe import TiktokenEncoder, TokenizerDisagrees, spec_of
 
@@ -46,12 +48,6 @@ PREFIX_MARGIN_TOKENS = 64
 FAR_TOO_LONG = 4
 
 
-_PROBE_USER = "hsextract probe question"
-
-
-_PROBE_REPLY = "hsextract probe answer"
-
-
 @dataclass(frozen=True)
 class ChatOptions:
     """How conversations are rendered, as the server renders them: its template (None: the tokenizer's own) and
@@ -60,14 +56,20 @@ class ChatOptions:
     template: str | None = None
     kwargs_json: str = "{}"
     """The arguments as canonical JSON (sorted keys): hashable, and what the plan records."""
+    rows: str = ROWS[0]
+    """One row per conversation, or one per assistant turn (``served.ROWS``)."""
     name: str | None = field(default=None, compare=False)
     """The template as messages name it, e.g. ``the chat template t.jinja`` (None: the tokenizer's own)."""
 
     @classmethod
     def of(
-        cls, template: str | None = None, kwargs: dict | None = None, name: str | None = None
+        cls,
+        template: str | None = None,
+        kwargs: dict | None = None,
+        rows: str = ROWS[0],
+        name: str | None = None,
     ) -> ChatOptions:
-        return cls(template, json.dumps(kwargs or {}, sort_keys=True), name)
+        return cls(template, json.dumps(kwargs or {}, sort_keys=True), rows, name)
 
     @property
     def kwargs(self) -> dict:
@@ -82,60 +84,12 @@ class ChatOptions:
             out["chat_template_given"] = True
         if self.kwargs:
             out["chat_template_kwargs"] = self.kwargs
+        if self.rows != ROWS[0]:
+            out["rows"] = self.rows
         return out
 
 
 DEFAULT_CHAT = ChatOptions()
-
-
-def _common_prefix(texts: list[str]) -> str:
-    first = min(texts, key=len)
-    for n, ch in enumerate(first):
-        if any(t[n] != ch for t in texts):
-            return first[:n]
-    return first
-
-
-@dataclass(frozen=True)
-class ChatMarkers:
-    """Template text found by rendering probe conversations, used to cut and locate assistant turns."""
-
-    generation_header: str
-    """What ``add_generation_prompt`` appends, e.g. ``<|im_start|>assistant\\n``; empty for Mistral-style templates."""
-    end_of_turn: str
-    """First chunk the template writes after an assistant message, e.g. ``<|im_end|>``; may be empty."""
-    role_header: str = ""
-    """What opens every assistant turn wherever it sits (and the generation prompt), e.g.
-    ``<|im_start|>assistant\\n``; empty when the probes share none."""
-
-    @classmethod
-    def probe(cls, tokenizer, render, plain=None) -> ChatMarkers:
-        """``render(messages, generation_prompt)`` renders as the encoder does (template and arguments); ``plain``
-        without the arguments: the role header is what both write (``preserve_thinking`` opens every turn with
-        ``<think>``, which is the turn's own text, not its header)."""
-        user = [{"role": "user", "content": _PROBE_USER}]
-        try:
-            bare = render(user, False)
-            prompted = render(user, True)
-            header = prompted[len(bare) :] if prompted.startswith(bare) else ""
-        except Exception:
-            header = ""
-        try:
-            text = render([*user, {"role": "assistant", "content": _PROBE_REPLY}], False)
-        except Exception:
-            return cls(header, "")
-        after = text[text.rfind(_PROBE_REPLY) + len(_PROBE_REPLY) :].lstrip()
-        chunk = after.split()[0] if after.split() else ""
-        # "<|im_end|><|endoftext|>" -> "<|im_end|>": a chunk that opens with a special token ends with it.
-        end = chunk
-        for token in sorted(tokenizer.get_added_vocab(), key=len, reverse=True):
-            if token and chunk.startswith(token):
-                end = token
-                break
-        heads = _assistant_heads(render, header, end) if header else []
-        if heads and plain is not None:
-            heads += _assistant_heads(plain, "", end) or [""]
-        return cls(header, end, _common_prefix(heads) if heads else "")
 
 
 def marked_text(tokenizer, ids, mask, limit: int = 2000) -> str:
@@ -149,33 +103,6 @@ def marked_text(tokenizer, ids, mask, limit: int = 2000) -> str:
         start = end
     text = "".join(parts)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
-
-
-def _assistant_heads(render, generation_header: str, end_of_turn: str) -> list[str]:
-    """The generation prompt (if given) and the text before an assistant reply early (before a later user query)
-    and last in a conversation; empty if a probe fails."""
-    if not end_of_turn:
-        return []
-    early, late = _PROBE_REPLY + " one", _PROBE_REPLY + " two"
-    conversation = [
-        {"role": "user", "content": _PROBE_USER},
-        {"role": "assistant", "content": early},
-        {"role": "user", "content": _PROBE_USER + " again"},
-        {"role": "assistant", "content": late},
-    ]
-    try:
-        text = render(conversation, False)
-        before_first = render(conversation[:1], False)
-        before_last = render(conversation[:3], False)
-    except Exception:
-        return []
-    heads = [generation_header] if generation_header else []
-    for before, reply in ((before_first, early), (before_last, late)):
-        at = text.find(reply)
-        if not text.startswith(before) or at < len(before):
-            return []
-        heads.append(text[len(before) : at])
-    return heads
 
 
 def _longest_tail_in(text: str, pattern: str, lo: int, hi: int) -> tuple[int, int]:
@@ -237,6 +164,9 @@ class RowEncoder:
         )
         self.unrendered: tuple[str, ...] = ()
         """What the last row encoded carried that its rendering dropped (``reasoning``, ``tools``)."""
+        self.ids_from, self.prompt_differs, self._last_turn_only = "", "", False
+        """The last chat row's ids came from the ``server`` or the ``text``; where the server's prompt ids differ
+        from hsextract's rendering (``served.first_difference``); whether only its last turn is in the loss."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = backend is not None and (
             "ByteLevel(" in repr(backend.pre_tokenizer)
@@ -251,12 +181,32 @@ class RowEncoder:
         self.longest_token = max(map(len, vocab), default=1)
         """Characters of the longest vocabulary entry (bytes, for a byte-level tokenizer's)."""
 
+    def encode_rows(self, index: int, row: Any) -> list[tuple]:
+        """``encode``'s result for each sample of the row (one per assistant turn with ``rows`` per-turn), each
+        followed by ``unrendered``, ``ids_from`` and ``prompt_differs``."""
+        subs = None
+        if self.chat.rows == "per-turn" and isinstance(row, dict) and row.get("input_ids") is None:
+            try:
+                messages = _chat_messages(row["messages"]) if row.get("messages") is not None else None
+                if messages is None and row.get("conversations") is not None:
+                    messages = _sharegpt_messages(row["conversations"], row.get("system"))
+                sample_id = str(row["id"]) if row.get("id") is not None else str(index)
+                subs = turn_rows(row, messages, sample_id) if messages else None
+            except _RowSkipped:
+                subs = None  # ``encode`` says why
+        out = []
+        self._last_turn_only = bool(subs)
+        for sub in subs or [row]:
+            out.append((*self.encode(index, sub), self.unrendered, self.ids_from, self.prompt_differs))
+        self._last_turn_only = False
+        return out
+
     def encode(self, index: int, row: Any) -> tuple:
         """``(index, sample_id, status, reason, ids, mask)``; status is kept, truncated or a skip kind."""
         sample_id = str(index)
         if isinstance(row, dict) and row.get("id") is not None:
             sample_id = str(row["id"])
-        self.unrendered = ()
+        self.unrendered, self.ids_from, self.prompt_differs = (), "", ""
         try:
             ids, mask, cut_early = self._encode(row)
             status, reason = "kept", ""
@@ -293,7 +243,13 @@ class RowEncoder:
             return self._encode_text(row["text"], row.get("loss_mask"))
         else:
             raise no_row_field(row)
-        return self._encode_chat(messages, _tools(row.get("tools")))
+        tools, served = _tools(row.get("tools")), take_served_ids(messages)
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        self.ids_from = "server" if replies and replies[-1] in served else "text"
+        if self.ids_from == "text":
+            return self._encode_chat(messages, tools)
+        ids, mask, self.prompt_differs = served_row(self, messages, tools, served, self._last_turn_only)
+        return ids, mask, ""
 
     def _encode_text(self, text: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, str]:
         """Plain text: its tokens as the tokenizer gives them, no template, no special tokens added."""
@@ -394,16 +350,30 @@ class RowEncoder:
             full = self._render(messages, tools)
         except Exception as e:
             raise _malformed(template_failure(e, self.chat.name)) from e
-        ids, spans, cut_early = self.tokenize(full, offsets=True)
+        self.unrendered = _unrendered(messages, tools, full, lambda m: self._render(m, tools))
+        # A cut reply ends where its text ends (served.py); at the end of the row, so does the row.
+        turns, end = trim_cut_turns(full, self._assistant_spans(messages, tools, full), messages)
+        ids, spans, cut_early = self.tokenize(full if end is None else full[:end], offsets=True)
         ids = np.asarray(ids, dtype=np.int32)
         if not ids.size:
             raise _RowSkipped("empty", "the conversation renders to no tokens")
         offsets = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        self.unrendered = _unrendered(messages, tools, full, lambda m: self._render(m, tools))
-        mask = _mask_from_spans(offsets, self._assistant_spans(messages, tools, full))
+        mask = _mask_from_spans(offsets, turns[-1:] if self._last_turn_only else turns)
         if not mask.any() and not cut_early:  # cut early, ``encode`` refuses it as it does any cut row
             raise _RowSkipped("empty", "no assistant tokens in the rendered conversation")
         return ids, mask, cut_early
+
+    def prompt_tokens(self, messages: list[dict], tools: list | None, with_mask: bool) -> tuple[list, Any]:
+        """hsextract's own ids of a request (``messages`` and the generation prompt) and, ``with_mask``, the loss
+        mask of the assistant turns in it (None without)."""
+        text = self._render(messages, tools, True)
+        ids, spans, _ = self.tokenize(text, offsets=with_mask, whole=True)
+        if not with_mask:
+            return list(ids), None
+        bare = self._render(messages, tools, False)
+        turns = self._assistant_spans(messages, tools, bare) if text.startswith(bare) else []
+        turns, _ = trim_cut_turns(bare, turns, messages)
+        return list(ids), _mask_from_spans(np.asarray(spans, dtype=np.int64).reshape(-1, 2), turns)
 
     def _assistant_spans(self, messages: list[dict], tools: list | None, full: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in ``full``, sorted and disjoint (see the module docstring)."""

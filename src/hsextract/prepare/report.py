@@ -60,6 +60,11 @@ class DataReport:
     """Kept rows carrying what the chat template left out of the tokens: ``reasoning`` (of a reply after the last
     user message: the model wrote it), ``earlier reasoning`` (of turns before a later user message, as Qwen's
     templates and the server drop it) and ``tools`` (a template without a tools section)."""
+    token_ids: dict[str, int] = field(default_factory=dict)
+    """Kept chat rows by where their ids came from: ``server`` (the ids ``hsextract regenerate`` stored) or
+    ``text`` (rendered here); ``prompt_differs``: server rows whose prompt ids differ from hsextract's rendering
+    of the same messages (a template, option or tokenizer that is not the server's; examples of kind
+    ``prompt_differs``)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -86,12 +91,14 @@ class DataReport:
         """One line for the console, e.g. ``300 rows: 297 kept (3 truncated to 2048 tokens), 2 empty, ...``."""
         return (
             f"{_summary(self.to_json(), self.max_length)}; {self.tokens} tokens{_unrendered(self.unrendered)}"
+            f"{_token_ids(self.token_ids)}"
         )
 
     def rendering_lines(self, of: str = "") -> tuple[list[str], list[str]]:
-        """(warnings, notes) on what the template left out of the kept rows (``of``: e.g. ``"sampled "``). Only
-        the reasoning of a last reply is a warning: the model wrote it and the tokens leave it out. What the
-        template drops otherwise the server drops too, so the states are the server's: a count."""
+        """(warnings, notes) on how the kept rows were rendered (``of``: e.g. ``"sampled "``). Warnings: the
+        reasoning of a last reply left out (the model wrote it, the tokens leave it out), and server prompt ids that
+        differ from hsextract's rendering (with the first difference). What the template drops otherwise the server
+        drops too, so the states are the server's: a note with a count."""
         warnings, notes = [], []
         for what, n in sorted(self.unrendered.items()):
             rows = f"{n} of {self.kept} {of}rows"
@@ -105,6 +112,15 @@ class DataReport:
                 notes.append(
                     f"{rows} carry {what} that the chat template drops, as the server does (counted)"
                 )
+        if differs := self.token_ids.get("prompt_differs"):
+            first = next(
+                (e for e in self.examples if e["kind"] == "prompt_differs"), {"id": "?", "reason": ""}
+            )
+            warnings.append(
+                f"{differs} of {self.kept} {of}rows: the server's prompt ids differ from hsextract's rendering "
+                f"of the same messages (first, {first['id']}: {first['reason']}); give --chat-template and "
+                "--chat-template-kwargs as the server had them"
+            )
         return warnings, notes
 
     def source_lines(self) -> list[str]:
@@ -129,14 +145,16 @@ class DataReport:
             shown = ", ".join(
                 f"{k} {json.dumps(v) if isinstance(v, dict) else v}" for k, v in options.items()
             )
-            lines.append(f"{s['name']}: replies of {settings.get('served_model')} ({shown})")
+            ids = s.get("token_ids") or {}
+            origin = f"; token ids: {ids.get('server', 0)} rows the server's, {ids.get('text', 0)} rendered from text"
+            lines.append(f"{s['name']}: replies of {settings.get('served_model')} ({shown}){origin}")
         return lines
 
     def first_problems(self) -> list[str]:
         """The first skipped row of each kind, with its reason, for the console (the report keeps 5 of each)."""
         lines, seen = [], set()
         for e in self.examples:
-            if e["kind"] in ("malformed", "empty", "too_long") and e["kind"] not in seen:
+            if e["kind"] in ("malformed", "empty", "too_long", "prompt_differs") and e["kind"] not in seen:
                 seen.add(e["kind"])
                 where = f"row {e['row']}" + (f" of {e['source']}" if "source" in e else "")
                 lines.append(
@@ -175,6 +193,17 @@ def _unrendered(counts: dict) -> str:
     return "".join(f"; {what} not rendered in {n} rows" for what, n in sorted(counts.items()) if n)
 
 
+def _token_ids(counts: dict) -> str:
+    """``; 3 rows with the server's token ids; 1 whose server prompt ids differ from hsextract's``, or nothing."""
+    out = f"; {counts['server']} rows with the server's token ids" if counts.get("server") else ""
+    if counts.get("prompt_differs"):
+        out += (
+            f"; {counts['prompt_differs']} rows whose server prompt ids differ from hsextract's rendering (give "
+            "--chat-template and --chat-template-kwargs as the server had them)"
+        )
+    return out
+
+
 def _summary(counts: dict, max_length: int) -> str:
     kept = f"{counts['kept']} kept"
     if counts["truncated"]:
@@ -207,7 +236,8 @@ class ReportBuilder:
         self.max_length = max_length
         self.labelled = labelled
         self.sources = [
-            {**d, **dict.fromkeys(COUNTS, 0), "tokens": 0, "unrendered": {}} for d in described_sources
+            {**d, **dict.fromkeys(COUNTS, 0), "tokens": 0, "unrendered": {}, "token_ids": {}}
+            for d in described_sources
         ]
         self.examples: list[dict] = []
         self._per_kind: dict[str, int] = {}
@@ -221,35 +251,47 @@ class ReportBuilder:
         reason: str,
         tokens: int,
         unrendered: tuple[str, ...] = (),
+        ids_from: str = "",
+        prompt_differs: str = "",
     ) -> None:
+        """``ids_from`` and ``prompt_differs``: see ``RowEncoder.encode_rows``."""
         counts = self.sources[source]
         counts["rows"] += 1
         if status in _STATUS_COUNT:
             counts[_STATUS_COUNT[status]] += 1
-            n = self._per_kind[status] = self._per_kind.get(status, 0) + 1
-            if n <= EXAMPLES_PER_KIND:
-                where = {"source": counts["name"]} if self.labelled else {}
-                self.examples.append(
-                    {**where, "row": position, "id": sample_id, "kind": status, "reason": reason}
-                )
+            self._example(counts, position, sample_id, status, reason)
         if status in ("kept", "truncated"):
             counts["kept"] += 1
             counts["tokens"] += tokens
             for what in unrendered:
                 counts["unrendered"][what] = counts["unrendered"].get(what, 0) + 1
+            for what in (ids_from, "prompt_differs" if prompt_differs else ""):
+                if what:
+                    counts["token_ids"][what] = counts["token_ids"].get(what, 0) + 1
+            if prompt_differs:
+                self._example(counts, position, sample_id, "prompt_differs", prompt_differs)
+
+    def _example(self, counts: dict, position: int, sample_id: str, kind: str, reason: str) -> None:
+        n = self._per_kind[kind] = self._per_kind.get(kind, 0) + 1
+        if n <= EXAMPLES_PER_KIND:
+            where = {"source": counts["name"]} if self.labelled else {}
+            self.examples.append({**where, "row": position, "id": sample_id, "kind": kind, "reason": reason})
 
     def report(self) -> DataReport:
         total = {key: sum(s[key] for s in self.sources) for key in (*COUNTS, "tokens")}
         unrendered: dict[str, int] = {}
+        token_ids: dict[str, int] = {}
         for s in self.sources:
-            for what, n in s["unrendered"].items():
-                unrendered[what] = unrendered.get(what, 0) + n
+            for into, key in ((unrendered, "unrendered"), (token_ids, "token_ids")):
+                for what, n in s[key].items():
+                    into[what] = into.get(what, 0) + n
         return DataReport(
             **total,
             max_length=self.max_length,
             examples=self.examples,
             sources=self.sources,
             unrendered=unrendered,
+            token_ids=token_ids,
         )
 
     def check_usable(self, labels: list[str], *, cut: bool = False) -> None:

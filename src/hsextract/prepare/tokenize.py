@@ -36,9 +36,10 @@ from hsextract.prepare.tokenfile import TokenFileWriter, TokenizedSamples
 log = logging.getLogger(__name__)
 
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
-"""2: a turn's mask starts after what the generation prompt writes; dropped reasoning counted per turn."""
+"""2: a turn's mask starts after what the generation prompt writes; dropped reasoning counted per turn. 3: a
+reply's ids as the server sent them, cut replies end where their text ends, ``--rows per-turn``."""
 
 
 CHUNK_ROWS = 256
@@ -123,24 +124,23 @@ def _init_worker(
 
 
 def _encode_chunk(chunk: list[tuple[int, int, Any]]) -> tuple[list[tuple], np.ndarray, np.ndarray]:
-    """Per row ``(source, position, row_id, status, reason, tokens, digest, unrendered)``, then the kept rows' ids and masks
-    concatenated: two arrays per chunk travel back, not two per row."""
+    """Per sample ``(source, position, row_id, status, reason, tokens, digest, notes)`` (notes: ``RowEncoder.encode_rows``'s
+    last three), then the kept samples' ids and masks concatenated: two arrays per chunk travel back, not two per row."""
     assert _worker_encoder is not None, "_init_worker runs first in every tokenizer process"
     rows, ids, masks = [], [], []
     for source, position, row in chunk:
         if isinstance(row, JsonLine):
             row = finish_row(row, _worker_columns[source])
-        _, row_id, status, reason, row_ids, row_mask = _worker_encoder.encode(position, row)
-        if row_ids is None:
-            rows.append((source, position, row_id, status, reason, 0, b"", ()))
-            continue
-        row_ids = np.ascontiguousarray(row_ids, dtype=np.int32)
-        digest = hashlib.blake2b(row_ids.tobytes(), digest_size=16).digest()
-        rows.append(
-            (source, position, row_id, status, reason, len(row_ids), digest, _worker_encoder.unrendered)
-        )
-        ids.append(row_ids)
-        masks.append(np.asarray(row_mask, dtype=np.uint8))
+        for sample in _worker_encoder.encode_rows(position, row):
+            _, row_id, status, reason, row_ids, row_mask, *notes = sample
+            if row_ids is None:
+                rows.append((source, position, row_id, status, reason, 0, b"", tuple(notes)))
+                continue
+            row_ids = np.ascontiguousarray(row_ids, dtype=np.int32)
+            digest = hashlib.blake2b(row_ids.tobytes(), digest_size=16).digest()
+            rows.append((source, position, row_id, status, reason, len(row_ids), digest, tuple(notes)))
+            ids.append(row_ids)
+            masks.append(np.asarray(row_mask, dtype=np.uint8))
     if not ids:
         return rows, np.zeros(0, np.int32), np.zeros(0, np.uint8)
     return rows, np.concatenate(ids), np.concatenate(masks)
@@ -244,7 +244,7 @@ def _tokenize(
     ):
         for rows, ids, mask in chunks:
             kept_ids, lengths, cut, at = [], [], [], 0
-            for source, position, row_id, status, reason, tokens, digest, unrendered in rows:
+            for source, position, row_id, status, reason, tokens, digest, notes in rows:
                 sample_id = mix.sample_id(source, row_id)
                 at += tokens
                 if tokens and dedupe:
@@ -254,7 +254,7 @@ def _tokenize(
                         builder.add(source, position, sample_id, status, reason, 0)
                         continue
                     seen.add(digest)
-                builder.add(source, position, sample_id, status, reason, tokens, unrendered)
+                builder.add(source, position, sample_id, status, reason, tokens, *notes)
                 if tokens:
                     kept_ids.append(sample_id)
                     lengths.append(tokens)

@@ -105,9 +105,11 @@ class RecordedTokenizer:
     in ``record_dir`` when the tokenizer's files match one, else from the tokenizer, loaded then (and recorded);
     ``load()`` gives the tokenizer itself, for tokenizing."""
 
-    def __init__(self, model: str, record_dir: Path | None, trust_remote_code: bool = False):
+    def __init__(self, model: str, record_dir: Path | None, trust_remote_code: bool = False, echo=None):
         self.model = model
         self.trust_remote_code = trust_remote_code
+        self.echo = echo or (lambda line: log.info("%s", line))
+        """Where the slow first use of a tokenizer says what it does (tens of seconds for a real one)."""
         self.files = files_digest(model) if record_dir is not None else None
         key = None if self.files is None else self.files[:24]
         self.path = None if key is None else Path(record_dir) / f"tokenizer-{key}.json"
@@ -122,6 +124,10 @@ class RecordedTokenizer:
         if self._tokenizer is None:
             self._tokenizer = self._from_snapshot()
         if self._tokenizer is None:
+            self.echo(
+                "tokenizer: loading it through transformers and recording it (the first use of these tokenizer "
+                "files; later runs read the record)"
+            )
             tokenizer = load_tokenizer(self.model, self.trust_remote_code)
             self._record = {
                 "files_sha256": self.files,
@@ -155,7 +161,11 @@ class RecordedTokenizer:
             return spec_from_json(self._kept(self.tiktoken_path, "tiktoken_sha256"))
         except Exception:  # a missing or damaged file costs the check, never the run
             pass
-        spec = spec_of(self.load())
+        tokenizer = self.load()
+        self.echo(
+            f"tokenizer: checking the tiktoken fast path on its {len(tokenizer):,} tokens (once for these files)"
+        )
+        spec = spec_of(tokenizer)
         if self.path is not None:
             self._keep(self.tiktoken_path, "tiktoken_sha256", spec_to_json(spec))
             self._write()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from hsextract.errors import HsextractError
+from hsextract.regenerate import token_ids
 from hsextract.regenerate.replies import Provenance, message_problem
 
 CHECK_TIMEOUT_S = 10.0
@@ -74,6 +75,8 @@ class Endpoint:
     """The model ids its ``/v1/models`` listed (None: none asked or none listed)."""
     answers_as: str | None = None
     """The ``model`` its first stored reply named: every later reply must name it too (replies.py)."""
+    gives_ids: bool = True
+    """Asked for token ids until it refuses the field (``token_ids.refuses_fields``)."""
 
     def succeeded(self) -> None:
         self.failing_since = None
@@ -120,6 +123,11 @@ class EndpointPool:
             self.went_down.append(endpoint.url)
 
 
+ASK_WITHOUT_IDS = object()
+
+"""An endpoint refused the token-id fields: the request goes again without them (no retry counted)."""
+
+
 @dataclass(frozen=True)
 class Retry:
     """A try that may succeed later: why it failed, the server's ``Retry-After``, whether the endpoint is to blame."""
@@ -137,6 +145,8 @@ class Counters:
     requests: int = 0
     retries: int = 0
     tokens: int = 0
+    with_ids: int = 0
+    """Replies that carry the server's token ids."""
 
 
 class ChatClient:
@@ -170,11 +180,14 @@ class ChatClient:
         body = {"model": self.served_model, "messages": messages, **self.options}
         if tools:
             body["tools"] = tools
-        data = json.dumps(body, ensure_ascii=False).encode()
+        data = {True: token_ids.body(body, True), False: token_ids.body(body, False)}
         retry, avoid = 0, None
         while True:
             endpoint = self.pool.pick(avoid)
-            outcome = await self._attempt(endpoint, data)
+            asked_ids = endpoint.gives_ids
+            outcome = await self._attempt(endpoint, data[asked_ids], asked_ids)
+            if outcome is ASK_WITHOUT_IDS:
+                continue
             if not isinstance(outcome, Retry):
                 return outcome
             if outcome.endpoint_fault:
@@ -196,11 +209,15 @@ class ChatClient:
         self.provenance.accept(endpoint, response["model"], response["id"])
         endpoint.succeeded()
         self.counters.tokens += tokens
+        self.counters.with_ids += token_ids.COMPLETION_IDS in reply
         self.answered_any, self.refused_in_a_row = True, 0
         return reply
 
-    async def _attempt(self, endpoint: Endpoint, data: bytes) -> dict | Retry:
-        """The reply, or a ``Retry``; raises ``RowFailed`` for a refused request and ``Stop`` for a refused key."""
+    async def _attempt(
+        self, endpoint: Endpoint, data: bytes, asked_ids: bool = False
+    ) -> dict | Retry | object:
+        """The reply, a ``Retry`` or ``ASK_WITHOUT_IDS``; raises ``RowFailed`` for a refused request and ``Stop``
+        for a refused key."""
         counters = self.counters
         counters.requests += 1
         endpoint.in_flight += 1
@@ -209,13 +226,13 @@ class ChatClient:
                 endpoint.url + "/chat/completions", data=data, headers=self.headers, timeout=self.timeout
             ) as response:
                 status = response.status
+                if status != 200:  # before the first await: the connection is still this request's
+                    _close_connection(response)
                 payload = await response.read()
                 retry_after = _retry_after(response.headers.get("Retry-After"))
                 outcome = self._reply(endpoint, payload) if status == 200 else None
-                if status != 200 or isinstance(outcome, Retry):
-                    _close_connection(
-                        response
-                    )  # what follows on it may be a copy of this answer, not the next
+                if isinstance(outcome, Retry):
+                    _close_connection(response)
         except asyncio.TimeoutError:
             return Retry("timeout")
         except aiohttp.ClientConnectorError:
@@ -230,6 +247,10 @@ class ChatClient:
             raise Stop(auth_message(endpoint.url, status, self.key_env))
         if self.policy.retried(status):
             return Retry(f"HTTP {status}", retry_after, endpoint_fault=status != 429)  # 429: busy, not broken
+        if asked_ids and token_ids.refuses_fields(status, payload):
+            endpoint.gives_ids = False
+            counters.requests -= 1  # asked again at once, as if never sent
+            return ASK_WITHOUT_IDS
         self.refused_in_a_row += 1
         detail = _detail(payload)
         if not self.answered_any and self.refused_in_a_row >= REFUSALS_BEFORE_STOP:
@@ -241,9 +262,9 @@ class ChatClient:
 
 
 def parse_reply(payload: bytes) -> tuple[dict, int, dict]:
-    """The stored reply (the one choice's message as returned, plus its ``finish_reason``), the completion tokens
-    the server counted, and the response's ``model`` and ``id``; ``ValueError`` naming what makes the reply one
-    not to store (replies.py)."""
+    """The stored reply (the one choice's message as returned, plus its ``finish_reason`` and the server's token
+    ids where it gave them), the completion tokens the server counted, and the response's ``model`` and ``id``;
+    ``ValueError`` naming what makes the reply one not to store (replies.py)."""
     try:
         data = json.loads(payload)
         choices = data["choices"]
@@ -259,15 +280,20 @@ def parse_reply(payload: bytes) -> tuple[dict, int, dict]:
         raise ValueError(problem)
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     tokens = usage.get("completion_tokens")
-    reply = {**message, "finish_reason": choice.get("finish_reason")}
+    reply = {**message, "finish_reason": choice.get("finish_reason"), **token_ids.reply_ids(data, choice)}
     return reply, tokens if isinstance(tokens, int) else 0, {"model": data.get("model"), "id": data.get("id")}
 
 
 def _close_connection(response) -> None:
-    """Close the connection ``response`` came on, though its body is read (aiohttp has released it to the pool by
-    then): what it carries next is not the answer of the request sent next."""
-    protocol = getattr(response, "_protocol", None)
-    if protocol is not None:
+    """Close the connection ``response`` came on: what it carries next may be a copy of this answer, not the answer
+    to the request sent next. Still held, it is closed when aiohttp releases it; released already (the answer came
+    whole with its headers), it is idle in the pool, closed at once. Before the response's first ``await`` nothing
+    else ran since the release, so no other request holds it; after one (a 200 found bad once read), another request
+    may have taken it meanwhile, and fails with it (a retry)."""
+    connection = response.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.force_close()
+    elif (protocol := getattr(response, "_protocol", None)) is not None:
         protocol.close()
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from hsextract.config import template_kwargs_json
 from hsextract.errors import HsextractError, hide, redact
+from hsextract.prepare.template_args import template_kwargs_json
 
 TURNS = ("all", "first")
 COMPRESSIONS = ("zstd", "gzip")

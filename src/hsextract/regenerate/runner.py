@@ -30,6 +30,7 @@ from hsextract.regenerate.client import (
 )
 from hsextract.regenerate.config import RegenerateConfig
 from hsextract.regenerate.ledger import Ledger
+from hsextract.regenerate.owner import own_output
 from hsextract.regenerate.rows import Selection, select, to_request
 from hsextract.regenerate.turns import Conversation
 from hsextract.storage.fileio import user_cache_dir
@@ -69,6 +70,13 @@ class Totals:
                 f"generated {client.tokens} tokens in {self.seconds:.1f} s: {rate:.1f} tok/s over "
                 f"{client.requests} requests ({client.retries} retries)"
             )
+        if client.requests and not client.with_ids:
+            lines.append(
+                "the servers gave no token ids: hsextract run renders these replies from their text (vLLM and SGLang "
+                "give ids: docs/DATA.md)"
+            )
+        elif client.requests:
+            lines.append(f"{client.with_ids} replies carry the server's token ids")
         for url in self.went_down:
             lines.append(f"endpoint {url} failed for --endpoint-down-after and was taken out of the rotation")
         if self.truncated:
@@ -140,6 +148,11 @@ def regenerate(
     """Run the job; 0 when every row is in the output, 1 when some failed. ``totals`` (given) is filled."""
     key = cfg.api_key()
     echo = _redacting(echo)
+    with own_output(cfg.output):  # before the output is read: a second process touches nothing of the first's
+        return _regenerate(cfg, key, restart=restart, show_progress=show_progress, echo=echo, totals=totals)
+
+
+def _regenerate(cfg: RegenerateConfig, key, *, restart: bool, show_progress: bool, echo, totals) -> int:
     mix = resolve_sources(
         cfg.data, seed=cfg.data_seed, cache_dir=_cache_dir(), s3_endpoint_url=cfg.s3_endpoint_url
     )

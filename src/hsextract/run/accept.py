@@ -88,6 +88,8 @@ def claim(cfg: RunConfig, sink, plan: Plan, *, new_run_dir: bool) -> None:
             f"output {cfg.output} is being written by this job on {held.get('nodes', 1)} node(s), but this node "
             f"was started as one of {cfg.nodes}: every node (and every rerun) must give the same node count"
         )
+    if held.get("plan_hash") == plan.plan_hash:
+        refuse_a_live_claimant(cfg, held)
     if held.get("plan_hash") != plan.plan_hash:
         changes = fingerprint_changes(held.get("fingerprint", {}), plan.fingerprint)
         if held.get("shards") != plan.shards:
@@ -97,6 +99,25 @@ def claim(cfg: RunConfig, sink, plan: Plan, *, new_run_dir: bool) -> None:
             + ("What differs:\n  " + "\n  ".join(changes) + "\n" if changes else "")
             + "Choose another --output, rerun that job's own command to resume it, or delete that output to "
             "reuse the place (docs/OPERATIONS.md)."
+        )
+
+
+def refuse_a_live_claimant(cfg: RunConfig, held: dict) -> None:
+    """This job's output, claimed from another run dir on this host: if a run there is running this node's
+    shards now, a second one would compute and upload the same batches beside it (and discard its partial
+    uploads). A claimant on another host (another node of the job, or a lost run dir) is not seen from here."""
+    who = held.get("started_by") or {}
+    other = who.get("run_dir")
+    if who.get("host") != socket.gethostname() or not isinstance(other, str):
+        return
+    if Path(other) == Path(cfg.run_dir).resolve():
+        return
+    holder = RunDir(other).shards_in_use(cfg.local_shards)
+    if holder:
+        raise HsextractError(
+            f"output {cfg.output} is being written by another hsextract run ({holder}, run dir {other}): a "
+            f"second run would race it on the same batches. Wait for it to finish (hsextract status {other}) "
+            "or stop it first"
         )
 
 

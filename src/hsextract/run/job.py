@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from hsextract.config import RunConfig
-from hsextract.run.launcher import begin_startup, launch
+from hsextract.run.launcher import begin_startup, chosen_shards, launch
 from hsextract.run.preflight import check_places_and_files, prepare_checked
 from hsextract.run.rundir import RunDir
 
@@ -24,12 +24,14 @@ def run_job(
     """Prepare and run this node's shards; returns the exit code (``launch``'s). ``confirm(question)``: whether a
     ``restart`` may delete a finished output (None: it may not)."""
     t0 = time.time()
-    with RunDir(cfg.run_dir).launcher_lock(exclusive=restart):
+    run_dir, shards = RunDir(cfg.run_dir), chosen_shards(cfg, only_shards)
+    with run_dir.launcher_lock(exclusive=restart), run_dir.owning_shards(shards, cfg.output):
         check_places_and_files(cfg)
-        with begin_startup(cfg) as startup:
-            plan = prepare_checked(
-                cfg, restart=restart, echo=echo, show_progress=show_progress, confirm=confirm
-            )
+        with begin_startup(cfg, shards) as startup:
+            with run_dir.preparing(echo):  # a run of other shards of this run dir prepares before or after
+                plan = prepare_checked(
+                    cfg, restart=restart, echo=echo, show_progress=show_progress, confirm=confirm
+                )
             echo(
                 f"prepared in {time.time() - t0:.1f} s; starting {cfg.shards} shard(s), logs in {cfg.run_dir}/logs"
             )

@@ -57,10 +57,12 @@ def _die_with_launcher():
     return functools.partial(die_with_parent, os.getpid())
 
 
-def begin_startup(cfg: RunConfig) -> Startup:
-    """Start-up for this node's shards (hsextract/startup/), begun once the places are checked: on CUDA the early
-    workers start now, so that their imports overlap the preparation."""
-    return begin(cfg, RunDir(cfg.run_dir).startup, program=WORKER_ENTRY, preexec_fn=_die_with_launcher())
+def begin_startup(cfg: RunConfig, shards=None) -> Startup:
+    """Start-up for ``shards`` (default: this node's; hsextract/startup/), begun once the places are checked: on
+    CUDA the early workers start now, so that their imports overlap the preparation."""
+    return begin(
+        cfg, RunDir(cfg.run_dir).startup, program=WORKER_ENTRY, preexec_fn=_die_with_launcher(), shards=shards
+    )
 
 
 def launch(
@@ -77,12 +79,8 @@ def launch(
 
     ``startup`` (``begin_startup``) starts the workers, taking those started before the plan was ready; one is
     begun here if none is given."""
-    local = cfg.local_shards
-    shards = sorted(only_shards) if only_shards else local
-    bad = [s for s in shards if s not in local]
-    if bad:
-        raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
-    startup = startup or begin_startup(cfg)
+    shards = owned = chosen_shards(cfg, only_shards)
+    startup = startup or begin_startup(cfg, owned)
     try:
         for attempt in range(2):
             code = _run_shards(cfg, plan, shards, startup, show_progress=show_progress, echo=echo)
@@ -101,7 +99,17 @@ def launch(
         return 1
     finally:  # failed or stopped too: what a resume needs is in files, and a directory holding one stays
         startup.close()
-        remove_empty_staging(cfg, plan.shards)
+        remove_empty_staging(cfg, owned)
+
+
+def chosen_shards(cfg: RunConfig, only_shards=None) -> list[int]:
+    """The shards this run runs: ``--only-shards``, else every shard of this node."""
+    local = cfg.local_shards
+    shards = sorted(only_shards) if only_shards else local
+    bad = [s for s in shards if s not in local]
+    if bad:
+        raise HsextractError(f"--only-shards {bad}: this node runs shards {local[0]}..{local[-1]}")
+    return shards
 
 
 def _run_shards(
@@ -261,12 +269,13 @@ def finish_output(sink, echo=print) -> tuple[int, set[str]]:
     return write_final_manifest(sink, manifest, *write_sample_index(sink, manifest), echo=echo)
 
 
-def remove_empty_staging(cfg: RunConfig, shards: int) -> None:
-    """Remove the run's staging directories that are empty (a finished, failed or stopped run leaves no empty
-    directory in /dev/shm); the default staging root too, if no other run uses it. A directory that still holds
-    anything (staged files a resume uploads) is left alone."""
+def remove_empty_staging(cfg: RunConfig, shards: list[int]) -> None:
+    """Remove the staging directories of ``shards`` (this run's own, ``RunDir.owning_shards``) that are empty, so
+    that a finished, failed or stopped run leaves no empty directory in /dev/shm; then the run dir's staging
+    directory and the default staging root, each only if empty (another run's shard directory keeps them). A
+    directory that still holds anything (staged files a resume uploads) is left alone."""
     staging = cfg.staging_dir
-    dirs = [staging / shard_name(s) for s in range(shards)] + [staging]
+    dirs = [staging / shard_name(s) for s in shards] + [staging]
     if cfg.staging is None:
         dirs.append(staging.parent)
     for d in dirs:

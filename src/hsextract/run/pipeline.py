@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -331,3 +331,34 @@ class Extractor:
                 return free.get(timeout=0.1)
             except queue.Empty:
                 continue
+
+
+def measure_rate(lm, layout: StateLayout, plan, samples, device, pad_token_id) -> tuple[float, dict]:
+    """The dry run's estimate: tokens/s of the capture path on a typical batch of the real plan (the median by padded size), timed on its
+    second pass so kernel compilation stays out. The proof batch is too small to say anything about speed."""
+    batch = sorted(plan.batches, key=lambda b: b.padded_tokens)[len(plan.batches) // 2]
+    # A plan over a sample's repeated lengths names sample i as i + k * n.
+    batch = replace(batch, sample_indices=tuple(i % len(samples) for i in batch.sample_indices))
+    extractor = Extractor(
+        lm,
+        layout.slot_layers,
+        device=device,
+        max_tokens=batch.num_tokens,
+        num_slots=2,
+        pad_token_id=pad_token_id,
+        storage_dtype=layout.storage_dtype,
+        target_topk=layout.target_topk,
+    )
+    extractor.run([batch], samples, lambda b, t: None)
+    t0 = time.perf_counter()
+    extractor.run([batch], samples, lambda b, t: None)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    shape = {
+        "rows": batch.rows,
+        "padded_length": batch.padded_length,
+        "tokens": batch.num_tokens,
+        "seconds": seconds,
+    }
+    return batch.num_tokens / seconds, shape

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -90,7 +91,7 @@ def prepare_checked(
         echo(line)  # before the capture, what the export would refuse after it
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
-    tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code)  # loaded if needed
+    tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code, echo)  # loaded if needed
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (prepare/publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
@@ -201,12 +202,13 @@ def check_no_overlap(cfg: RunConfig) -> None:
 
 def check_staging(staging: Path, need_bytes: int, max_gb: float | None = None) -> None:
     """The staging directory must be writable and hold at least one batch file, within ``max_gb``
-    (``--staging-max-gb``), else fail before any work. One made here goes again (the workers make it): a run
-    refused later leaves none behind."""
+    (``--staging-max-gb``), else fail before any work. One made here goes again if still empty (the workers make
+    it): a run refused later leaves none behind. The probe is this process's own: another run may be checking the
+    same directory."""
     made = not staging.exists()
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        probe = staging / ".probe"
+        probe = staging / f".probe-{os.getpid()}"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
@@ -215,7 +217,10 @@ def check_staging(staging: Path, need_bytes: int, max_gb: float | None = None) -
         ) from None
     free = shutil.disk_usage(staging).free
     if made:
-        staging.rmdir()
+        try:
+            staging.rmdir()
+        except OSError:  # another run's shard directory is in it now
+            pass
     if free < need_bytes:
         raise HsextractError(
             f"staging directory {staging} has {free / 1e9:.2f} GB free but one batch file needs up to "

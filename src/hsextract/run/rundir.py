@@ -13,7 +13,6 @@ import hashlib
 import os
 import re
 import shutil
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 from hsextract.errors import HsextractError, free_bytes
 from hsextract.output.ledger import shard_name
 from hsextract.startup.files import StartupFiles
+from hsextract.storage.fileio import hold_lock
 
 RUN_DIR_MIN_FREE_BYTES = 16 << 20
 
@@ -114,28 +114,70 @@ class RunDir:
         suffix = f".{role}" if role else ""
         return self.logs_dir / f"{shard_name(shard)}{suffix}.log"
 
+    def run_lock_file(self, shard: int) -> Path:
+        return self.locks_dir / f"{shard_name(shard)}.run.lock"
+
     def lock_shard(self, shard: int):
         """An exclusive lock on ``shard`` for the life of the process (the open file holding it): two processes
         running one shard would race on its staging directory and output keys. The kernel drops the lock when the
         process dies."""
-        path = self.lock_file(shard)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
+        f = hold_lock(self.lock_file(shard))
+        if isinstance(f, str):
             raise HsextractError(
-                f"shard {shard} of {self.root} is already being run by {holder}; "
+                f"shard {shard} of {self.root} is already being run by {f}; "
                 "wait for it (hsextract status) or stop it before rerunning"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        f.flush()
+            )
         return f
+
+    @contextmanager
+    def owning_shards(self, shards, output: str):
+        """The shards one ``hsextract run`` runs, owned by it (held, as the launcher lock is, for its life): their
+        staging directories and progress are its own, and nothing it does on its way out touches another's. Taken
+        before anything is prepared, so that a second run of the same shards is refused at once, touching nothing
+        of the first's."""
+        held = []
+        try:
+            for shard in shards:
+                f = hold_lock(self.run_lock_file(shard))
+                if isinstance(f, str):
+                    raise HsextractError(
+                        f"output {output} is being written by another hsextract run ({f}, run dir {self.root}, "
+                        f"shard {shard}): a second run would race it on the same batches. Wait for it to finish "
+                        f"(hsextract status {self.root}) or stop it first"
+                    )
+                held.append(f)
+            yield
+        finally:
+            for f in held:
+                f.close()
+
+    @contextmanager
+    def preparing(self, echo=print):
+        """Held while a run prepares (tokens, plan, run files): runs of other shards of this run dir write the same
+        files, so they prepare one after the other, the second waiting for the first."""
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.locks_dir / "prepare.lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                echo(f"waiting for another run on run dir {self.root} to finish preparing")
+                fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def shards_in_use(self, shards) -> str:
+        """Who runs one of ``shards`` of this run dir ("pid N on H"), or "" if no run holds them. Only looks: the
+        run dir may be another run's."""
+        for shard in shards:
+            try:
+                f = open(self.run_lock_file(shard))
+            except OSError:  # no run ever owned it here
+                continue
+            with f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return f.read().strip() or "another process"
+        return ""
 
     def check_space(self) -> None:
         """Refuse to start on a run dir file system with less than ``RUN_DIR_MIN_FREE_BYTES`` free."""
@@ -169,29 +211,32 @@ class RunDir:
 
     @contextmanager
     def launcher_lock(self, *, exclusive: bool):
-        """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (shards are
-        locked one by one by their workers), exclusive for ``--restart``, which must not clear progress and
-        staging under a run that is still going. A run dir this call made goes again if the run stops before
-        anything but the lock was written in it (a run refused by its checks leaves no empty run dir)."""
+        """Held by every ``hsextract run`` on this run dir for its whole life: shared by plain runs (each owns its
+        shards, ``owning_shards``), exclusive for ``--restart``, which must not clear progress and staging under a
+        run that is still going. A run dir this call made goes again if the run stops before anything but the lock
+        was written in it and no other run holds it (a run refused by its checks leaves no empty run dir)."""
         self.check_is_dir()
         made = None  # the highest directory this call makes (the run dir, or runs/ above it)
         for path in (self.root.absolute(), *self.root.absolute().parents):
             if path.exists():
                 break
             made = path
-        try:
-            with self._locked(exclusive=exclusive):
+        with self._locked(exclusive=exclusive) as f:
+            try:
                 yield
-        except BaseException:
-            if made is not None and self._holds_only_the_lock(made):
-                shutil.rmtree(made, ignore_errors=True)
-            raise
+            except BaseException:
+                # Two runs started together both see no run dir: only one left alone on it may remove it.
+                if made is not None and _alone(f) and self._holds_only_the_lock(made):
+                    shutil.rmtree(made, ignore_errors=True)
+                raise
 
     def _holds_only_the_lock(self, top: Path) -> bool:
-        """Nothing but the lock and the data files' hash memos (redone in milliseconds) was written under ``top``."""
-        lock, memos = self.locks_dir.absolute() / "launcher.lock", self.cache_dir.absolute()
+        """Nothing but the locks and the data files' hash memos (redone in milliseconds) was written under ``top``."""
+        locks, memos = self.locks_dir.absolute(), self.cache_dir.absolute()
         return all(
-            p == lock or (p.parent == memos and p.name.startswith("data-") and p.suffix == ".json")
+            p == locks / "launcher.lock"
+            or (p.parent == locks and (p.name.endswith(".run.lock") or p.name == "prepare.lock"))
+            or (p.parent == memos and p.name.startswith("data-") and p.suffix == ".json")
             for p in top.rglob("*")
             if not p.is_dir()
         )
@@ -217,7 +262,16 @@ class RunDir:
                     )
                     + "; wait for it to finish (hsextract status) or stop it first"
                 ) from None
-            yield
+            yield f
+
+
+def _alone(f) -> bool:
+    """Whether the lock held through ``f`` can be made exclusive now: no other process holds it."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from hsextract.storage.fileio import atomic_write
 log = logging.getLogger(__name__)
 
 
-def begin(cfg: RunConfig, files: StartupFiles, *, program: str, preexec_fn=None) -> Startup:
+def begin(cfg: RunConfig, files: StartupFiles, *, program: str, preexec_fn=None, shards=None) -> Startup:
     """Start-up for this node's shards, begun once the places are checked (before the model's config is read): on
     CUDA the early workers start now. ``program`` is the worker's (``python -c``), ``preexec_fn`` runs in every
     child (the launcher's die-with-parent). Use it as a context: at its end the early workers not taken are let
     go and the warm-up is ended."""
-    startup = Startup(cfg, files, program=program, preexec_fn=preexec_fn)
+    startup = Startup(cfg, files, program=program, preexec_fn=preexec_fn, shards=shards)
     if prestart_enabled(cfg):
         startup.start_early()
     return startup
@@ -38,8 +38,10 @@ def begin(cfg: RunConfig, files: StartupFiles, *, program: str, preexec_fn=None)
 class Startup:
     """The kernel cache, the early workers and the warm-up of one run on this node."""
 
-    def __init__(self, cfg: RunConfig, files: StartupFiles, *, program: str, preexec_fn=None):
+    def __init__(self, cfg: RunConfig, files: StartupFiles, *, program: str, preexec_fn=None, shards=None):
         self.cfg, self.files, self.program, self.preexec_fn = cfg, files, program, preexec_fn
+        self.shards = list(cfg.local_shards if shards is None else shards)
+        """The shards this run owns (``--only-shards``, else the node's): only theirs are started early."""
         self.early: dict[int, subprocess.Popen] = {}
         self.warm: Warmup | None = None
 
@@ -51,7 +53,7 @@ class Startup:
     def start_early(self) -> None:
         """One worker per local shard, started before the plan is ready; it imports, then waits for its go."""
         kernel_dir = self.kernel_cache().dir
-        for shard in self.cfg.local_shards:
+        for shard in self.shards:
             go = self.files.go_file(shard)
             go.parent.mkdir(parents=True, exist_ok=True)
             go.unlink(missing_ok=True)

@@ -120,6 +120,29 @@ def cache_home(env=None) -> Path:
     return Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME") or Path.home()) / ".cache") / "hsextract"
 
 
+def hold_lock(path: str | os.PathLike[str]):
+    """An exclusive lock on ``path`` (made if absent), held by the returned open file for as long as it is open
+    (the kernel drops it when the process dies), naming this process in the file; else who holds it ("pid N on
+    H", as its holder wrote). How a process owns what one process at a time may write."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        return holder
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
+
+
 def user_cache_dir(name: str, fallback: Path) -> Path:
     """``name`` in the user's cache, shared by every job on this machine (what is kept there is keyed by what it
     was made from), or ``fallback`` when that cannot be written."""

@@ -39,6 +39,20 @@ def test_a_second_launch_answers_from_the_record_without_loading_the_tokenizer(m
     assert second.load().pad_token_id == second.pad_token_id
 
 
+def test_the_slow_first_use_of_a_tokenizer_says_what_it_does_and_a_recorded_one_is_silent(model, tmp_path):
+    said = []
+    first = RecordedTokenizer(str(model), tmp_path / "cache", echo=said.append)
+    first.load()
+    first.tiktoken_spec()
+    assert [line.split(":")[0] for line in said] == ["tokenizer", "tokenizer"], said
+    assert "loading it through transformers" in said[0] and "checking the tiktoken fast path" in said[1]
+    said.clear()
+    again = RecordedTokenizer(str(model), tmp_path / "cache", echo=said.append)
+    again.load()
+    again.tiktoken_spec()
+    assert said == []  # the record and the snapshot answer at once
+
+
 @pytest.mark.parametrize(
     "change",
     [
