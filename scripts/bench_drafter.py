@@ -99,11 +99,11 @@ SIZES = {
         train=1200,
         heldout=32,
         max_tokens=768,
-        steps=500,
+        steps=300,
         batch_tokens=8192,
         anchors=256,
         decode_tokens=96,
-        decode_prompts=16,
+        decode_prompts=12,
         regen_tokens=160,
         variants=(
             "untrained",
@@ -259,10 +259,14 @@ def rendered(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], device: str) -> Source:
+def reference(
+    target: Path, rows: list[dict], out: Path, layer_ids: list[int], device: str, order: Path | None = None
+) -> Source:
     """A plain transformers forward of each row alone (float32, `output_hidden_states`), written in speculators'
     format: `datasets.save_to_disk` (input_ids, loss_mask, seq_len) + `hidden_states/hs_{i}.safetensors`
-    (`hidden_states` [T, k+1, H]: the outputs of the layers, then the final state before the norm)."""
+    (`hidden_states` [T, k+1, H]: the outputs of the layers, then the final state before the norm). With `order`
+    (an export's table), rows go in its order, so that both train on the same batches; each of its rows must be
+    one of ours token for token (hsextract's ids are `apply_chat_template`'s)."""
     if (out / "COMPLETE").exists():
         return Source(out)
     import torch
@@ -282,9 +286,19 @@ def reference(target: Path, rows: list[dict], out: Path, layer_ids: list[int], d
         final["h"] = output[0] if isinstance(output, tuple) else output
 
     hook = model.model.layers[n_layers - 1].register_forward_hook(keep)
+    todo = [rendered(tokenizer, messages_of(row)) for row in rows]
+    if order is not None:
+        from datasets import load_from_disk
+
+        at = {tuple(ids): (ids, mask) for ids, mask in todo}
+        theirs = [tuple(torch.as_tensor(r).tolist()) for r in load_from_disk(str(order))["input_ids"]]
+        unknown = [i for i, ids in enumerate(theirs) if ids not in at]
+        if unknown or len(theirs) != len(todo):
+            raise SystemExit(f"{len(unknown)} of the export's {len(theirs)} rows are no apply_chat_template "
+                             f"rendering of ours ({len(todo)}): first at row {unknown[:1]}")  # fmt: skip
+        todo = [at[ids] for ids in theirs]
     with torch.no_grad():
-        for i, row in enumerate(rows):
-            ids, mask = rendered(tokenizer, messages_of(row))
+        for i, (ids, mask) in enumerate(todo):
             hs = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
             layers = [hs[k + 1][0] for k in layer_ids]  # the output of layer k is hidden_states[k + 1]
             states = torch.stack([*layers, final["h"][0]], dim=1).to(device="cpu", dtype=store)
@@ -559,7 +573,9 @@ def main() -> None:
     t0 = time.perf_counter()
     held = reference(target, held_rows, work / "heldout-reference", layer_ids, device)
     sources: dict[str, Source | None] = {"untrained": None}
-    train_table = reference(target, train_rows, work / "reference", layer_ids, device)
+    union = ",".join(str(k) for k in sorted({*layer_ids, *(k + 1 for k in layer_ids)}))
+    hsx = extract(target, data, work / "hsextract", device, extract_dtype, layers=union)
+    train_table = reference(target, train_rows, work / "reference", layer_ids, device, order=hsx.table)
     for v in variants:
         if v == "untrained":
             continue
@@ -570,8 +586,7 @@ def main() -> None:
                 reference(target, train_rows, work / "reference", layer_ids, device), shift_token=1
             )
         elif v in ("hsextract", "layer+1"):  # one run captures both sets: the hooks see each layer alone
-            union = ",".join(str(k) for k in sorted({*layer_ids, *(k + 1 for k in layer_ids)}))
-            out = extract(target, data, work / "hsextract", device, extract_dtype, layers=union)
+            out = hsx
             # layer+1: each layer one deeper, as an extraction given vLLM's ids where hsextract's are meant
             chosen = layer_ids if v == "hsextract" else [k + 1 for k in layer_ids]
             sources[v] = replace(out, layers=",".join(map(str, chosen)))
