@@ -21,6 +21,9 @@ from hsextract.demo import write_jsonl
 from hsextract.prepare.chat import ChatOptions
 from hsextract.prepare.tokenize import load_samples
 
+# Real templates rendered turn by turn (and a loopback server): the slow tier, to keep the fast one in its budget.
+pytestmark = pytest.mark.slow
+
 THINKING = {"enable_thinking": True}
 
 

@@ -21,6 +21,9 @@ from hsextract.prepare.chat import ChatOptions, RowEncoder, marked_text
 from hsextract.prepare.tiktoken_bpe import spec_of
 from hsextract.prepare.tokenize import load_samples
 
+# Real templates rendered turn by turn (and a loopback server): the slow tier, to keep the fast one in its budget.
+pytestmark = pytest.mark.slow
+
 KWARGS = [
     {},
     {"enable_thinking": True},

@@ -22,6 +22,9 @@ from hsextract.prepare.chat import ChatOptions
 from hsextract.prepare.tokenize import load_samples
 from hsextract.regenerate.client import ChatClient, EndpointPool, RetryPolicy, parse_reply
 
+# Real templates rendered turn by turn (and a loopback server): the slow tier, to keep the fast one in its budget.
+pytestmark = pytest.mark.slow
+
 COMPLETION = (101, 102, 103)
 
 
