@@ -107,9 +107,8 @@ def test_two_regenerate_processes_on_one_output_one_answers_every_row_once_the_o
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "regen"
-    server = InstantServer(
-        model="org/model", delay_s=0.05
-    )  # the first is still answering when the second starts
+    # ten rounds of four requests of a second each: the first is still answering when the second starts
+    server = InstantServer(model="org/model", delay_s=1.0)
     args = [
         "regenerate",
         "--endpoint",
@@ -120,6 +119,8 @@ def test_two_regenerate_processes_on_one_output_one_answers_every_row_once_the_o
         data,
         "--output",
         out,
+        "--concurrency",
+        "4",
     ]
     try:
         results = started_together([*args, "--no-progress"], [*args, "--no-progress"])
