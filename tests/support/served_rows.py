@@ -156,3 +156,11 @@ def assistant_spans(tokenizer, text: str, kwargs: dict) -> list[tuple[int, int]]
     tail = re.escape(prompt.removeprefix("<|im_start|>assistant\n"))
     pattern = rf"<\|im_start\|>assistant\n(?:{tail})?(.*?<\|im_end\|>)"
     return [m.span(1) for m in re.finditer(pattern, text, re.S)]
+
+
+def qwen_tokenizer(name: str, folder):
+    """A tiktoken-style tokenizer carrying the public ``{name}.jinja`` template (qwen3, qwen3_6)."""
+    from support.tiktoken_tok import build_tiktoken_style_tokenizer
+
+    template = (CHAT_TEMPLATES / f"{name}.jinja").read_text()
+    return build_tiktoken_style_tokenizer(folder, ranks=4000, specials=33, chat_template=template)

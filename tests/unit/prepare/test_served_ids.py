@@ -14,8 +14,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-from support.served_rows import CHAT_TEMPLATES, assistant_spans, conversations, reference, served
-from support.tiktoken_tok import build_tiktoken_style_tokenizer
+from support.served_rows import (
+    CHAT_TEMPLATES,
+    assistant_spans,
+    conversations,
+    qwen_tokenizer,
+    reference,
+    served,
+)
 
 from hsextract.demo import write_jsonl
 from hsextract.prepare.chat import ChatOptions
@@ -29,11 +35,7 @@ THINKING = {"enable_thinking": True}
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_6"])
 def qwen(request, tmp_path_factory):
-    template = (CHAT_TEMPLATES / f"{request.param}.jinja").read_text()
-    tok = build_tiktoken_style_tokenizer(
-        tmp_path_factory.mktemp(request.param), ranks=4000, specials=33, chat_template=template
-    )
-    return request.param, tok
+    return request.param, qwen_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def by_id(samples) -> dict:

@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 import pytest
-from support.served_rows import CHAT_TEMPLATES, call, conversations, reference
+from support.served_rows import CHAT_TEMPLATES, call, conversations, qwen_tokenizer, reference
 from support.tiktoken_tok import build_tiktoken_style_tokenizer
 
 from hsextract.demo import write_jsonl
@@ -35,11 +35,7 @@ KWARGS = [
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_6"])
 def qwen(request, tmp_path_factory):
-    template = (CHAT_TEMPLATES / f"{request.param}.jinja").read_text()
-    tok = build_tiktoken_style_tokenizer(
-        tmp_path_factory.mktemp(request.param), ranks=4000, specials=33, chat_template=template
-    )
-    return request.param, tok
+    return request.param, qwen_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("kwargs", KWARGS, ids=lambda k: json.dumps(k) if k else "no-kwargs")
