@@ -1,14 +1,9 @@
-"""The tokenizer pool's start, safe from a Ctrl-C at any moment of it.
+"""The tokenizer pool's start, safe from a Ctrl-C at any moment of it (a terminal's Ctrl-C reaches the whole group).
 
-A terminal's Ctrl-C reaches the whole process group: a pool's process killed while it read its start-up data
-printed an UnpicklingError, and a Ctrl-C that arrived as the pool's start ended left the run hanging with the pool
-up. So the parent blocks SIGINT while it starts the processes, which inherit the blocked signal (a spawned process
-keeps its parent's signal mask) and ignore it for life once they run (the parent stops them); a Ctrl-C that
-arrives meanwhile is held, and raised by the caller's handler once the pool is started and ended again.
-
-Nothing here sets SIGINT to "ignored" in the parent: a signal that another thread takes (tqdm's monitor, a
-native library's thread) while it is ignored is dropped, and the run went on after the Ctrl-C. The resource
-tracker is started first, because its start unblocks SIGINT in the caller (``multiprocessing.resource_tracker``).
+The parent blocks SIGINT while it starts the processes, which inherit the block and ignore SIGINT once they run (the
+parent stops them); a Ctrl-C held meanwhile is raised once the pool is up and ended again. The parent never ignores
+SIGINT: a thread that takes it while it is ignored drops it. The resource tracker starts first, because its start
+unblocks SIGINT in the caller (``multiprocessing.resource_tracker``).
 """
 
 from __future__ import annotations
