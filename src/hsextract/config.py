@@ -24,7 +24,7 @@ import yaml
 from hsextract.errors import HsextractError, redact
 from hsextract.hub import checkpoint_dtype, is_hub_id
 from hsextract.layers import implies_final_state
-from hsextract.prepare.report import TOO_LONG_POLICIES
+from hsextract.prepare.report import TOO_LONG_POLICIES, bad_rows_limit
 from hsextract.prepare.served import ROWS
 from hsextract.prepare.template_args import template_kwargs_json
 from hsextract.storage.fileio import load_json, write_json
@@ -64,6 +64,14 @@ class RunConfig:
     revision: str | None = _opt(None)
     """With a Hub id: the branch, tag or commit to use (default: the cached snapshot of ``main``). The run
     records the snapshot's commit; a resume on another snapshot is refused."""
+
+    tokenizer: str | None = _opt(None)
+    """The tokenizer rows are rendered and tokenized with, instead of the model's own, as vLLM's and SGLang's
+    ``--tokenizer``: a local directory or a Hub id, found as ``model`` is. Its name and files are part of the plan:
+    a resume with another is refused."""
+
+    tokenizer_revision: str | None = _opt(None)
+    """With a Hub id for ``tokenizer``: the branch, tag or commit to use, as ``revision`` for the model."""
 
     trust_remote_code: bool = _opt(False)
     """Let transformers run code that the model's repository ships (its config, tokenizer or model class)."""
@@ -228,6 +236,12 @@ class RunConfig:
     model_commit: str | None = _opt(None, None)
     """Set by ``with_model_resolved``: the Hub commit of its snapshot (None for a local directory)."""
 
+    tokenizer_dir: str | None = _opt(None, None)
+    """Set by ``with_model_resolved``: the local directory ``tokenizer`` names (a Hub id's snapshot)."""
+
+    tokenizer_commit: str | None = _opt(None, None)
+    """Set by ``with_model_resolved``: the Hub commit of the tokenizer's snapshot (None for a local directory)."""
+
     def __post_init__(self):
         from hsextract.prepare.source_spec import parse_sources  # a leaf: parsing only, nothing is read
 
@@ -254,7 +268,7 @@ class RunConfig:
             raise HsextractError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}, bf16 or auto")
         if self.too_long not in TOO_LONG_POLICIES:
             raise HsextractError(f"--too-long {self.too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
-        object.__setattr__(self, "max_bad_rows", _bad_rows_limit(self.max_bad_rows))
+        object.__setattr__(self, "max_bad_rows", bad_rows_limit(self.max_bad_rows))
         k = self.target_topk
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
             raise HsextractError(f"--target-topk must be a whole number of tokens, got {k!r}")
@@ -312,6 +326,8 @@ class RunConfig:
         object.__setattr__(self, "chat_template_kwargs", template_kwargs_json(self.chat_template_kwargs))
         if self.chat_template is not None:
             self.chat_template_text  # noqa: B018 -- a missing file fails here
+        if self.tokenizer_revision and not self.tokenizer:
+            raise HsextractError(f"--tokenizer-revision {self.tokenizer_revision} pins --tokenizer: give one")
         if self.rows not in ROWS:
             raise HsextractError(f"--rows must be one of {', '.join(ROWS)}, got {self.rows!r}")
 
@@ -319,17 +335,26 @@ class RunConfig:
         """This config with ``model`` resolved to the directory every process reads (a Hub id's snapshot in the
         Hugging Face cache, downloaded if missing): done once, by the command the user runs; config.json carries
         the result to the workers."""
-        from hsextract.hub import resolve_model
+        from hsextract.hub import resolve_model, resolve_tokenizer
 
-        if not (Path(self.model).expanduser().is_dir() or is_hub_id(self.model)):
-            return self  # a path that is not there: the checks of the model say so, in their turn
-        resolved = resolve_model(self.model, self.revision)
-        return dataclasses.replace(self, model_dir=resolved.path, model_commit=resolved.commit)
+        cfg = self
+        if Path(self.model).expanduser().is_dir() or is_hub_id(self.model):  # else the model's checks say so
+            resolved = resolve_model(self.model, self.revision)
+            cfg = dataclasses.replace(cfg, model_dir=resolved.path, model_commit=resolved.commit)
+        if self.tokenizer is not None:  # a tokenizer not found fails here, before the model's config is read
+            tok = resolve_tokenizer(self.tokenizer, self.tokenizer_revision)
+            cfg = dataclasses.replace(cfg, tokenizer_dir=tok.path, tokenizer_commit=tok.commit)
+        return cfg
 
     @property
     def model_path(self) -> str:
         """Where the model's files are: the resolved directory, else ``model`` as given (a local directory)."""
         return self.model_dir or self.model
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer's files are: ``tokenizer``'s directory when one is given, else the model's."""
+        return self.tokenizer_dir or self.tokenizer or self.model_path
 
     @property
     def chat_options(self):
@@ -433,23 +458,6 @@ def field_docs(cls: type | None = None) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(doc.value.value)
     return docs
-
-
-def _bad_rows_limit(value) -> int | float | None:
-    """``--max-bad-rows`` as a count (int) or a fraction in [0, 1) (float)."""
-    number = value
-    if isinstance(value, str):
-        for kind in (int, float):
-            try:
-                number = kind(value.strip())
-                break
-            except ValueError:
-                continue
-    if value is None or (type(number) is int and number >= 0) or (type(number) is float and 0 <= number < 1):
-        return number
-    raise HsextractError(
-        f"--max-bad-rows {value!r}: give a count of rows (100) or a fraction of the rows read (0.01)"
-    )
 
 
 def node_shards(total_shards: int, nodes: int, rank: int) -> list[int]:

@@ -99,12 +99,15 @@ def pick_samples(lengths: np.ndarray, n: int, max_tokens: int) -> list[int]:
 
 def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> DryRunResult:
     """Run the proof, the health check and the estimate. ``lm``: a model already loaded (tests)."""
-    check_checkpoint(cfg.model_path, weights=lm is None and not cfg.random_weights)
+    weights = lm is None and not cfg.random_weights
+    check_checkpoint(cfg.model_path, weights=weights, tokenizer=cfg.tokenizer_dir or cfg.tokenizer)
     _config, text, num_layers = load_model_config(cfg.model_path, cfg.trust_remote_code)
     layer_ids = resolve_layer_ids(cfg.layers, num_layers)
     layout = run_layout(cfg, layer_ids, num_layers)
     check_target_topk(cfg.target_topk, text)
-    tokenizer = load_tokenizer(cfg.model_path, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer_path, cfg.trust_remote_code, "--tokenizer" if cfg.tokenizer else "--model"
+    )
     run_dir = RunDir(cfg.run_dir)
     options = encoding_options(cfg, run_dir)
     chat = options["chat"]
@@ -160,6 +163,9 @@ def dry_run(cfg: RunConfig, *, num_samples: int = 8, echo=print, lm=None) -> Dry
         "model": cfg.model,
         "model_dir": cfg.model_path,
         "model_commit": cfg.model_commit,
+        "tokenizer": cfg.tokenizer,
+        "tokenizer_dir": cfg.tokenizer_path,
+        "tokenizer_commit": cfg.tokenizer_commit,
         "chat": {
             "template": cfg.chat_template or "the tokenizer's own",
             "kwargs": chat.kwargs,

@@ -41,8 +41,13 @@ def format_report(report: dict) -> str:
     chat = report.get("chat")
     if chat:
         commit = f" (snapshot {report['model_commit'][:12]})" if report.get("model_commit") else ""
+        tokenizer = "the model's own"
+        if report.get("tokenizer"):
+            at = f" (snapshot {report['tokenizer_commit'][:12]})" if report.get("tokenizer_commit") else ""
+            tokenizer = f"--tokenizer {report['tokenizer']}, files {report['tokenizer_dir']}{at}"
         lines.append(
-            f"model files: {report.get('model_dir', report['model'])}{commit}; chat template: {chat['template']}"
+            f"model files: {report.get('model_dir', report['model'])}{commit}; tokenizer: {tokenizer}; "
+            f"chat template: {chat['template']}"
             + (f", arguments {json.dumps(chat['kwargs'])}" if chat["kwargs"] else "")
         )
         lines.append("first sample as the target sees it, «loss-masked tokens» (what the drafter learns):")

@@ -152,9 +152,10 @@ def _echoing(e: BaseException) -> bool:
     return False
 
 
-def load_or_explain(model: str, what: str, load):
-    """``load()``; transformers failing to read ``model`` becomes a one-line user error saying ``what`` failed."""
+def load_or_explain(model: str, what: str, load, flag: str = "--model"):
+    """``load()``; transformers failing to read ``model`` (given as ``flag``) becomes a one-line user error saying
+    ``what`` failed."""
     try:
         return load()
     except (OSError, ValueError) as e:
-        raise HsextractError(f"--model {model}: could not {what} ({str(e).splitlines()[0]})") from None
+        raise HsextractError(f"{flag} {model}: could not {what} ({str(e).splitlines()[0]})") from None

@@ -34,13 +34,19 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def check_checkpoint(model_dir: str | Path, *, weights: bool = True) -> None:
-    """Refuse a local model directory without a tokenizer, or (``weights``) without every weight file whole,
-    naming what is missing. Anything but a directory is left to the config's own check."""
+def check_checkpoint(
+    model_dir: str | Path, *, weights: bool = True, tokenizer: str | Path | None = None
+) -> None:
+    """Refuse a local model directory without a tokenizer (or the ``--tokenizer`` directory ``tokenizer``, when one
+    is given, without one), or (``weights``) without every weight file whole, naming what is missing. Anything but a
+    directory is left to the config's own check."""
+    if tokenizer is not None and Path(tokenizer).is_dir():
+        if (problem := missing_tokenizer(Path(tokenizer))) is not None:
+            raise HsextractError(f"--tokenizer {tokenizer}: {problem}")
     root = Path(model_dir)
     if not root.is_dir():
         return
-    if (problem := missing_tokenizer(root)) is not None:
+    if tokenizer is None and (problem := missing_tokenizer(root)) is not None:
         raise HsextractError(f"--model {root}: {problem}")
     if weights and (problem := missing_weights(root) or fp8_layout_problem(root)) is not None:
         raise HsextractError(f"--model {root}: {problem}")

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from hsextract.errors import HsextractError
+from hsextract.hub import did_you_mean
 from hsextract.layers import implies_final_state, parse_layers, presets_layer_ids, resolve_layer_ids
 
 TEXT_CONFIGS = ("text_config", "language_config", "llm_config")
@@ -28,8 +29,9 @@ def config_file(model: str, revision: str | None = None) -> Path:
     if path.exists() or model.count("/") != 1:
         raise HsextractError(
             f"--model {model}: no such directory, and not a Hub id of the form org/name either"
+            + did_you_mean(model)
         )
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
@@ -37,11 +39,13 @@ def config_file(model: str, revision: str | None = None) -> Path:
     except RepositoryNotFoundError:
         raise HsextractError(
             f"--model {model}: no such model on the Hub (or it is private: log in)"
+            + did_you_mean(model, constants.HF_HUB_CACHE)
         ) from None
     except LocalEntryNotFoundError:
         raise HsextractError(
             f"--model {model}: its config.json is not in the Hugging Face cache and the Hub cannot be reached "
             "(HF_HUB_OFFLINE=1 reads the cache only): download it once online, or give a local directory"
+            + did_you_mean(model, constants.HF_HUB_CACHE)
         ) from None
     except HfHubHTTPError as e:
         raise HsextractError(f"--model {model}: the Hub refused config.json ({e})") from None

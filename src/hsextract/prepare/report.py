@@ -336,8 +336,8 @@ def advice(counts: dict, examples: list[dict], max_length: int) -> str:
         )
     if "tokenizer" in reasons or "chat template" in reasons:
         return (
-            "The rows need what --model's tokenizer lacks: give the model directory its tokenizer's files and chat "
-            "template (the checkpoint's own), or pre-tokenized rows made with that tokenizer."
+            "The rows need what the tokenizer lacks (--tokenizer's when given, else --model's): give its directory "
+            "the tokenizer's files and chat template (the checkpoint's own), or pre-tokenized rows made with it."
         )
     if "none of the fields" in reasons:
         return (
@@ -345,3 +345,20 @@ def advice(counts: dict, examples: list[dict], max_length: int) -> str:
             "'data.jsonl?columns=messages:dialog' (docs/DATA.md), or drop the source."
         )
     return "Fix the rows or drop the source (docs/DATA.md lists the row kinds)."
+
+
+def bad_rows_limit(value) -> int | float | None:
+    """``--max-bad-rows`` as a count (int) or a fraction in [0, 1) (float)."""
+    number = value
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                number = kind(value.strip())
+                break
+            except ValueError:
+                continue
+    if value is None or (type(number) is int and number >= 0) or (type(number) is float and 0 <= number < 1):
+        return number
+    raise HsextractError(
+        f"--max-bad-rows {value!r}: give a count of rows (100) or a fraction of the rows read (0.01)"
+    )

@@ -444,14 +444,16 @@ def _selected_rows(source, seed: int) -> int:
     return available if source.spec.limit is None else min(source.spec.limit, available)
 
 
-def load_tokenizer(model: str, trust_remote_code: bool = False):
-    """The model's tokenizer, with a pad token (any id works: padding is on the right and masked out)."""
+def load_tokenizer(model: str, trust_remote_code: bool = False, flag: str = "--model"):
+    """The tokenizer in ``model`` (given as ``flag``), with a pad token (any id works: padding is on the right and
+    masked out)."""
     from transformers import AutoTokenizer
 
     tok = load_or_explain(
         model,
         "load its tokenizer",
         lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code),
+        flag,
     )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)

@@ -105,8 +105,12 @@ class RecordedTokenizer:
     in ``record_dir`` when the tokenizer's files match one, else from the tokenizer, loaded then (and recorded);
     ``load()`` gives the tokenizer itself, for tokenizing."""
 
-    def __init__(self, model: str, record_dir: Path | None, trust_remote_code: bool = False, echo=None):
+    def __init__(
+        self, model: str, record_dir: Path | None, trust_remote_code: bool = False, echo=None, flag="--model"
+    ):
         self.model = model
+        self.flag = flag
+        """The option that named ``model`` (``--model``, ``--tokenizer``): a load that fails names it."""
         self.trust_remote_code = trust_remote_code
         self.echo = echo or (lambda line: log.info("%s", line))
         """Where the slow first use of a tokenizer says what it does (tens of seconds for a real one)."""
@@ -128,7 +132,7 @@ class RecordedTokenizer:
                 "tokenizer: loading it through transformers and recording it (the first use of these tokenizer "
                 "files; later runs read the record)"
             )
-            tokenizer = load_tokenizer(self.model, self.trust_remote_code)
+            tokenizer = load_tokenizer(self.model, self.trust_remote_code, self.flag)
             self._record = {
                 "files_sha256": self.files,
                 "fingerprint": tokenizer_fingerprint(tokenizer),

@@ -76,7 +76,9 @@ def check_places_and_files(cfg: RunConfig) -> None:
     Once this holds the launcher may begin start-up (run/job.py): the model's config, read next, imports
     transformers."""
     check_places(cfg)
-    check_checkpoint(cfg.model_path, weights=not cfg.random_weights)
+    check_checkpoint(
+        cfg.model_path, weights=not cfg.random_weights, tokenizer=cfg.tokenizer_dir or cfg.tokenizer
+    )
     RunDir(cfg.run_dir).root.mkdir(parents=True, exist_ok=True)
 
 
@@ -91,7 +93,10 @@ def prepare_checked(
         echo(line)  # before the capture, what the export would refuse after it
     mix = resolve_data(cfg, run_dir)
     records = records_dir(run_dir.cache_dir)
-    tokenizer = RecordedTokenizer(cfg.model_path, records, cfg.trust_remote_code, echo)  # loaded if needed
+    flag = "--tokenizer" if cfg.tokenizer else "--model"
+    tokenizer = RecordedTokenizer(
+        cfg.tokenizer_path, records, cfg.trust_remote_code, echo, flag
+    )  # loaded if needed
     fingerprint = make_fingerprint(cfg, model, tokenizer, mix)
     # A multi-node job prepares once: node 0 publishes its tokens, the others take them (prepare/publish.py).
     with prepare_once(cfg, run_dir, mix, tokenizer, fingerprint, restart, echo) as once:
@@ -120,7 +125,9 @@ def check_inputs(cfg: RunConfig) -> ModelFacts:
     """The places and files, then the model config, the layer ids, the output and the staging space: fails fast,
     writes nothing."""
     check_places(cfg)
-    check_checkpoint(cfg.model_path, weights=not cfg.random_weights)
+    check_checkpoint(
+        cfg.model_path, weights=not cfg.random_weights, tokenizer=cfg.tokenizer_dir or cfg.tokenizer
+    )
     return check_model_and_output(cfg)
 
 
@@ -339,6 +346,11 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         **mix.fingerprint(),
         **tokenizer_fingerprint(tokenizer),
         **cfg.chat_options.fingerprint(),  # a given template's hash replaces the tokenizer's
+        **(
+            {"tokenizer": cfg.tokenizer, "tokenizer_revision": cfg.tokenizer_commit or ""}
+            if cfg.tokenizer
+            else {}
+        ),
         **model_identity(cfg, model.config),
         "layer_ids": list(model.layer_ids),
         "dtype": cfg.dtype,

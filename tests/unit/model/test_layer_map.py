@@ -67,7 +67,12 @@ def test_a_hub_id_reads_its_config_json_from_the_cache(tmp_path, monkeypatch):
     assert "dflash2  [5, 19, 33, 47, 61]; vLLM/speculators: [6, 20, 34, 48, 62]" in result.stdout
     missing = _layers("--model", "Qwen/Not-Cached")
     assert missing.exit_code == 2 and "not in the Hugging Face cache" in missing.stderr
-    assert "HF_HUB_OFFLINE=1" in missing.stderr
+    assert "HF_HUB_OFFLINE=1" in missing.stderr and "did you mean" not in missing.stderr
+    mistyped = _layers("--model", "Qwen/qwen3.6-27b")
+    assert mistyped.exit_code == 2
+    assert (
+        f"did you mean Qwen/Qwen3.6-27B (in the Hugging Face cache at {tmp_path / 'hub'})?" in mistyped.stderr
+    )
 
 
 def test_ids_out_of_range_and_a_config_without_layers_are_one_line_each(tmp_path):
