@@ -218,7 +218,7 @@ def extract(
             "run", "--model", str(target), "--data", str(data), "--output", str(out / "output"),
             "--run-dir", str(out / "run"), "--staging", str(out / "staging"), "--layers", layers, "--final-state",
             "--device", device, "--dtype", dtype, "--shards", "1", "--max-length", "4096", "--num-proc", "1",
-            "--no-progress", *extra,
+            "--max-tokens-per-batch", "4096", "--no-progress", *extra,
         )  # fmt: skip
         hsextract("export", str(out / "output"), str(table), "--format", "speculators", "--index-only",
                   "--num-proc", "1")  # fmt: skip
@@ -285,7 +285,9 @@ def reference(
         todo = [at[ids] for ids in theirs]
     with torch.no_grad():
         for i, (ids, mask) in enumerate(todo):
-            hs = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
+            hs = model.model(
+                torch.tensor([ids], device=device), output_hidden_states=True
+            ).hidden_states  # no logits
             layers = [hs[k + 1][0] for k in layer_ids]  # the output of layer k is hidden_states[k + 1]
             states = torch.stack([*layers, final["h"][0]], dim=1).to(device="cpu", dtype=store)
             save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)},

@@ -5,6 +5,7 @@ and the output is extracted by ``hsextract run`` and read back."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -267,7 +268,8 @@ def test_5xx_stalls_and_dropped_connections_are_retried(proxy, tmp_path):
         "4",
     )
     assert time.monotonic() - started < 60
-    assert "(8 retries)" in result.stdout and "failed" not in result.stdout
+    retries = re.search(r"\((\d+) retries\)", result.stdout)  # the 8 planted; a loaded machine may time out more
+    assert retries and int(retries.group(1)) >= 8 and "failed" not in result.stdout, result.stdout
     assert sorted(r["id"] for r in written(out)) == [f"p{i}" for i in range(8)]
     assert all(r["messages"][-1]["finish_reason"] in ("length", "stop") for r in written(out))
 
