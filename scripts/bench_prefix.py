@@ -5,8 +5,9 @@ Conversations of ``--turns`` turns (a user message, a reply with reasoning) are 
 by the public Qwen3 template, which drops earlier turns' reasoning: row k is the context up to turn k plus turn k's
 reply, so rows are not prefixes of each other. Modes, on the same rows and layers:
 
-- ``whole``: each row through the hooked model on its own (what a run computes today, padding aside);
-- ``shared``: ``prefix.capture_into``, each shared prefix once through transformers' cache.
+- ``whole``: each row through the hooked model on its own;
+- ``padded``: all rows in one right-padded batch, longest first (what a run computes today, as one batch);
+- ``shared``: ``prefix.capture_into``, each shared prefix once through transformers' cache, one row at a time.
 
 Printed per model (the tiny random qwen3_5 of the tests, a ``--hidden``-wide one of the same kind, a Llama):
 stored tokens (the rows' lengths), distinct tokens (the rows' token trie: the least any prefix sharing computes),
@@ -19,6 +20,7 @@ wall times (best of ``--repeat``).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import sys
@@ -77,6 +79,17 @@ def whole(cap: LayerCapture, rows: list[torch.Tensor], hidden: int) -> list[torc
     return out
 
 
+def padded(cap: LayerCapture, rows: list[torch.Tensor], hidden: int) -> None:
+    order = sorted(rows, key=len, reverse=True)
+    width = len(order[0])
+    ids = torch.zeros(len(order), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(order):
+        ids[r, : len(row)], mask[r, : len(row)] = row, 1
+    flat = mask.view(-1).nonzero().squeeze(1)
+    cap.forward(ids, mask, GatherTarget(flat, torch.empty(len(flat), len(cap.layer_ids), hidden)))
+
+
 def shared(cap: LayerCapture, rows: list[torch.Tensor], hidden: int) -> list[torch.Tensor]:
     target = GatherTarget(None, torch.empty(sum(map(len, rows)), len(cap.layer_ids), hidden))
     capture_into(cap, rows, target)
@@ -92,18 +105,19 @@ def timed(repeat: int, fn):
     return best, result
 
 
-def compare(lm, layer_ids, groups: list[list[list[int]]], repeat: int) -> tuple[float, float, float, float]:
-    """Wall times of ``whole`` and ``shared`` over the groups, and shared's largest absolute and relative (per
+def compare(lm, layer_ids, groups: list[list[list[int]]], repeat: int) -> tuple:
+    """Wall times of ``whole``, ``padded`` and ``shared`` over the groups, and shared's largest absolute and relative (per
     row, L2) difference from whole."""
     hidden = lm.config.hidden_size
     tensors = [[torch.tensor(r) for r in g] for g in groups]
     with LayerCapture(lm, layer_ids) as cap, torch.inference_mode():
         t_whole, ref = timed(repeat, lambda: [whole(cap, g, hidden) for g in tensors])
         t_shared, got = timed(repeat, lambda: [shared(cap, g, hidden) for g in tensors])
+        t_padded, _ = timed(repeat, lambda: padded(cap, [r for g in tensors for r in g], hidden))
     pairs = [(a, b) for ga, gb in zip(got, ref, strict=True) for a, b in zip(ga, gb, strict=True)]
     abs_diff = max((a - b).abs().max().item() for a, b in pairs)
     rel_diff = max(((a - b).norm() / b.norm()).item() for a, b in pairs)
-    return t_whole, t_shared, abs_diff, rel_diff
+    return t_whole, t_padded, t_shared, abs_diff, rel_diff
 
 
 def models(vocab: int, hidden: int) -> dict:
@@ -145,13 +159,13 @@ def main() -> None:
     tokenizer.chat_template = TEMPLATE.read_text()
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-        f"float32, layers {layer_ids}"
+        f"float32, layers {layer_ids}, load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        "| model | turns | rows | stored | distinct | computed whole | computed shared | shared/distinct "
-        "| max abs diff | max rel diff | whole s | shared s | whole/shared |"
+        "| model | turns | rows | stored | distinct | computed padded | computed shared | shared/distinct "
+        "| max abs diff | max rel diff | whole s | padded s | shared s | padded/shared |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, lm in models(len(tokenizer), args.hidden).items():
         lm.eval()
         for turns in args.turns:
@@ -160,11 +174,12 @@ def main() -> None:
             stored = sum(len(r) for g in groups for r in g)
             distinct = sum(distinct_tokens(g) for g in groups)
             computed = sum(computed_tokens(g) for g in groups)
-            t_whole, t_shared, abs_diff, rel_diff = compare(lm, layer_ids, groups, args.repeat)
+            padded_tokens = sum(map(len, groups)) * max(len(r) for g in groups for r in g)
+            t_whole, t_padded, t_shared, abs_diff, rel_diff = compare(lm, layer_ids, groups, args.repeat)
             print(
-                f"| {name} | {turns} | {sum(map(len, groups))} | {stored} | {distinct} | {stored} | {computed} "
-                f"| {computed / distinct:.3f} | {abs_diff:.1e} | {rel_diff:.1e} | {t_whole:.2f} | {t_shared:.2f} "
-                f"| {t_whole / t_shared:.2f} |"
+                f"| {name} | {turns} | {sum(map(len, groups))} | {stored} | {distinct} | {padded_tokens} | {computed} "
+                f"| {computed / distinct:.3f} | {abs_diff:.1e} | {rel_diff:.1e} | {t_whole:.2f} | {t_padded:.2f} "
+                f"| {t_shared:.2f} | {t_padded / t_shared:.2f} |"
             )
 
 
