@@ -38,8 +38,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def prefix_schedule(rows: Sequence[Sequence[int]]) -> list[list[Segment]]:
     """The forwards that capture ``rows`` with each shared prefix computed once, grouped by the row they finish,
-    in the order they run. A row ends at least one token past any checkpoint (a row that is a whole prefix of
-    another resumes one token early: a cache holds no states to copy out of)."""
+    in the order they run. Each row ends with a forward of at least its last token, where its states are joined
+    (a row that is a whole prefix of another runs its last token again)."""
     order = sorted(range(len(rows)), key=lambda i: list(rows[i]))
     # The branch depth of each row with the next in order; a checkpoint there serves the next row.
     branch = [common_prefix(rows[a], rows[b]) for a, b in zip(order, order[1:], strict=False)] + [0]
@@ -51,7 +51,7 @@ def prefix_schedule(rows: Sequence[Sequence[int]]) -> list[list[Segment]]:
         while depths[-1] > resume:
             depths.pop()
         segments, at = [], depths[-1]
-        if at < resume:  # the branch point was past the end of a row that is a prefix of this one
+        if at < resume:  # the row before, a prefix of this one, kept no checkpoint at its own end
             segments.append(Segment(i, at, resume, keep=True))
             depths.append(resume)
             at = resume
@@ -100,9 +100,8 @@ def capture_into(cap: LayerCapture, rows: Sequence[torch.Tensor], target: Gather
                 stack.pop()
             depth, held, before = stack[-1]
             assert depth == seg.start, (depth, seg)
-            cache = copy.deepcopy(
-                held
-            )  # the forward updates a cache in place; the checkpoint stays as it was
+            # The forward updates a cache in place: a copy, so the checkpoint stays as it was.
+            cache = copy.deepcopy(held)
             ids = rows[seg.row][seg.start : seg.end]
             n = len(ids)
             part = GatherTarget(

@@ -112,7 +112,7 @@ def test_a_stopped_pipeline_starts_no_further_batch(tiny_model):
 
 
 def test_per_turn_batches_with_shared_prefixes_store_what_whole_rows_store(tiny_lm):
-    """Two conversations' turn rows (3 and 10 turns) in one grouped plan: sharing prefixes computes each distinct
+    """Two conversations' turn rows (3 and 6 turns) in one grouped plan: sharing prefixes computes each distinct
     token once (counted at the embedding) and stores the same states, fp8 scales and top-k as padded whole rows."""
     import numpy as np
     from support.turns import distinct_tokens, turn_rows
@@ -122,7 +122,7 @@ def test_per_turn_batches_with_shared_prefixes_store_what_whole_rows_store(tiny_
     from hsextract.prepare.tokenfile import TokenizedSamples
     from hsextract.run.pipeline import Extractor
 
-    conversations = {"a": turn_rows(3, seed=3), "b": turn_rows(10, seed=10)}
+    conversations = {"a": turn_rows(3, seed=3), "b": turn_rows(6, seed=6)}
     ids = [f"{c}#t{k + 1}" for c, rows in conversations.items() for k in range(len(rows))]
     rows = [r for rs in conversations.values() for r in rs]
     lengths = [len(r) for r in rows]
@@ -156,7 +156,7 @@ def test_per_turn_batches_with_shared_prefixes_store_what_whole_rows_store(tiny_
     finally:
         counter.remove()
     distinct = sum(distinct_tokens(rs) for rs in conversations.values())
-    assert sum(computed) == distinct <= 1.15 * distinct < sum(lengths) / 2
+    assert sum(computed) == distinct < sum(lengths) / 1.9  # whole rows: the stored tokens and their padding
     whole, shared = stored[False], stored[True]
     assert whole.keys() == shared.keys()
     for key in ("input_ids", "loss_mask", "cu_seqlens", "sample_index"):
