@@ -402,6 +402,12 @@ class RunConfig:
         return self.kernels or ("fused" if self.device == "cuda" else "stock")
 
     @property
+    def share_prefixes(self) -> bool:
+        """Per-turn rows on the stock forward: a conversation's rows share one batch and each shared prefix is
+        computed once (model/prefix.py). The fused kernels keep no cache: their rows are computed whole."""
+        return self.rows == "per-turn" and self.kernel_mode == "stock"
+
+    @property
     def total_shards(self) -> int:
         return self.nodes * self.shards
 

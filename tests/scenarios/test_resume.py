@@ -423,3 +423,33 @@ def test_a_shard_already_being_run_is_refused(tmp_path, tiny_model, dataset):
         not RunDir(run_dir).progress_file(1).exists()
         or "failed" not in RunDir(run_dir).progress_file(1).read_text()
     )
+
+
+def test_per_turn_rows_with_shared_prefixes_resume_after_a_worker_kill_each_row_once(
+    tmp_path, tiny_model, dataset
+):
+    """``--rows per-turn`` on the CPU's stock forward: batches of whole conversations, each shared prefix computed
+    once. A worker killed after its first recorded batch, then the same command again: every turn row once, the
+    batch files byte-identical to an uninterrupted run's."""
+    ref_root, root = tmp_path / "ref", tmp_path / "crash"
+    root.mkdir()
+    ref_args = crash_run_args(ref_root, tiny_model, dataset[0], rows="per-turn", shards=1)
+    run_cli(*ref_args, timeout=RUN_TIMEOUT_S)
+    manifest = json.loads((ref_root / "out" / "manifest.json").read_text())
+    assert manifest["fingerprint"]["share_prefixes"] is True
+    turn_rows = [sid for b in manifest["batches"] for sid in b["sample_ids"]]
+    assert sum("#t2" in sid for sid in turn_rows) >= 10  # conversations of several turns
+    assert len(manifest["batches"]) >= 4
+
+    args = crash_run_args(root, tiny_model, dataset[0], rows="per-turn", shards=1)
+    run_dir = root / "run"
+    with launched(args, root) as proc:
+        wait_for(lambda: done_count(run_dir, 0), "a first batch", proc=proc, root=root)
+        pid = worker_pid(run_dir, 0)
+        os.kill(pid, signal.SIGSTOP)
+        wait_until_uploads_settle(run_dir, root / "out")
+        assert 0 < done_count(run_dir, 0) < len(manifest["batches"])
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=RUN_TIMEOUT_S) != 0
+    run_cli(*args, timeout=RUN_TIMEOUT_S)
+    assert_same_output_as_reference(root, ref_root, turn_rows)

@@ -145,6 +145,7 @@ def test_per_turn_rows_through_the_cli_the_reader_and_the_training_dataset(
 
     out = open_output(str(tmp_path / "out"))
     assert out.manifest["fingerprint"]["rows"] == "per-turn"
+    assert out.manifest["fingerprint"]["share_prefixes"] is True  # the CPU's stock forward shares prefixes
     want = {}
     for row in rows:
         turns = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
@@ -157,6 +158,14 @@ def test_per_turn_rows_through_the_cli_the_reader_and_the_training_dataset(
     for sample_id, (ids, mask) in want.items():
         assert out[sample_id]["input_ids"].tolist() == ids, sample_id
         assert out[sample_id]["loss_mask"].tolist() == mask, sample_id
+    # Each turn row's states, computed with the shared prefixes once, are its unbatched whole forward's.
+    from hsextract.model.load import load_model
+
+    lm = load_model(str(tiny_model), dtype="float32", device="cpu")
+    for sample_id, (ids, _) in want.items():
+        with torch.inference_mode():
+            ref = lm(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0]  # output of layer 1
+        torch.testing.assert_close(out[sample_id]["layers"][1], ref, rtol=1e-4, atol=1e-4)
     data = StatesMapDataset(str(tmp_path / "out"), "raw", dtype=torch.float32)
     assert sorted(len(data[i]["input_ids"]) for i in range(len(data))) == sorted(
         len(i) for i, _ in want.values()

@@ -98,11 +98,21 @@ class LayerCapture:
 
         return hook
 
-    def forward(self, input_ids, attention_mask, target: GatherTarget) -> None:
-        """Run the decoder on one padded batch; the hooks fill ``target.out``."""
+    def forward(
+        self, input_ids, attention_mask, target: GatherTarget, *, cache=None, position_ids=None
+    ) -> None:
+        """Run the decoder on one padded batch; the hooks fill ``target.out``. With ``cache`` (transformers'
+        ``DynamicCache``, updated in place up to the deepest hooked layer) the tokens continue what it holds, at
+        ``position_ids`` (prefix.py)."""
         self._target = target
         try:
-            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self.decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=cache is not None,
+                past_key_values=cache,
+                position_ids=position_ids,
+            )
         except _StopForward:
             pass
         else:

@@ -23,8 +23,14 @@ def make_plan(
     max_rows: int,
     shards: int,
     fingerprint: dict | None = None,
+    groups: Sequence[int] | None = None,
 ) -> Plan:
-    """Cut samples (given by their token counts) into padded, length-sorted batches dealt to ``shards``."""
+    """Cut samples (given by their token counts) into padded, length-sorted batches dealt to ``shards``.
+
+    With ``groups`` (a group number per sample, the rows of a group adjacent: ``--rows per-turn``'s turns of one
+    conversation) the samples stay in their order and a batch ends only between groups, unless one group alone
+    exceeds the caps: its rows are then computed with their shared prefixes once (model/prefix.py), unpadded, so
+    the token cap bounds the stored tokens, not rows x longest."""
     counts = np.asarray(lengths, dtype=np.int64)
     if len(counts) and counts.min() < 1:
         raise ValueError("every sample needs at least one token")
@@ -32,16 +38,21 @@ def make_plan(
         raise ValueError(
             f"a sample of {counts.max()} tokens exceeds max_tokens_per_batch={max_tokens_per_batch}"
         )
-    # Longest first, ties by index: a stable sort of the negated lengths (numpy's, at a million samples).
-    order = np.argsort(-counts, kind="stable")
-    sorted_counts = counts[order]
-    # A batch takes samples while rows x its first (longest) row fits and rows <= max_rows: from its first sample
-    # on, exactly min(max_rows, budget // longest) of them, or what is left. One step per batch, not per sample.
-    starts: list[int] = []
-    at = 0
-    while at < len(order):
-        starts.append(at)
-        at += min(max_rows, max_tokens_per_batch // int(sorted_counts[at]))
+    if groups is not None:
+        order = np.arange(len(counts))
+        sorted_counts = counts
+        starts = _group_starts(counts, groups, max_tokens_per_batch, max_rows)
+    else:
+        # Longest first, ties by index: a stable sort of the negated lengths (numpy's, at a million samples).
+        order = np.argsort(-counts, kind="stable")
+        sorted_counts = counts[order]
+        # A batch takes samples while rows x its first (longest) row fits and rows <= max_rows: from its first
+        # sample on, exactly min(max_rows, budget // longest) of them, or what is left. One step per batch.
+        starts = []
+        at = 0
+        while at < len(order):
+            starts.append(at)
+            at += min(max_rows, max_tokens_per_batch // int(sorted_counts[at]))
     tokens_per_batch = np.add.reduceat(sorted_counts, starts).tolist() if starts else []
     indices = order.tolist()
 
@@ -51,7 +62,7 @@ def make_plan(
     assigned = []
     for batch_id, (start, end) in enumerate(zip(starts, starts[1:] + [len(indices)], strict=True)):
         tokens, shard = heapq.heappop(load)
-        longest = int(sorted_counts[start])
+        longest = int(sorted_counts[start:end].max())
         assigned.append(
             BatchSpec(
                 batch_id=batch_id,
@@ -61,8 +72,31 @@ def make_plan(
                 num_tokens=tokens_per_batch[batch_id],
             )
         )
-        heapq.heappush(load, (tokens + (end - start) * longest, shard))
+        cost = tokens_per_batch[batch_id] if groups is not None else (end - start) * longest
+        heapq.heappush(load, (tokens + cost, shard))
     return Plan(batches=tuple(assigned), shards=shards, fingerprint=dict(fingerprint or {}))
+
+
+def _group_starts(counts: np.ndarray, groups: Sequence[int], max_tokens: int, max_rows: int) -> list[int]:
+    """Where the batches of samples in their order begin: a batch takes whole groups while its tokens and rows
+    fit, and a group that fits no batch alone is cut where the caps fall."""
+    if len(groups) != len(counts):
+        raise ValueError(f"{len(groups)} group numbers for {len(counts)} samples")
+    starts: list[int] = []
+    tokens = rows = 0
+    group_start = 0
+    for i, n in enumerate(counts.tolist()):
+        if i and groups[i] != groups[i - 1]:
+            group_start = i
+        if not starts or tokens + n > max_tokens or rows + 1 > max_rows:
+            # Back to the group's start when the batch holds something before it and the group fits a batch.
+            whole = counts[group_start : i + 1].sum() <= max_tokens and i + 1 - group_start <= max_rows
+            at = group_start if starts and group_start > starts[-1] and whole else i
+            starts.append(at)
+            tokens, rows = int(counts[at:i].sum()), i - at
+        tokens += n
+        rows += 1
+    return starts
 
 
 def fingerprint_changes(old: dict, new: dict, _prefix: str = "") -> list[str]:

@@ -95,6 +95,17 @@ def turn_rows(row: dict, messages: list[dict], sample_id: str) -> list[dict]:
     return out
 
 
+def turn_groups(sample_ids: list[str]) -> list[int]:
+    """A group number per sample: the turn rows of one conversation (ids ``<id>#t<k>``, adjacent) share one."""
+    groups, last = [], None
+    for sample_id in sample_ids:
+        head, sep, turn = sample_id.rpartition(TURN_SUFFIX)
+        key = head if sep and turn.isdigit() else sample_id
+        groups.append(groups[-1] if groups and key == last else len(groups))
+        last = key
+    return groups
+
+
 def first_difference(tokenizer, server: list[int], own: list[int]) -> str:
     """ "" when the lists are equal, else where they first differ, decoded: ``token 12 of 40: the server has
     '<|im_start|>' ... where hsextract renders ...``."""

@@ -25,6 +25,7 @@ import torch
 
 from hsextract.errors import HsextractError
 from hsextract.model.capture import GatherTarget, LayerCapture
+from hsextract.model.prefix import capture_into
 from hsextract.output import BatchSpec, StateLayout
 from hsextract.prepare.tokenfile import TokenizedSamples
 from hsextract.run.procs import Stopped
@@ -164,7 +165,9 @@ class Extractor:
     ``layer_ids`` are the layers whose outputs fill the slots, in slot order (``StateLayout.slot_layers``: the
     captured ids, then the last layer for the final state). ``storage_dtype="float8_e4m3fn"`` stores fp8 values and
     adds ``hidden_states_scale`` [tokens, slots] to the tensors handed to ``on_batch``; ``target_topk=K`` adds the
-    target's top-k, ``target_topk_ids`` and ``target_topk_logprobs`` [tokens, K]."""
+    target's top-k, ``target_topk_ids`` and ``target_topk_logprobs`` [tokens, K]. ``share_prefixes`` runs each
+    batch's rows one at a time through the model's cache, each shared prefix once (model/prefix.py), instead of
+    one padded forward; the states are the same."""
 
     def __init__(
         self,
@@ -178,8 +181,10 @@ class Extractor:
         storage_dtype: str | None = None,
         check_states: bool = False,
         target_topk: int | None = None,
+        share_prefixes: bool = False,
     ):
         self.lm = lm
+        self.share_prefixes = share_prefixes
         self.layer_ids = tuple(layer_ids)
         self.device = device
         self.pad_token_id = pad_token_id
@@ -272,17 +277,24 @@ class Extractor:
                     k = self.target_topk or 0
                     topk_ids = slot.device_topk_ids[: n * k].view(n, k) if k else None
                     topk_logprobs = slot.device_topk_logprobs[: n * k].view(n, k) if k else None
-                    cap.forward(
-                        inputs.input_ids.to(self.device, non_blocking=True),
-                        inputs.attention_mask.to(self.device, non_blocking=True),
-                        GatherTarget(
-                            flat_index=inputs.flat_index.to(self.device, non_blocking=True),
-                            out=out,
-                            scale=scale,
-                            topk_ids=topk_ids,
-                            topk_logprobs=topk_logprobs,
-                        ),
+                    target = GatherTarget(
+                        flat_index=inputs.flat_index.to(self.device, non_blocking=True),
+                        out=out,
+                        scale=scale,
+                        topk_ids=topk_ids,
+                        topk_logprobs=topk_logprobs,
                     )
+                    if self.share_prefixes:  # row by row, each shared prefix once, unpadded
+                        rows = inputs.tokens_ids.to(self.device, torch.int64).split(
+                            inputs.cu_seqlens.diff().tolist()
+                        )
+                        capture_into(cap, rows, target)
+                    else:
+                        cap.forward(
+                            inputs.input_ids.to(self.device, non_blocking=True),
+                            inputs.attention_mask.to(self.device, non_blocking=True),
+                            target,
+                        )
                     health = state_health(out, scale, topk_logprobs) if self.check_states else None
                     slot.health = health
                     if self.copy_stream is not None:

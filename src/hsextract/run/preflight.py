@@ -31,6 +31,7 @@ from hsextract.output.ledger import RunInfo, publish_job_files, sample_ids_check
 from hsextract.prepare.plan import make_plan
 from hsextract.prepare.publish import prepare_once
 from hsextract.prepare.rows import check_regenerated_rendering
+from hsextract.prepare.served import turn_groups
 from hsextract.prepare.sources import Mix, resolve_sources
 from hsextract.prepare.tokenize import (
     DataReport,
@@ -110,6 +111,7 @@ def prepare_checked(
             max_rows=cfg.max_rows,
             shards=cfg.total_shards,
             fingerprint=fingerprint,
+            groups=turn_groups(samples.sample_ids) if cfg.share_prefixes else None,
         )
         once.check_plan(plan)
         check_output_space(cfg, plan, model)
@@ -365,6 +367,7 @@ def make_fingerprint(cfg: RunConfig, model: ModelFacts, tokenizer, mix: Mix) -> 
         **({"compute": "fp8"} if run_compute(cfg) == "fp8" else {}),
         **({"target_topk": cfg.target_topk} if cfg.target_topk else {}),
         **({"dedupe": True} if cfg.dedupe else {}),
+        **({"share_prefixes": True} if cfg.share_prefixes else {}),  # batches of whole conversations
         # A lone dflash or eagle3 hashes as before presets were recorded; every other preset set is part of the job.
         **({"presets": model.presets} if set(model.presets) not in (set(), {"dflash"}, {"eagle3"}) else {}),
     }

@@ -178,7 +178,15 @@ class ShardRun:
             storage_dtype=layout.storage_dtype,
             check_states=cfg.check_states,
             target_topk=layout.target_topk,
+            share_prefixes=cfg.share_prefixes,
         )
+        if cfg.rows == "per-turn":
+            log.info(
+                "per-turn rows: %s",
+                "each shared prefix computed once (stock forward, row by row)"
+                if cfg.share_prefixes
+                else f"each row computed whole (the {cfg.kernel_mode} kernels keep no cache)",
+            )
         self.monitor.running("running")
         self.monitor.save()
         extractor.run(todo, samples, writer, stop=self.stopping)

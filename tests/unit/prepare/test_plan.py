@@ -134,3 +134,17 @@ def test_the_plan_is_the_one_a_sample_at_a_time_planner_makes(samples, max_token
     assert all(
         type(x) is int for b in plan.batches for x in (b.padded_length, b.num_tokens, *b.sample_indices)
     )
+
+
+def test_grouped_plan_keeps_each_group_in_one_batch_and_cuts_only_a_group_too_large():
+    # Groups: 0 (3 rows), 1 (2 rows), 2 (5 rows of 30: 150 tokens, more than a batch), 3 (1 row).
+    groups = [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]
+    lengths = [10, 20, 30, 40, 5, 30, 30, 30, 30, 30, 7]
+    plan = make_plan(lengths, max_tokens_per_batch=100, max_rows=4, shards=2, groups=groups)
+    batches = sorted(plan.batches, key=lambda b: b.batch_id)
+    assert [b.sample_indices for b in batches] == [(0, 1, 2), (3, 4), (5, 6, 7), (8, 9, 10)]
+    assert all(b.num_tokens <= 100 and b.rows <= 4 for b in batches)
+    assert [b.padded_length for b in batches] == [30, 40, 30, 30]
+    assert sorted(i for b in batches for i in b.sample_indices) == list(range(len(lengths)))
+    with pytest.raises(ValueError, match="2 group numbers for 3 samples"):
+        make_plan([1, 2, 3], max_tokens_per_batch=10, max_rows=4, shards=1, groups=[0, 1])

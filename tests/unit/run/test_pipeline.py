@@ -109,3 +109,66 @@ def test_a_stopped_pipeline_starts_no_further_batch(tiny_model):
     with pytest.raises(Stopped):
         ext.run([batch], None, lambda b, t: written.append(b), stop=stop)
     assert written == []
+
+
+def test_per_turn_batches_with_shared_prefixes_store_what_whole_rows_store(tiny_lm):
+    """Two conversations' turn rows (3 and 6 turns) in one grouped plan: sharing prefixes computes each distinct
+    token once (counted at the embedding) and stores the same states, fp8 scales and top-k as padded whole rows."""
+    import numpy as np
+    from support.turns import distinct_tokens, turn_rows
+
+    from hsextract.prepare.plan import make_plan
+    from hsextract.prepare.served import turn_groups
+    from hsextract.prepare.tokenfile import TokenizedSamples
+    from hsextract.run.pipeline import Extractor
+
+    conversations = {"a": turn_rows(3, seed=3), "b": turn_rows(6, seed=6)}
+    ids = [f"{c}#t{k + 1}" for c, rows in conversations.items() for k in range(len(rows))]
+    rows = [r for rs in conversations.values() for r in rs]
+    lengths = [len(r) for r in rows]
+    samples = TokenizedSamples(
+        sample_ids=ids,
+        input_ids=np.concatenate(rows).astype(np.int32),
+        loss_mask=np.ones(sum(lengths), dtype=np.uint8),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+    )
+    plan = make_plan(lengths, max_tokens_per_batch=4096, max_rows=64, shards=1, groups=turn_groups(ids))
+    assert [b.sample_indices for b in plan.batches] == [tuple(range(len(rows)))]
+    computed = []
+    counter = tiny_lm.model.embed_tokens.register_forward_hook(lambda m, a, o: computed.append(a[0].numel()))
+    try:
+        stored = {}
+        for share in (False, True):
+            ext = Extractor(
+                tiny_lm,
+                (1, 3, 6),
+                device=torch.device("cpu"),
+                max_tokens=4096,
+                num_slots=1,
+                pad_token_id=0,
+                storage_dtype="float8_e4m3fn",
+                target_topk=4,
+                share_prefixes=share,
+            )
+            computed.clear()
+            ext.run(plan.batches, samples, lambda b, t, s=share: stored.setdefault(s, {**t}))
+            stored[share] = {k: v.clone() for k, v in stored[share].items()}
+    finally:
+        counter.remove()
+    distinct = sum(distinct_tokens(rs) for rs in conversations.values())
+    assert sum(computed) == distinct < sum(lengths) / 1.9  # whole rows: the stored tokens and their padding
+    whole, shared = stored[False], stored[True]
+    assert whole.keys() == shared.keys()
+    for key in ("input_ids", "loss_mask", "cu_seqlens", "sample_index"):
+        assert torch.equal(whole[key], shared[key])
+    scale_w, scale_s = whole["hidden_states_scale"], shared["hidden_states_scale"]
+    torch.testing.assert_close(scale_s, scale_w, rtol=1e-4, atol=1e-6)
+    states_w = whole["hidden_states"].float() * scale_w[..., None]
+    states_s = shared["hidden_states"].float() * scale_s[..., None]
+    # Float rounding apart, the same fp8 values: a value near a rounding edge may land one step (1/8) away.
+    assert ((states_s - states_w).abs() <= states_w.abs() / 8 + 1e-6).all()
+    codes_w, codes_s = (t["hidden_states"].view(torch.uint8) for t in (whole, shared))
+    assert (codes_s != codes_w).float().mean() < 1e-3
+    torch.testing.assert_close(
+        shared["target_topk_logprobs"], whole["target_topk_logprobs"], rtol=1e-4, atol=1e-4
+    )
