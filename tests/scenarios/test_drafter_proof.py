@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # ~5 min alone, longer beside the rest of the tier
 ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("speculators", reason="the drafter trainer comes with scripts/setup.sh --test")
