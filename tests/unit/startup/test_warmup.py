@@ -281,14 +281,30 @@ def test_the_spec_reads_the_models_heads_and_the_stamp(tiny_model, tmp_path):
     assert not spec.missing(tmp_path / "cache")
 
 
-def test_start_without_fla_says_so_and_starts_nothing(tmp_path):
+def test_start_without_fla_says_so_and_starts_nothing(tmp_path, tiny_model):
     if fla_patch.fla_available():
         pytest.skip("flash-linear-attention is installed here")
-    cfg = RunConfig(model="m", data="d", output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"))
+    cfg = RunConfig(model=str(tiny_model), data="d", output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"))
     said = []
     cache = kc.resolve(str(tmp_path / "k"), "cpu", env={})
     assert start_warmup(cfg, _plan([10]), cache, echo=said.append) is None
     assert "flash-linear-attention is not installed" in said[0]
+
+
+def test_a_model_without_gated_deltanet_layers_warms_nothing_and_says_nothing_of_them(tmp_path):
+    """A Llama has no Gated-DeltaNet layer: no warm-up, and no word about flash-linear-attention (was: "Gated-DeltaNet
+    layers run the slow torch path" for a model that has none)."""
+    from transformers import LlamaConfig
+
+    model = tmp_path / "llama"
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    ).save_pretrained(model)
+    cfg = RunConfig(model=str(model), data="d", output=str(tmp_path / "o"), run_dir=str(tmp_path / "r"))
+    said = []
+    cache = kc.resolve(str(tmp_path / "k"), "cpu", env={})
+    assert start_warmup(cfg, _plan([10]), cache, echo=said.append) is None
+    assert said == []
 
 
 # -- the warm-up process and the worker's wait ------------------------------------------------------------------

@@ -113,13 +113,18 @@ class Warmup:
     ) -> Warmup | None:
         """The started warm-up, or None when it is not needed (the stamp covers the shapes) or cannot help.
         ``flag`` is written when it ends; ``preexec_fn`` runs in the child (the launcher's die-with-parent)."""
+        from transformers import AutoConfig
+
+        text_config = AutoConfig.from_pretrained(spec.model).get_text_config()
+        if not cache.bucket_heads(text_config, spec.kernel_mode):  # no Gated-DeltaNet layer: nothing to warm
+            return None
         if not fla_available():
             echo(
                 "flash-linear-attention is not installed: Gated-DeltaNet layers run the slow torch path "
                 "(pip install -e .[gpu])"
             )
             return None
-        missing = spec.missing(kc.dir)
+        missing = spec.missing(kc.dir, text_config)
         if not missing:
             echo(f"kernel cache {kc.dir} holds every kernel this plan needs: pre-warm skipped")
             return None
