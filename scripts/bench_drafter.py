@@ -448,9 +448,9 @@ def heldout_metrics(model, data: Source, size: Size, device: str, repeats: int =
                 _, _, metrics = model(**to(batch, device), **kwargs)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-    out = {
-        k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")
-    }
+    totals = {k[: -len("_sum")]: sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")}
+    # nan where nothing was counted (EAGLE-3's cond_acc_k of a drafter with no step before k right)
+    out = {k: sums[k + "_sum"] / n if n else math.nan for k, n in totals.items()}
     if eagle3.is_eagle3(model):
         return eagle3.summarize(out)
     return {"eal": out["eal"], "full_acc": out["full_acc"], "loss": out["loss"],
