@@ -8,6 +8,9 @@ held-out rows and prompts:
   come from the reference extraction, so every drafter is judged against the same, right states;
 - real speculative decoding with z-lab's `dflash_generate` over the target (greedy): mean tokens per target forward
   (the acceptance length, bonus token included) and tokens/s against the target alone (`block_size=1`).
+An EAGLE-3 drafter (speculators' `Eagle3DraftModel`, `eagle3-*` variants, scripts/drafter_eagle3.py) trains from the
+same `hsextract run` (its three layers are in the run's union) and is measured by speculators' own per-step metrics
+against its own reference; z-lab's decoding is DFlash's only.
 The reference extraction is a plain transformers forward, one sample at a time, float32, written in speculators'
 format by this script; its second seed is the run-to-run noise. Shifted copies of it (states one layer deeper, or
 one token later) show what a wrong extraction costs.
@@ -35,6 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import drafter_eagle3 as eagle3  # noqa: E402
 
 MASK_TOKEN = 16  # <empty_output>: a special token that no chat row holds (DFlash's mask token)
 END_OF_TURN = 2  # <|im_end|>
@@ -58,9 +64,11 @@ class Size:
     lr: float = 1e-3
 
 
+# speculators' EAGLE-3 drafter (scripts/drafter_eagle3.py) from the same extraction run, against its own reference
+EAGLE3_VARIANTS = ("eagle3-untrained", "eagle3-reference", "eagle3-hsextract")
 # Every row of the table; fp8-compute needs a target whose linears fit 128x128 blocks (docs/DRAFTER.md).
 ALL_VARIANTS = ("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "regen-greedy",
-                "regen-sampled", "layer+1", "token+1")  # fmt: skip
+                "regen-sampled", "layer+1", "token+1", *EAGLE3_VARIANTS)  # fmt: skip
 
 SIZES = {
     "test": Size(
@@ -74,6 +82,22 @@ SIZES = {
         decode_prompts=0,
         regen_tokens=0,
         variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
+        draft_vocab=2048,
+        lr=2e-3,
+    ),
+    # the test size's rows, drafters and steps with regenerated replies: what regeneration costs on a CPU
+    # (`transformers serve --continuous-batching`, ~25 generated tok/s on 2 shared cores) fits a few minutes
+    "regen-cpu": Size(
+        train=64,
+        heldout=6,
+        max_tokens=320,
+        steps=150,
+        batch_tokens=1024,
+        anchors=32,
+        decode_tokens=0,
+        decode_prompts=0,
+        regen_tokens=48,
+        variants=("untrained", "reference", "hsextract", "regen-greedy", "regen-sampled"),
         draft_vocab=2048,
         lr=2e-3,
     ),
@@ -246,14 +270,22 @@ def rendered(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
 
 
 def reference(
-    target: Path, rows: list[dict], out: Path, layer_ids: list[int], device: str, order: Path | None = None
+    target: Path,
+    rows: list[dict],
+    out: Path,
+    layer_ids: list[int],
+    device: str,
+    order: Path | None = None,
+    also: tuple[tuple[Path, list[int]], ...] = (),
 ) -> Source:
     """A plain transformers forward of each row alone (float32, `output_hidden_states`), written in speculators'
     format: `datasets.save_to_disk` (input_ids, loss_mask, seq_len) + `hidden_states/hs_{i}.safetensors`
     (`hidden_states` [T, k+1, H]: the outputs of the layers, then the final state before the norm). With `order`
     (an export's table), rows go in its order, so that both train on the same batches; each of its rows must be
-    one of ours token for token (hsextract's ids are `apply_chat_template`'s)."""
-    if (out / "COMPLETE").exists():
+    one of ours token for token (hsextract's ids are `apply_chat_template`'s). `also`: other (folder, layers)
+    written from the same forwards (another drafter's layers)."""
+    sets = [(d, ids) for d, ids in ((out, layer_ids), *also) if not (d / "COMPLETE").exists()]
+    if not sets:
         return Source(out)
     import torch
     from datasets import Dataset
@@ -264,7 +296,8 @@ def reference(
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
     store = torch.float32 if device == "cpu" else torch.bfloat16  # the GPU size's rows: half the bytes
     n_layers = model.config.num_hidden_layers
-    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    for d, _ in sets:
+        (d / "hidden_states").mkdir(parents=True, exist_ok=True)
     table = {"input_ids": [], "loss_mask": [], "seq_len": []}
     final = {}
 
@@ -288,18 +321,20 @@ def reference(
             hs = model.model(
                 torch.tensor([ids], device=device), output_hidden_states=True
             ).hidden_states  # no logits
-            layers = [hs[k + 1][0] for k in layer_ids]  # the output of layer k is hidden_states[k + 1]
-            states = torch.stack([*layers, final["h"][0]], dim=1).to(device="cpu", dtype=store)
-            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)},
-                      str(out / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
+            for d, chosen in sets:
+                layers = [hs[k + 1][0] for k in chosen]  # the output of layer k is hidden_states[k + 1]
+                states = torch.stack([*layers, final["h"][0]], dim=1).to(device="cpu", dtype=store)
+                save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)},
+                          str(d / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
             table["input_ids"].append(ids)
             table["loss_mask"].append(mask)
             table["seq_len"].append(len(ids))
     hook.remove()
     ds = Dataset.from_dict(table)
     ds.set_format(type="torch")  # as speculators' own data generation saves it
-    ds.save_to_disk(str(out))
-    (out / "COMPLETE").touch()
+    for d, _ in sets:
+        ds.save_to_disk(str(d))
+        (d / "COMPLETE").touch()
     return Source(out)
 
 
@@ -355,14 +390,16 @@ def new_drafter(target: Path, layer_ids: list[int], device: str, seed: int, voca
     return model.to(device=device, dtype=torch.float32)
 
 
-def loader(data: Source, size: Size, hidden: int, n_layers: int, seed: int, shuffle: bool = True):
+def loader(model, data: Source, size: Size, seed: int, shuffle: bool = True):
     import torch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     ds = ArrowDataset(size.batch_tokens, data.table, transfer=data.transfer(torch.float32), on_missing="raise",
                       hidden_states_dtype=torch.float32)  # fmt: skip
-    collate = CollateFn(size.batch_tokens, hidden, num_target_layers=n_layers, dtype=torch.float32)
+    hidden, n_layers = model.config.transformer_layer_config.hidden_size, len(model.target_layer_ids)
+    collate = CollateFn(size.batch_tokens, hidden, num_target_layers=n_layers, dtype=torch.float32,
+                        preprocess=eagle3.preprocess() if eagle3.is_eagle3(model) else None)  # fmt: skip
     if not shuffle:  # held-out: every row once, in order, one per step
         return torch.utils.data.DataLoader(ds, batch_size=1, collate_fn=collate)
     sampler = MultipackDistributedBatchSamplerV2(size.batch_tokens, ds.approx_lengths, 1, 0, seed=seed)
@@ -370,6 +407,8 @@ def loader(data: Source, size: Size, hidden: int, n_layers: int, seed: int, shuf
 
 
 def step_kwargs(model, size: Size) -> dict:
+    if eagle3.is_eagle3(model):
+        return eagle3.step_kwargs()
     _, val = model.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", max_anchors=size.anchors)
     return val
 
@@ -385,7 +424,6 @@ def train(model, data: Source, size: Size, seed: int, device: str) -> dict:
     from transformers import get_cosine_schedule_with_warmup
 
     torch.manual_seed(seed)
-    layers = len(model.target_layer_ids)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=size.lr, weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(opt, max(1, size.steps // 20), size.steps)
@@ -393,7 +431,7 @@ def train(model, data: Source, size: Size, seed: int, device: str) -> dict:
     model.train()
     step, epoch, losses, t0 = 0, 0, [], time.perf_counter()
     while step < size.steps:
-        batches = loader(data, size, model.config.transformer_layer_config.hidden_size, layers, seed)
+        batches = loader(model, data, size, seed)
         batches.batch_sampler.set_epoch(epoch)
         for batch in batches:
             _, loss, _ = model(**to(batch, device), **kwargs)
@@ -414,8 +452,8 @@ def train(model, data: Source, size: Size, seed: int, device: str) -> dict:
 
 
 def heldout_metrics(model, data: Source, size: Size, device: str, repeats: int = 4) -> dict:
-    """speculators' metrics summed over the held-out rows (sum / total, as its Trainer pools them); anchors are
-    drawn at random by the model, so each row is measured `repeats` times with fixed seeds."""
+    """speculators' metrics summed over the held-out rows (sum / total, as its Trainer pools them); DFlash's
+    anchors are drawn at random by the model, so each row is measured `repeats` times with fixed seeds."""
     import torch
 
     kwargs = step_kwargs(model, size)
@@ -424,14 +462,15 @@ def heldout_metrics(model, data: Source, size: Size, device: str, repeats: int =
     with torch.no_grad():
         for r in range(repeats):
             torch.manual_seed(1000 + r)
-            for batch in loader(data, size, model.config.transformer_layer_config.hidden_size,
-                                len(model.target_layer_ids), 0, shuffle=False):  # fmt: skip
+            for batch in loader(model, data, size, 0, shuffle=False):
                 _, _, metrics = model(**to(batch, device), **kwargs)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-    out = {
-        k[: -len("_sum")]: sums[k] / sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")
-    }
+    totals = {k[: -len("_sum")]: sums[k[: -len("_sum")] + "_total"] for k in sums if k.endswith("_sum")}
+    # nan where nothing was counted (EAGLE-3's cond_acc_k of a drafter with no step before k right)
+    out = {k: sums[k + "_sum"] / n if n else math.nan for k, n in totals.items()}
+    if eagle3.is_eagle3(model):
+        return eagle3.summarize(out)
     return {"eal": out["eal"], "full_acc": out["full_acc"], "loss": out["loss"],
             "position_acc": [round(out[f"position_{p}_acc"], 4) for p in range(1, model.block_size)]}  # fmt: skip
 
@@ -505,16 +544,18 @@ def regenerate(target: Path, prompts: Path, out: Path, size: Size, work: Path, s
     from support.chat_servers import start_transformers_serve
 
     device = "cuda" if _cuda() else "cpu"
+    # continuous batching on the CPU too: 24.9 generated tok/s at 16 requests in flight against 13.4 without
     served = start_transformers_serve(target, work / "serve", repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
                                       extra=["--device", device, "--dtype", "bfloat16", "--continuous-batching"]
-                                      if device == "cuda" else ["--device", "cpu", "--dtype", "float32"])  # fmt: skip
+                                      if device == "cuda" else ["--device", "cpu", "--dtype", "float32",
+                                                                "--continuous-batching"])  # fmt: skip
     try:
         args = (
             ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"] if sampled else ["--temperature", "0"]
         )
         hsextract("regenerate", "--endpoint", served.url, "--served-model", served.model, "--data", str(prompts),
                   "--output", str(out), "--max-tokens", str(size.regen_tokens), "--turns", "first",
-                  "--no-progress", "--concurrency", "64", *args)  # fmt: skip
+                  "--no-progress", "--concurrency", "64" if device == "cuda" else "16", *args)  # fmt: skip
     finally:
         served.stop()
     (out / "COMPLETE").touch()
@@ -559,6 +600,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(target)
     config = json.loads((target / "config.json").read_text())
     layer_ids = list(resolve_layer_ids("dflash", config["num_hidden_layers"]))
+    eagle3_ids = list(resolve_layer_ids("eagle3", config["num_hidden_layers"]))
     log(f"target {target.name}, {device}, DFlash layers {layer_ids}, size {args.size}: {asdict(size)}")
 
     if args.rows:
@@ -575,15 +617,28 @@ def main() -> None:
     extract_dtype = "bfloat16" if device == "cuda" else "float32"
 
     t0 = time.perf_counter()
-    held = reference(target, held_rows, work / "heldout-reference", layer_ids, device)
+    eagle = any(v.startswith("eagle3-") for v in variants)  # its own layers: 3 auxiliary + the final state
+    held_e3, train_e3 = work / "heldout-reference-eagle3", work / "reference-eagle3"
+    held = reference(target, held_rows, work / "heldout-reference", layer_ids, device,
+                     also=((held_e3, eagle3_ids),) if eagle else ())  # fmt: skip
     sources: dict[str, Source | None] = {"untrained": None} if "untrained" in variants else {}
-    union = ",".join(str(k) for k in sorted({*layer_ids, *(k + 1 for k in layer_ids)}))
+    union = ",".join(
+        str(k) for k in sorted({*layer_ids, *(k + 1 for k in layer_ids), *(eagle3_ids if eagle else ())})
+    )
     hsx = extract(target, data, work / "hsextract", device, extract_dtype, layers=union)
-    train_table = reference(target, train_rows, work / "reference", layer_ids, device, order=hsx.table)
+    train_table = reference(target, train_rows, work / "reference", layer_ids, device, order=hsx.table,
+                            also=((train_e3, eagle3_ids),) if eagle else ())  # fmt: skip
+    held_eagle3, train_eagle3 = Source(held_e3), Source(train_e3)
     for v in variants:
         if v == "untrained":
             continue
-        if v.startswith("reference"):
+        if v == "eagle3-untrained":
+            sources[v] = None
+        elif v == "eagle3-reference":
+            sources[v] = train_eagle3
+        elif v == "eagle3-hsextract":
+            sources[v] = replace(hsx, layers=",".join(map(str, eagle3_ids)))
+        elif v.startswith("reference"):
             sources[v] = reference(target, train_rows, work / "reference", layer_ids, device)
         elif v == "token+1":
             sources[v] = replace(
@@ -624,14 +679,20 @@ def main() -> None:
     table = []
     for v, src in sources.items():
         seed = 1 if v.endswith("seed1") else 0
-        model = new_drafter(target, layer_ids, device, seed, vocab)
+        eagle = v.startswith("eagle3-")
+        if eagle:
+            model = eagle3.new_eagle3(target, eagle3_ids, device, seed, vocab)
+        else:
+            model = new_drafter(target, layer_ids, device, seed, vocab)
         log(f"{v}: training on {src.output or src.table if src else 'nothing'}")
         fit = train(model, src, size, seed, device) if src else {}
         row = {"variant": v, "seed": seed, "steps": size.steps if src else 0, **fit}
         if src is not None and not v.startswith("regen-"):  # the same rows as the reference's
-            row.update(against_reference(src, train_table))
-        row.update(heldout_metrics(model, held, size, device))
-        if size.decode_tokens:
+            row.update(against_reference(src, train_eagle3 if eagle else train_table))
+        row.update(
+            heldout_metrics(model, held_eagle3 if eagle else held, size, device, repeats=1 if eagle else 4)
+        )
+        if size.decode_tokens and not eagle:  # z-lab's dflash_generate decodes with DFlash drafters only
             z = zlab_drafter(model, layer_ids, config["num_hidden_layers"], device)
             row.update(decode(z, vocab[1], target_model, tokenizer, prompts_held, size, device, base))
         log(
@@ -641,7 +702,7 @@ def main() -> None:
         table.append(row)
         (work / "table.json").write_text(json.dumps({"size": args.size, **asdict(size), "device": device,
                                                      "layers": layer_ids, "rows": table}, indent=1))  # fmt: skip
-    lines = ["| data the drafter trained on | states vs reference (rel L2) | held-out loss | eal | accuracy pos 1..7 "
+    lines = ["| data the drafter trained on | states vs reference (rel L2) | held-out loss | eal | accuracy per draft position "
              "| tau | speed-up |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in table:
         accs = " ".join(f"{a:.2f}" for a in r["position_acc"])
