@@ -255,6 +255,7 @@ def test_recipe_distances_agree_with_the_independent_reference(fp8_runs, checkpo
             assert math.isclose(a, b, rel_tol=0.02, abs_tol=1e-5), (k, v, a, b)
 
 
+@pytest.mark.slow  # 3-6 s: the fast tier's budget (60 s on 2 cores)
 def test_dry_run_proves_fp8_compute_and_catches_a_load_that_transposed_scales(checkpoints, tmp_path):
     from support.fp8ref import dry_run_config
 

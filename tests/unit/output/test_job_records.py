@@ -112,6 +112,7 @@ def restore(out: Path, name: str, before: bytes) -> None:
     path.write_bytes(before)
 
 
+@pytest.mark.slow  # 3-6 s: the fast tier's budget (60 s on 2 cores)
 def test_no_single_edit_of_a_job_record_removes_or_rewrites_a_sound_file(written_output, tmp_path):
     out = copy_output(written_output, tmp_path / "out")
     sound = snapshot(out)

@@ -87,6 +87,7 @@ def adversarial_rows() -> list[dict]:
     return [{"id": f"adversarial-{i}", **row} for i, row in enumerate(rows)]
 
 
+@pytest.mark.slow  # 3-6 s: the fast tier's budget (60 s on 2 cores)
 def test_adversarial_rows_are_kept_refused_or_cut_as_the_tokenizer_does(tokenizer, spec):
     own = RowEncoder(tokenizer, 32768, "truncate", tiktoken=None)
     fast = RowEncoder(tokenizer, 32768, "truncate", tiktoken=spec)
@@ -177,6 +178,7 @@ def test_the_spec_check_refuses_merges_out_of_rank_order(tokenizer, monkeypatch)
     assert spec_of(swapped) is None
 
 
+@pytest.mark.slow  # 3-6 s: the fast tier's budget (60 s on 2 cores)
 def test_the_spec_is_kept_beside_the_tokenizers_record_and_a_damaged_one_is_checked_again(
     tokenizer, spec, tmp_path, monkeypatch
 ):

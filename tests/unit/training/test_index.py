@@ -144,6 +144,7 @@ def gets_of(requests) -> list[str]:
     return [path for method, path in requests if re.sub(r"\x1b\[[0-9;]*m", "", method) == "GET"]
 
 
+@pytest.mark.slow  # 3-6 s: the fast tier's budget (60 s on 2 cores)
 def test_training_indexes_an_s3_output_in_a_few_requests_whatever_its_batch_count(s3, s3_bucket):
     url = f"s3://{s3_bucket}/run"
     make_output(url, 12, endpoint_url=s3.url, samples_per_batch=20)
