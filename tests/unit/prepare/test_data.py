@@ -394,10 +394,11 @@ def test_bad_arguments_and_unusable_data_raise_clear_errors(tmp_path, tokenizer)
 def test_num_proc_2_matches_num_proc_1_and_a_ctrl_c_reaches_the_parent_alone(
     tmp_path, tokenizer, monkeypatch
 ):
-    """The pool gives what one process gives. Its processes start with SIGINT ignored (set before they exec, so it
-    holds while they read their start-up data) and keep it: the terminal's Ctrl-C, sent to the whole process
-    group, does nothing there and the pool still gives every chunk (was: a child still reading printed an
-    UnpicklingError); the parent's own handler is back once they are started."""
+    """The pool gives what one process gives. Its processes start with SIGINT blocked (inherited across their
+    exec, so it holds while they read their start-up data) and ignore it from their initializer on: the
+    terminal's Ctrl-C, sent to the whole process group, does nothing there and the pool still gives every chunk
+    (was: a child still reading printed an UnpicklingError); the parent's own handler is back once they are
+    started."""
     import multiprocessing
     import os
     import signal
@@ -412,9 +413,13 @@ def test_num_proc_2_matches_num_proc_1_and_a_ctrl_c_reaches_the_parent_alone(
         for i, chunk in enumerate(chunks(rows, size)):
             if i == 1:  # the pool is up: its first chunk went out
                 for child in multiprocessing.active_children():
-                    status = open(f"/proc/{child.pid}/status").read()
-                    ignored = next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1]
-                    assert int(ignored, 16) & (1 << (signal.SIGINT - 1)), f"{child.pid} would take a Ctrl-C"
+                    status = dict(
+                        line.split(":", 1) for line in open(f"/proc/{child.pid}/status").read().splitlines()
+                    )
+                    held = int(status["SigIgn"], 16) | int(
+                        status["SigBlk"], 16
+                    )  # ignored, or blocked until then
+                    assert held & (1 << (signal.SIGINT - 1)), f"{child.pid} would take a Ctrl-C"
                     os.kill(child.pid, signal.SIGINT)
                     interrupted.append(child.pid)
             yield chunk
