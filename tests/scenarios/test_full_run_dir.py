@@ -81,7 +81,12 @@ def test_a_run_dir_filling_mid_run_is_named_with_the_bytes_free_and_status_shows
     run_dir = run_dir_fs / "run"
     args = rehomed_args(finished_run[3], tmp_path, run_dir=run_dir, num_proc=1)
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: done_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
+        # Both shards running (each has its progress file and the room it keeps), one batch durable: a shard that
+        # had not started yet met the full file system before it could keep room to record its failure.
+        def started():
+            return done_count(run_dir) >= 1 and all(ShardProgress.load(run_dir, s) for s in (0, 1))
+
+        wait_for(started, "a durable batch, both shards running", proc=proc, root=tmp_path)
         progress = [ShardProgress.load(run_dir, s) for s in (0, 1)]
         pids = [pid for p in progress if p for pid in (p.pid, p.uploader_pid) if pid]
         for pid in pids:
