@@ -161,6 +161,7 @@ def test_a_lease_left_by_a_dead_or_failed_attempt_waits_for_node_0s_rerun(tmp_pa
     assert waiting.join() is None and waiting.prepared.taken is not None
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier's budget (60 s on 2 cores)
 def test_a_beating_preparer_is_waited_for(tmp_path):
     sink = LocalSink(tmp_path / "out")
     node0 = node(sink, tmp_path, 0, beat_s=0.1)
@@ -239,6 +240,7 @@ def test_prepare_wait_must_be_a_positive_number_of_seconds(tmp_path):
             RunConfig(**base, prepare_wait_s=bad)
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier's budget (60 s on 2 cores)
 @pytest.mark.usefixtures("aws_test_env")
 def test_a_multipart_token_file_goes_through_s3_and_comes_back_checked(tmp_path, s3, s3_bucket):
     sink = S3Sink(s3_bucket, "job", s3.url, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)

@@ -237,6 +237,7 @@ def test_a_key_refused_mid_run_stops_every_request_at_once(server, data, tmp_pat
     assert server.requests <= 4  # the requests already in flight, and no row after them
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier's budget (60 s on 2 cores)
 @pytest.mark.usefixtures("aws_test_env")
 def test_an_s3_output_is_written_resumed_and_read_as_its_chunks(server, data, tmp_path, s3, s3_bucket):
     from hsextract.prepare.sources import resolve_sources

@@ -115,6 +115,7 @@ def test_s3_objects_live_under_the_prefix(s3: S3Endpoint, s3_bucket: str, tmp_pa
     assert sink.url == f"s3://{s3_bucket}/runs/a"
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier's budget (60 s on 2 cores)
 def test_s3_multipart_upload_is_byte_identical(s3: S3Endpoint, s3_bucket: str, tmp_path: Path) -> None:
     data = os.urandom(20 * MiB + 12345)
     sink = S3Sink(
