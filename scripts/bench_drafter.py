@@ -70,36 +70,29 @@ EAGLE3_VARIANTS = ("eagle3-untrained", "eagle3-reference", "eagle3-hsextract")
 ALL_VARIANTS = ("untrained", "reference", "reference-seed1", "hsextract", "fp8-storage", "regen-greedy",
                 "regen-sampled", "layer+1", "token+1", *EAGLE3_VARIANTS)  # fmt: skip
 
+TEST_SIZE = Size(
+    train=64,
+    heldout=6,
+    max_tokens=320,
+    steps=150,
+    batch_tokens=1024,
+    anchors=32,
+    decode_tokens=0,
+    decode_prompts=0,
+    regen_tokens=0,
+    variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
+    draft_vocab=2048,
+    lr=2e-3,
+)
+
 SIZES = {
-    "test": Size(
-        train=64,
-        heldout=6,
-        max_tokens=320,
-        steps=150,
-        batch_tokens=1024,
-        anchors=32,
-        decode_tokens=0,
-        decode_prompts=0,
-        regen_tokens=0,
-        variants=("untrained", "reference", "hsextract", "layer+1", "token+1"),
-        draft_vocab=2048,
-        lr=2e-3,
-    ),
+    "test": TEST_SIZE,
     # the test size's rows, drafters and steps with regenerated replies: what regeneration costs on a CPU
     # (`transformers serve --continuous-batching`, ~25 generated tok/s on 2 shared cores) fits a few minutes
-    "regen-cpu": Size(
-        train=64,
-        heldout=6,
-        max_tokens=320,
-        steps=150,
-        batch_tokens=1024,
-        anchors=32,
-        decode_tokens=0,
-        decode_prompts=0,
+    "regen-cpu": replace(
+        TEST_SIZE,
         regen_tokens=48,
         variants=("untrained", "reference", "hsextract", "regen-greedy", "regen-sampled"),
-        draft_vocab=2048,
-        lr=2e-3,
     ),
     "cpu": Size(
         train=160,
