@@ -25,6 +25,7 @@ from support.cli import (
     launched,
     launcher_output,
     run_cli,
+    run_logs,
     status,
     status_json,
     wait_for,
@@ -216,7 +217,9 @@ def test_sigterm_to_launcher_stops_workers_says_how_to_resume_and_the_rerun_comp
     # Shard 1 was frozen mid-run; shard 0 may have finished its share before the signal landed (then it is done).
     stopped = [row for row in rows if row["batches_done"] < row["batches_total"]]
     assert rows[1] in stopped, rows
-    assert all(row["state"] == "stopped" and row["error"] == "stopped by SIGTERM" for row in stopped), rows
+    assert all(row["state"] == "stopped" and row["error"] == "stopped by SIGTERM" for row in stopped), (
+        f"{rows}\n{output}\n{run_logs(run_dir)}"
+    )
     assert all(row["state"] == "done" for row in rows if row not in stopped), rows
     text = status(run_dir).stdout
     assert text.count("stopped by SIGTERM; rerun the same command to resume") == len(stopped), text

@@ -156,6 +156,16 @@ def launcher_output(root: Path) -> str:
     return (root / "launcher.out").read_text()
 
 
+def run_logs(run_dir: Path, lines: int = 15) -> str:
+    """The last lines of every log of a run dir, for a failing assertion's message: a failure on a CI machine is
+    then understood from its output alone."""
+    parts = []
+    for log in sorted((Path(run_dir) / "logs").glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN_TIMEOUT_S):
     """Poll ``condition`` until it is truthy; fail naming ``what`` if the run exits first or time runs out."""
     deadline = time.monotonic() + timeout

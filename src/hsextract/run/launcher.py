@@ -155,8 +155,13 @@ def _run_shards(
             time.sleep(0.25)
     except Terminated as e:
         startup.stop_warmup()
-        _stop_workers(procs, e.signum)
+        killed = _stop_workers(procs, e.signum)
         bars.close()
+        for s in killed:
+            echo(
+                f"shard {s}: its worker did not stop within {STOP_GRACE_S:.0f} s of {e.signal_name} and was "
+                f"killed; its log: {run_dir.log_file(s)}"
+            )
         stopped = sorted(procs)
         n_done = _in_output_now(cfg, keys)
         counted = f"{n_done} of {len(keys)}" if n_done is not None else "the finished"
@@ -186,16 +191,18 @@ def _in_output_now(cfg: RunConfig, keys: set[str]) -> int | None:
         return None
 
 
-def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+def _stop_workers(procs: dict[int, subprocess.Popen], signum: int = signal.SIGTERM) -> list[int]:
     """The launcher's stop signal (SIGTERM or SIGINT: each worker then records the one the user sent), and
-    SIGCONT for a worker stopped with SIGSTOP, to every worker; SIGKILL after ``STOP_GRACE_S``."""
+    SIGCONT for a worker stopped with SIGSTOP, to every worker; SIGKILL after ``STOP_GRACE_S``. Returns the
+    shards whose workers had to be killed."""
     for p in procs.values():
         for sig in (signum, signal.SIGCONT):
             try:
                 p.send_signal(sig)
             except ProcessLookupError:
                 pass
-    wait_or_kill(procs.values(), STOP_GRACE_S)
+    killed = wait_or_kill(procs.values(), STOP_GRACE_S)
+    return sorted(s for s, p in procs.items() if p in killed)
 
 
 def failure_message(run_dir: RunDir | Path, shard: int, returncode: int) -> str:

@@ -123,10 +123,13 @@ class Stopped(Exception):
     """A shard's threads were told to stop (its ``stop`` event: a stop signal, or a failure its monitor met)."""
 
 
-def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT), on_stop=None) -> None:
+def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT), on_stop=None, deferred=None) -> None:
     """Make each of ``signals`` raise ``Terminated`` in the main thread; only the first one: later ones (Ctrl-C
     twice, a SIGTERM forwarded after a SIGINT to the whole group) are ignored while the process stops.
-    ``on_stop(signum)`` runs first, e.g. to tell other threads to stop waiting. Call it from the main thread."""
+    ``on_stop(signum)`` runs first, e.g. to tell other threads to stop waiting. While ``deferred()`` is true the
+    handler raises nothing: the main thread is in code that shares locks and queues with other threads, where an
+    exception at an arbitrary bytecode can leave a lock held (a ``with`` entered but not yet guarded), and stops
+    at its next check of what ``on_stop`` set instead. Call it from the main thread."""
     fired: list[int] = []
 
     def handler(signum, frame):
@@ -135,7 +138,8 @@ def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT), on_stop=None) -> No
         fired.append(signum)
         if on_stop is not None:
             on_stop(signum)
-        raise Terminated(signum)
+        if deferred is None or not deferred():
+            raise Terminated(signum)
 
     for sig in signals:
         signal.signal(sig, handler)
@@ -169,13 +173,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def wait_or_kill(procs, timeout: float) -> None:
+def wait_or_kill(procs, timeout: float) -> list:
     """Wait for every process in ``procs`` until ``timeout`` seconds from now have passed; those still running
-    then are killed (and reaped)."""
+    then are killed (and reaped), and returned."""
     deadline = time.monotonic() + timeout
+    killed = []
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            killed.append(p)
+    return killed

@@ -71,6 +71,9 @@ class ShardRun:
         self.monitor = ShardMonitor(self.run_dir, progress, self.batches, self.staging, self.stopping)
         self.uploader: Uploader | None = None
         self.locked = False
+        self.stops_at_checks = False
+        """While the pipeline's threads run: a stop signal sets ``stopping`` and the main thread raises ``Stopped``
+        at its next check, never mid-way through a queue's or the monitor's lock."""
 
     def run(self) -> None:
         self._lock_file = self.run_dir.lock_shard(self.shard)  # held while this file object lives
@@ -133,15 +136,20 @@ class ShardRun:
         try:
             if todo:
                 self._compute(todo, samples, writer)
+            self.stops_at_checks = True
             self.monitor.running("draining")
             self.monitor.save()
             while not self.monitor.all_done:
                 self.monitor.check()
+                if self.stopping.is_set():
+                    raise Stopped
                 time.sleep(0.1)
         except Stopped:
+            self.stops_at_checks = False
             self.monitor.check()  # the failure that stopped the pipeline
             raise Terminated(self.stop_signum) from None
         finally:
+            self.stops_at_checks = False
             self.monitor.halt()
         self.monitor.check()
         self.monitor.count_done(self.uploader.close())
@@ -189,6 +197,9 @@ class ShardRun:
             )
         self.monitor.running("running")
         self.monitor.save()
+        self.stops_at_checks = True
+        if self.stopping.is_set():  # a stop signal before this line raised; one after it is seen by the loop
+            raise Stopped
         extractor.run(todo, samples, writer, stop=self.stopping)
 
 
@@ -199,7 +210,10 @@ def main(argv=None) -> int:
     log_to_file(RunDir(run_dir).log_file(shard))
     shard_run = None
     stop_signal: list[int] = []
-    stop_on_signals(on_stop=lambda signum: _note_stop(signum, stop_signal, shard_run))
+    stop_on_signals(
+        on_stop=lambda signum: _note_stop(signum, stop_signal, shard_run),
+        deferred=lambda: shard_run is not None and shard_run.stops_at_checks,
+    )
     state = "failed"
     try:
         shard_run = ShardRun(run_dir, shard)

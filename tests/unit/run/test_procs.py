@@ -1,6 +1,7 @@
 """``exit_now``: the interpreter's exit without its teardown, in real processes (what it skips can only be seen
 from outside)."""
 
+import signal
 import subprocess
 import sys
 
@@ -74,3 +75,51 @@ def test_a_run_whose_stdout_reader_goes_carries_on_and_says_so_once(monkeypatch,
     stream.close()
     said = capsys.readouterr().err.splitlines()
     assert said == ["hsextract: standard output failed (Broken pipe); carrying on: hsextract status RUN"]
+
+
+SIGNALS = """
+import os, signal, sys, threading
+from hsextract.run.procs import Terminated, stop_on_signals
+
+defer = sys.argv[1] == "deferred"
+seen = []
+stop_on_signals(on_stop=seen.append, deferred=lambda: defer)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)  # a second signal while stopping is ignored, whatever the mode
+    threading.Event().wait(0.2)
+    print("carried on", seen)
+except Terminated as e:
+    print("raised", e, seen)
+"""
+
+
+def test_a_stop_signal_raises_at_once_unless_the_main_thread_stops_at_its_own_checks():
+    def run(mode):
+        return subprocess.run(
+            [sys.executable, "-c", SIGNALS, mode], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+
+    assert run("now") == "raised stopped by SIGTERM [15]"
+    # Deferred (a worker's pipeline): the stop is recorded for the main thread's next check, and nothing is raised
+    # into code that may be holding a lock shared with other threads.
+    assert run("deferred") == "carried on [15]"
+
+
+def test_the_launchers_stop_kills_a_worker_that_ignores_it_and_names_its_shard(monkeypatch):
+    from hsextract.run import launcher
+
+    monkeypatch.setattr(launcher, "STOP_GRACE_S", 1.0)
+    obeys = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ignores = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    ignores.stdout.readline()  # its handler is set
+    assert launcher._stop_workers({0: obeys, 1: ignores}) == [1]
+    assert obeys.returncode == -signal.SIGTERM and ignores.returncode == -signal.SIGKILL
