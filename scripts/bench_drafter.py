@@ -615,9 +615,8 @@ def main() -> None:
     held = reference(target, held_rows, work / "heldout-reference", layer_ids, device,
                      also=((held_e3, eagle3_ids),) if eagle else ())  # fmt: skip
     sources: dict[str, Source | None] = {"untrained": None} if "untrained" in variants else {}
-    union = ",".join(
-        str(k) for k in sorted({*layer_ids, *(k + 1 for k in layer_ids), *(eagle3_ids if eagle else ())})
-    )
+    deeper = [k + 1 for k in layer_ids] if "layer+1" in variants else []  # the same run captures both sets
+    union = ",".join(str(k) for k in sorted({*layer_ids, *deeper, *(eagle3_ids if eagle else ())}))
     hsx = extract(target, data, work / "hsextract", device, extract_dtype, layers=union)
     train_table = reference(target, train_rows, work / "reference", layer_ids, device, order=hsx.table,
                             also=((train_e3, eagle3_ids),) if eagle else ())  # fmt: skip

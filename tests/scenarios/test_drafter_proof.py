@@ -1,11 +1,13 @@
 """The learning test: hsextract's states train a DFlash drafter that the real target accepts.
 
-`scripts/bench_drafter.py --size test` runs the chain on the real target (SmolLM2-135M-Instruct from its PyPI
-package): `hsextract run` + the speculators seam, and a plain transformers forward as the reference; each trains
-speculators' DFlash drafter with the same seed, steps and rows, and each is measured on the same held-out rows, states
-from the reference (speculators' expected accepted length, KL loss and per-position accuracy).
-A drafter trained on states one token late, or on the next layers' states, is the contrast that shows the test can
-fail. The bounds come from the test size as measured (docs/DRAFTER.md).
+`scripts/bench_drafter.py --size test --variants untrained,hsextract` runs the chain on the real target
+(SmolLM2-135M-Instruct from its PyPI package): `hsextract run` + the speculators seam trains speculators' DFlash
+drafter, measured on held-out rows whose states come from a plain transformers forward (speculators' expected
+accepted length, KL loss and per-position accuracy); the same forward over the training rows is the reference the
+stored states and masks are compared with. The bounds come from the test size as measured (docs/DRAFTER.md), where
+the bench's whole test size also trains the reference's drafter and the wrong extractions (`layer+1`, `token+1`):
+with the states equal to the reference's, the same seed and batches train the same drafter, which the tier need
+not repeat (three more drafters, about 100 s on 2 cores).
 """
 
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # ~5 min alone, longer beside the rest of the tier
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # ~3 min alone, longer beside the rest of the tier
 ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("speculators", reason="the drafter trainer comes with scripts/setup.sh --test")
@@ -27,7 +29,11 @@ pytest.importorskip("gguf", reason="the real target needs the test extra's gguf"
 def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_drafter.py"), "--size", "test", "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_drafter.py"),
+            *("--size", "test", "--variants", "untrained,hsextract", "--out", str(out)),
+        ],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -37,25 +43,12 @@ def table(tmp_path_factory):
     return {r["variant"]: r for r in rows}
 
 
-def _distance(a: dict, b: dict) -> float:
-    """How far two trained drafters are apart on the held-out rows: their KL losses and per-position accuracies."""
-    return abs(a["loss"] - b["loss"]) + sum(
-        abs(x - y) for x, y in zip(a["position_acc"], b["position_acc"], strict=True)
-    )
-
-
 def test_the_states_train_a_drafter_far_above_the_untrained_one(table):
-    for trained in ("reference", "hsextract"):
-        assert table[trained]["eal"] > table["untrained"]["eal"] + 0.04, table
-        assert table[trained]["loss"] < table["untrained"]["loss"] / 4, table
+    assert table["hsextract"]["eal"] > table["untrained"]["eal"] + 0.04, table
+    assert table["hsextract"]["loss"] < table["untrained"]["loss"] / 4, table
 
 
-def test_hsextract_trains_the_reference_drafter_and_a_shifted_extraction_does_not(table):
-    """Same rows, order, seed and steps: hsextract's states (within 1e-6 of the reference's) train the reference's
-    drafter; states one token or one layer off train another one, measurably apart. At this size acceptance alone
-    cannot rank them (docs/DRAFTER.md): the shifted drafters differ from the right one by about the seed noise."""
+def test_the_trainer_reads_the_reference_states_and_masks_from_hsextracts_output(table):
+    """Every stored layer and the final state, as the trainer's data loading reads them, within float32 noise of the
+    plain forward's, and not one supervised token different."""
     assert table["hsextract"]["states_rel_l2"] < 1e-5 and table["hsextract"]["mask_diff_tokens"] == 0, table
-    same = _distance(table["hsextract"], table["reference"])
-    assert same < 0.01, table
-    for wrong in ("token+1", "layer+1"):
-        assert _distance(table[wrong], table["reference"]) > max(0.02, 4 * same), (wrong, table)

@@ -183,9 +183,9 @@ def load_model_for(cfg, device, fast_load=None) -> object:
         fast_load=fast_load,
     )
     swapped = kernels.apply(lm, cfg.kernel_mode)
-    log.info(
-        "kernels: %s (%s), compute %s", cfg.kernel_mode, ", ".join(swapped) or "none swapped", lm.hsx_compute
-    )
+    # "bf16" names the dense path: the weights' own dtype (float32 on a CPU run), which the line says
+    compute = str(lm.dtype).removeprefix("torch.") if lm.hsx_compute == "bf16" else lm.hsx_compute
+    log.info("kernels: %s (%s), compute %s", cfg.kernel_mode, ", ".join(swapped) or "none swapped", compute)
     if device.type != "cuda":
         quiet_cuda_kernel_advice()
     return lm
