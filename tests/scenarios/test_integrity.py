@@ -31,6 +31,7 @@ from hsextract.config import run_staging_dir
 from hsextract.output import Plan, open_output
 from hsextract.output.records import JOB
 from hsextract.run.progress import ShardProgress
+from hsextract.run.rundir import RunDir
 from hsextract.validation import SEAL_KEY, seal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -319,6 +320,11 @@ def test_restart_while_another_launcher_runs_the_run_dir_is_refused(tmp_path, ti
     assert batch_bytes(tmp_path / "out") == batch_bytes(reference / "out")
 
 
+def computing(run_dir: Path, shard: int) -> ShardProgress | None:
+    p = ShardProgress.load(run_dir, shard)
+    return p if p and p.state in ("running", "waiting-for-uploader", "draining") else None
+
+
 @pytest.fixture
 def tiny_filesystem(tmp_path):
     """A real, separately mounted 4 MiB file system (tmpfs; needs root, as CI has)."""
@@ -332,10 +338,16 @@ def test_full_staging_filesystem_names_the_path_and_a_rerun_completes(
     args = args_for(tmp_path, tiny_model, dataset, staging=tiny_filesystem)
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
-        wait_for(lambda: done_count(run_dir) >= 1, "a durable batch", proc=proc, root=tmp_path)
-        pids = [ShardProgress.load(run_dir, s).pid for s in (0, 1)]
-        for pid in pids:
-            freeze(pid)
+        # Each worker is frozen as soon as it computes, so that it still has batches to stage once the file system
+        # is full (frozen at the first durable batch, a loaded machine's shards had staged their whole share).
+        pids, left = [], []
+        for s in (0, 1):
+            p = wait_for(lambda s=s: computing(run_dir, s), f"shard {s} computing", proc=proc, root=tmp_path)
+            freeze(p.pid)
+            pids.append(p.pid)
+            written = RunDir(run_dir).log_file(s).read_text().count(" written: ")
+            left.append(p.batches_total - written)
+        assert any(left), f"the shards had staged their whole share before they were frozen: {left}"
         ballast = tiny_filesystem / "ballast"
         with open(ballast, "wb") as f:  # fill the file system to the last byte
             try:
