@@ -162,9 +162,7 @@ def test_uploader_stops_when_the_output_is_claimed_by_another_job_mid_run(tmp_pa
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
         wait_for(lambda: done_count(run_dir) >= 1, "a first durable batch", proc=proc, root=tmp_path)
-        pids = [ShardProgress.load(run_dir, s).pid for s in (0, 1)]
-        for pid in pids:  # frozen with batches still to compute, so uploads follow the change
-            freeze(pid)
+        pids = frozen_while_computing(run_dir, proc, tmp_path)  # so uploads follow the change
         job = json.loads((tmp_path / "out" / JOB).read_text())
         job = {
             k: v for k, v in job.items() if k != SEAL_KEY
@@ -325,6 +323,30 @@ def computing(run_dir: Path, shard: int) -> ShardProgress | None:
     return p if p and p.state in ("running", "waiting-for-uploader", "draining") else None
 
 
+def frozen_while_computing(run_dir: Path, proc, root: Path) -> list[int]:
+    """The shards' workers, each frozen as soon as it computes (one may finish its share before it is seen), so
+    that batches are still to be staged once they are continued (the test's premise: asserted). Their pids."""
+    pids, left, seen = [], [], set()
+
+    def next_one():
+        for s in {0, 1} - seen:
+            p = ShardProgress.load(run_dir, s)
+            if p and (p.state == "done" or computing(run_dir, s)):
+                return s, p
+        return None
+
+    while len(seen) < 2:
+        s, p = wait_for(next_one, "a shard computing", proc=proc, root=root)
+        seen.add(s)
+        if p.state != "done":
+            freeze(p.pid)
+            pids.append(p.pid)
+            written = RunDir(run_dir).log_file(s).read_text().count(" written: ")
+            left.append(p.batches_total - written)
+    assert any(left), f"the shards had staged their whole share before they were frozen: {left}"
+    return pids
+
+
 @pytest.fixture
 def tiny_filesystem(tmp_path):
     """A real, separately mounted 4 MiB file system (tmpfs; needs root, as CI has)."""
@@ -338,16 +360,8 @@ def test_full_staging_filesystem_names_the_path_and_a_rerun_completes(
     args = args_for(tmp_path, tiny_model, dataset, staging=tiny_filesystem)
     run_dir = tmp_path / "run"
     with launched(args, tmp_path) as proc:
-        # Each worker is frozen as soon as it computes, so that it still has batches to stage once the file system
-        # is full (frozen at the first durable batch, a loaded machine's shards had staged their whole share).
-        pids, left = [], []
-        for s in (0, 1):
-            p = wait_for(lambda s=s: computing(run_dir, s), f"shard {s} computing", proc=proc, root=tmp_path)
-            freeze(p.pid)
-            pids.append(p.pid)
-            written = RunDir(run_dir).log_file(s).read_text().count(" written: ")
-            left.append(p.batches_total - written)
-        assert any(left), f"the shards had staged their whole share before they were frozen: {left}"
+        # Frozen at the first durable batch instead, a loaded machine's shards had staged their whole share.
+        pids = frozen_while_computing(run_dir, proc, tmp_path)
         ballast = tiny_filesystem / "ballast"
         with open(ballast, "wb") as f:  # fill the file system to the last byte
             try:
