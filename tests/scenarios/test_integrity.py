@@ -17,6 +17,7 @@ from support.cli import (
     TINY_LIMITS,
     cli_run_args,
     done_count,
+    frozen_while_computing,
     launched,
     launcher_output,
     run_cli,
@@ -31,7 +32,6 @@ from hsextract.config import run_staging_dir
 from hsextract.output import Plan, open_output
 from hsextract.output.records import JOB
 from hsextract.run.progress import ShardProgress
-from hsextract.run.rundir import RunDir
 from hsextract.validation import SEAL_KEY, seal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -316,35 +316,6 @@ def test_restart_while_another_launcher_runs_the_run_dir_is_refused(tmp_path, ti
         refused([*map(str, args), "--restart"], "in use by another hsextract run", "--restart")
         assert proc.wait(timeout=180) == 0, launcher_output(tmp_path)
     assert batch_bytes(tmp_path / "out") == batch_bytes(reference / "out")
-
-
-def computing(run_dir: Path, shard: int) -> ShardProgress | None:
-    p = ShardProgress.load(run_dir, shard)
-    return p if p and p.state in ("running", "waiting-for-uploader", "draining") else None
-
-
-def frozen_while_computing(run_dir: Path, proc, root: Path) -> list[int]:
-    """The shards' workers, each frozen as soon as it computes (one may finish its share before it is seen), so
-    that batches are still to be staged once they are continued (the test's premise: asserted). Their pids."""
-    pids, left, seen = [], [], set()
-
-    def next_one():
-        for s in {0, 1} - seen:
-            p = ShardProgress.load(run_dir, s)
-            if p and (p.state == "done" or computing(run_dir, s)):
-                return s, p
-        return None
-
-    while len(seen) < 2:
-        s, p = wait_for(next_one, "a shard computing", proc=proc, root=root)
-        seen.add(s)
-        if p.state != "done":
-            freeze(p.pid)
-            pids.append(p.pid)
-            written = RunDir(run_dir).log_file(s).read_text().count(" written: ")
-            left.append(p.batches_total - written)
-    assert any(left), f"the shards had staged their whole share before they were frozen: {left}"
-    return pids
 
 
 @pytest.fixture

@@ -179,6 +179,45 @@ def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN
     return value
 
 
+def _computing(run_dir: Path, shard: int):
+    from hsextract.run.progress import ShardProgress
+
+    p = ShardProgress.load(run_dir, shard)
+    return p if p and p.state in ("running", "waiting-for-uploader", "draining") else None
+
+
+def frozen_while_computing(run_dir: Path, proc, root: Path) -> list[int]:
+    """The run's shards' workers, each frozen as soon as it computes (one may finish its share before it is seen), so
+    that batches are still to be staged once they are continued (the test's premise: asserted). Their pids."""
+    from hsextract.output import Plan
+    from hsextract.run.progress import ShardProgress
+    from hsextract.run.rundir import RunDir
+    from support.procs import freeze
+
+    plan_file = RunDir(run_dir).plan_file
+    wait_for(plan_file.exists, "the plan", proc=proc, root=root)
+    shards = {b.shard for b in Plan.load(plan_file).batches}
+    pids, left, seen = [], [], set()
+
+    def next_one():
+        for s in shards - seen:
+            p = ShardProgress.load(run_dir, s)
+            if p and (p.state == "done" or _computing(run_dir, s)):
+                return s, p
+        return None
+
+    while seen != shards:
+        s, p = wait_for(next_one, "a shard computing", proc=proc, root=root)
+        seen.add(s)
+        if p.state != "done":
+            freeze(p.pid)
+            pids.append(p.pid)
+            written = RunDir(run_dir).log_file(s).read_text().count(" written: ")
+            left.append(p.batches_total - written)
+    assert any(left), f"the shards had staged their whole share before they were frozen: {left}"
+    return pids
+
+
 def done_keys(run_dir: Path) -> set[str]:
     """The batches the run's output records done (its completion records); none before the run dir names an
     output. The output is local: the test process has no S3 credentials of its own."""
