@@ -442,9 +442,8 @@ def test_sigint_to_the_launcher_is_the_signal_status_names(tmp_path, tiny_model,
     args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
     with launched(args, tmp_path) as proc:
         wait_for(lambda: done_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
-        frozen_while_computing(
-            tmp_path / "run", proc, tmp_path
-        )  # mid-run when the signal lands, however loaded
+        # mid-run when the signal lands, however loaded the machine
+        frozen_while_computing(tmp_path / "run", proc, tmp_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
     assert "terminated by SIGINT" in launcher_output(tmp_path)
@@ -499,9 +498,8 @@ def test_a_rerun_after_sigint_says_it_resumes_with_the_count_the_interruption_ga
     args = args_for(tmp_path, tiny_model, dataset, max_tokens_per_batch=300)
     with launched(args, tmp_path) as proc:
         wait_for(lambda: done_count(tmp_path / "run") >= 1, "a durable batch", proc=proc, root=tmp_path)
-        frozen_while_computing(
-            tmp_path / "run", proc, tmp_path
-        )  # mid-run when the signal lands, however loaded
+        # mid-run when the signal lands, however loaded the machine
+        frozen_while_computing(tmp_path / "run", proc, tmp_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 128 + signal.SIGINT, launcher_output(tmp_path)
     said = re.search(r"(\d+) of (\d+) batches are in the output and kept", launcher_output(tmp_path))

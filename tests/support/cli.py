@@ -159,8 +159,10 @@ def launcher_output(root: Path) -> str:
 def run_logs(run_dir: Path, lines: int = 15) -> str:
     """The last lines of every log of a run dir, for a failing assertion's message: a failure on a CI machine is
     then understood from its output alone."""
+    from hsextract.run.rundir import RunDir
+
     parts = []
-    for log in sorted((Path(run_dir) / "logs").glob("*.log")):
+    for log in sorted(RunDir(run_dir).logs_dir.glob("*.log")):
         tail = log.read_text(errors="replace").splitlines()[-lines:]
         parts.append(f"--- {log.name}\n" + "\n".join(tail))
     return "\n".join(parts)
@@ -179,40 +181,34 @@ def wait_for(condition, what: str, *, proc=None, root=None, timeout: float = RUN
     return value
 
 
-def _computing(run_dir: Path, shard: int):
-    from hsextract.run.progress import ShardProgress
-
-    p = ShardProgress.load(run_dir, shard)
-    return p if p and p.state in ("running", "waiting-for-uploader", "draining") else None
-
-
 def frozen_while_computing(run_dir: Path, proc, root: Path) -> list[int]:
     """The run's shards' workers, each frozen as soon as it computes (one may finish its share before it is seen), so
     that batches are still to be staged once they are continued (the test's premise: asserted). Their pids."""
     from hsextract.output import Plan
-    from hsextract.run.progress import ShardProgress
+    from hsextract.run.progress import ShardProgress, ShardState
     from hsextract.run.rundir import RunDir
     from support.procs import freeze
 
-    plan_file = RunDir(run_dir).plan_file
-    wait_for(plan_file.exists, "the plan", proc=proc, root=root)
-    shards = {b.shard for b in Plan.load(plan_file).batches}
+    computing = {ShardState.RUNNING, ShardState.WAITING_FOR_UPLOADER, ShardState.DRAINING}
+    rd = RunDir(run_dir)
+    wait_for(rd.plan_file.exists, "the plan", proc=proc, root=root)
+    shards = {b.shard for b in Plan.load(rd.plan_file).batches}
     pids, left, seen = [], [], set()
 
     def next_one():
         for s in shards - seen:
             p = ShardProgress.load(run_dir, s)
-            if p and (p.state == "done" or _computing(run_dir, s)):
+            if p and (p.state == ShardState.DONE or p.state in computing):
                 return s, p
         return None
 
     while seen != shards:
         s, p = wait_for(next_one, "a shard computing", proc=proc, root=root)
         seen.add(s)
-        if p.state != "done":
+        if p.state != ShardState.DONE:
             freeze(p.pid)
             pids.append(p.pid)
-            written = RunDir(run_dir).log_file(s).read_text().count(" written: ")
+            written = rd.log_file(s).read_text().count(" written: ")
             left.append(p.batches_total - written)
     assert any(left), f"the shards had staged their whole share before they were frozen: {left}"
     return pids

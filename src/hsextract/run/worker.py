@@ -145,7 +145,6 @@ class ShardRun:
                     raise Stopped
                 time.sleep(0.1)
         except Stopped:
-            self.stops_at_checks = False
             self.monitor.check()  # the failure that stopped the pipeline
             raise Terminated(self.stop_signum) from None
         finally:
